@@ -1,0 +1,183 @@
+"""Configuration: one frozen dataclass per component, composed into EngineConfig.
+
+Each field's docstring (the string below it) is its `--help` text in the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from banyan.errors import InvalidParameterError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """The shape of a decoder-only transformer, read from config.json or GGUF metadata."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2: always)
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    sliding_window: int | None = None
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
+        """Build from a Hugging Face config.json dict."""
+        archs = cfg.get("architectures") or [""]
+        arch = archs[0]
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_qwen3 = arch == "Qwen3ForCausalLM"
+        attention_bias = bool(cfg.get("attention_bias", False))
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        if is_qwen2:  # Qwen2's config has use_sliding_window=false almost always
+            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            rope_scaling=_rope_scaling(cfg),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=is_qwen2 or attention_bias,
+            o_proj_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=is_qwen3,
+            sliding_window=int(sliding) if sliding else None,
+            hidden_act=cfg.get("hidden_act", "silu"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """rope_scaling, or transformers 5's rope_parameters, without the plain 'default' kind."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    return dict(scaling, rope_type=kind)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = DEFAULT_MODEL
+    """A local Hugging Face directory, a .gguf file, or an alias (default: smollm2-135m-instruct)."""
+    tokenizer: str | None = None
+    """Tokenizer directory when it differs from the model's."""
+    dtype: str = "auto"
+    """Weights and activations: auto, float32, bfloat16 or float16 (auto: float32 on CPU, bfloat16 on GPU)."""
+    max_model_len: int | None = None
+    """Longest prompt plus output, in tokens (default: the model's context length)."""
+    seed: int = 0
+    """Seed for requests that bring no seed of their own."""
+    device: str = "auto"
+    """cpu, cuda or auto."""
+    attention_backend: str = "torch"
+    """Attention implementation by name."""
+    num_threads: int | None = None
+    """CPU threads for torch (default: the cores available)."""
+    trust_remote_code: bool = False
+    """Never used to import code; recorded so that configs asking for it fail loudly."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV page."""
+    kv_cache_memory: int | None = None
+    """Bytes for the KV cache (default: 1 GiB on CPU, gpu_memory_utilization on GPU)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory banyan may use, weights included."""
+    num_pages: int | None = None
+    """Exact number of KV pages (overrides the memory budget; for tests)."""
+    enable_prefix_caching: bool = True
+    """Reuse cached KV pages of any shared prompt prefix."""
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise InvalidParameterError("block_size", f"must be a power of two, got {self.block_size}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise InvalidParameterError("num_pages", f"must be at least 2, got {self.num_pages}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidParameterError("gpu_memory_utilization", "must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    """Most requests in one step."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (decode tokens plus prefill chunks)."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps to fit the token budget."""
+    policy: str = "fcfs"
+    """fcfs (arrival order) or priority (lower value first, then arrival)."""
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise InvalidParameterError("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise InvalidParameterError(
+                "max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise InvalidParameterError("policy", f"must be fcfs or priority, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def replace(self, **sections: Any) -> EngineConfig:
+        return dataclasses.replace(self, **sections)
+
+
+def default_num_threads() -> int:
+    """Cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS
+        return max(1, os.cpu_count() or 1)

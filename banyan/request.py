@@ -1,0 +1,140 @@
+"""Request: the one record of one generation, from arrival to finish.
+
+The scheduler moves `num_computed_tokens` towards `num_tokens` (prompt + output so far); whatever
+the step was (prefill chunk, decode, recompute after preemption), it is "catching up".
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from banyan.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that `status > PREEMPTED` means finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.time()) of one request's milestones; None until reached."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities at one position: the chosen token's, and the top ones (id -> logprob, rank order)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: dict[int, float] = field(default_factory=dict)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        max_tokens: int,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ):
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.max_tokens = max_tokens  # resolved against max_model_len by the engine
+        self.eos_token_ids = frozenset(() if sampling_params.ignore_eos else eos_token_ids)
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self._all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self._all_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first schedule
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[TokenLogprobs] | None = [] if sampling_params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None
+        )
+        self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
+        self.generator: Any = None  # per-request torch.Generator, made by the sampler when seeded
+
+    # -- tokens -------------------------------------------------------------------------------
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        return self._all_token_ids
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:
+        return self._all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        return self._all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._all_token_ids) - self.num_prompt_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self._all_token_ids.append(token_id)
+
+    # -- state --------------------------------------------------------------------------------
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/"
+            f"{self.num_tokens}, prompt={self.num_prompt_tokens})"
+        )

@@ -1,0 +1,135 @@
+"""SamplingParams: how one request samples, with vLLM's names and OpenAI's ranges.
+
+Validation happens at construction and raises InvalidParameterError naming the field, so a bad
+value never reaches the engine loop. Checks against the model (vocabulary, context length) happen in
+`verify_for_model`, which the engine calls when a request arrives.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from banyan.errors import InvalidParameterError
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 1024
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    """Completions to return for the prompt."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or 0) means all tokens."""
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    """Per-request seed: the same output whatever else is in the batch."""
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    """None means up to the model's context length."""
+    min_tokens: int = 0
+    logprobs: int | None = None
+    """Top log-probabilities to return per output token (plus the chosen one)."""
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        if self.logit_bias is not None:
+            self.logit_bias = {_int_key(k): v for k, v in self.logit_bias.items()}
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def _validate(self) -> None:
+        _check_int("n", self.n, 1, MAX_N)
+        _check_float("temperature", self.temperature, 0.0, 100.0)
+        _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, -1, INT64_MAX)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 100.0, low_open=True)
+        if self.seed is not None:
+            _check_int("seed", self.seed, INT64_MIN, INT64_MAX)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, INT64_MAX)
+        _check_int("min_tokens", self.min_tokens, 0, INT64_MAX)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidParameterError(
+                "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, 0, MAX_LOGPROBS)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidParameterError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_LEN:
+                raise InvalidParameterError(
+                    "stop", f"each stop string must be a non-empty string of at most {MAX_STOP_STRING_LEN} chars"
+                )
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0, INT64_MAX)
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check_int("logit_bias", token_id, 0, INT64_MAX)
+            _check_float("logit_bias", bias, -100.0, 100.0)
+
+    def verify_for_model(self, vocab_size: int) -> None:
+        """Token ids the request names must exist in the model's vocabulary (not the tokenizer's)."""
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise InvalidParameterError("stop_token_ids", f"token id {t} is outside the vocabulary (size {vocab_size})")
+        for t in self.logit_bias or {}:
+            if t >= vocab_size:
+                raise InvalidParameterError("logit_bias", f"token id {t} is outside the vocabulary (size {vocab_size})")
+
+    def clone(self, **changes) -> SamplingParams:
+        values = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        values.update(changes)
+        return SamplingParams(**values)
+
+
+def _int_key(key) -> int:
+    try:
+        return int(key)
+    except (TypeError, ValueError):
+        raise InvalidParameterError("logit_bias", f"keys must be token ids (integers), got {key!r}") from None
+
+
+def _check_int(name: str, value, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidParameterError(name, f"must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise InvalidParameterError(name, f"must be in [{low}, {high}], got {value}")
+
+
+def _check_float(name: str, value, low: float, high: float, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidParameterError(name, f"must be a finite number, got {value!r}")
+    if value < low or value > high or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise InvalidParameterError(name, f"must be in {bracket}{low}, {high}], got {value}")
