@@ -1,0 +1,6 @@
+"""Paged attention backends behind one interface, chosen by name."""
+
+from banyan.layers.attention.base import AttentionBackend
+from banyan.layers.attention.registry import attention_backend_names, get_attention_backend
+
+__all__ = ["AttentionBackend", "attention_backend_names", "get_attention_backend"]

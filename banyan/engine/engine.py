@@ -1,0 +1,173 @@
+"""Engine: the core loop. `step()` is the table of contents: schedule, execute, update.
+
+The engine speaks token ids. Text (tokenizing prompts, detokenizing, stop strings) belongs to
+the frontends: `LLM` in-process, the API server across a socket; both hand the engine the same
+validated requests and read the same `RequestDelta`s back.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from banyan.config import EngineConfig
+from banyan.errors import ContextLengthExceededError, InvalidParameterError
+from banyan.kv_cache import KVCacheManager
+from banyan.request import Request, RequestStatus, TokenLogprobs
+from banyan.runner.model_runner import ModelRunner
+from banyan.runner.weights import open_model
+from banyan.sampling_params import SamplingParams
+from banyan.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestDelta:
+    """What one step changed for one request: new tokens, and how it ended if it did."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    cumulative_logprob: float
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # whole list, once, with the first delta
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        source = open_model(config.model.model, trust_remote_code=config.model.trust_remote_code)
+        self.arch = source.arch
+        self.tokenizer = source.tokenizer
+        self.max_model_len = resolve_max_model_len(config, source.arch)
+        self.eos_token_ids = eos_token_ids(source)
+        self.runner = ModelRunner(config.model, config.cache, source)
+        self.kv = KVCacheManager(self.runner.num_pages, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self._log_capacity()
+        gc.collect()
+        gc.freeze()  # start-up objects never need collecting: keeps GC pauses out of the step loop
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        group_id: str | None = None,
+    ) -> Request:
+        """Validate and queue one sequence (n > 1 is fanned out by the frontend)."""
+        if request_id in self.scheduler.requests:
+            raise InvalidParameterError("request_id", f"request {request_id!r} is already running")
+        self.check_prompt(prompt_token_ids)
+        sampling_params.verify_for_model(self.arch.vocab_size)
+        room = self.max_model_len - len(prompt_token_ids)
+        request = Request(
+            request_id,
+            prompt_token_ids,
+            sampling_params,
+            eos_token_ids=self.eos_token_ids,
+            max_tokens=min(sampling_params.max_tokens or room, room),
+            arrival_time=arrival_time,
+            priority=priority,
+            cache_salt=cache_salt,
+            group_id=group_id,
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
+        """Raise a typed error for an empty, out-of-vocabulary or too long prompt."""
+        if len(prompt_token_ids) == 0:
+            raise InvalidParameterError("prompt", "the prompt is empty")
+        vocab = self.arch.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidParameterError("prompt", f"token id {bad!r} is outside the vocabulary (size {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ContextLengthExceededError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's maximum context length is "
+                f"{self.max_model_len}, which leaves no room to generate"
+            )
+
+    def abort_requests(self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """End requests now (client gone, stop string seen); their pages are freed at once."""
+        self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        result = self.runner.execute(batch, self.kv.page_table)
+        advanced = self.scheduler.update(batch, result)
+        return [make_delta(request) for request in advanced]
+
+    def _log_capacity(self) -> None:
+        tokens = self.runner.num_pages * self.config.cache.block_size
+        logger.info(
+            "KV cache: %d pages of %d tokens = %d tokens (%s); %.1f requests of the full %d-token context fit",
+            self.runner.num_pages,
+            self.config.cache.block_size,
+            tokens,
+            self.runner.dtype,
+            tokens / self.max_model_len,
+            self.max_model_len,
+        )
+
+
+def make_delta(request: Request) -> RequestDelta:
+    """The request's newest token (one per step without speculative decoding)."""
+    first = request.num_output_tokens == 1
+    return RequestDelta(
+        request_id=request.request_id,
+        new_token_ids=[request.all_token_ids[-1]],
+        new_logprobs=request.logprobs[-1:] if request.logprobs is not None else None,
+        cumulative_logprob=request.cumulative_logprob,
+        finish_reason=request.finish_reason,
+        stop_reason=request.stop_reason,
+        num_cached_tokens=request.num_cached_tokens,
+        prompt_logprobs=list(request.prompt_logprobs) if first and request.prompt_logprobs is not None else None,
+    )
+
+
+def resolve_max_model_len(config: EngineConfig, arch) -> int:
+    """The user's max_model_len, checked against what the model supports."""
+    limit = arch.max_position_embeddings
+    if arch.sliding_window and arch.sliding_window < limit:
+        # The attention backends attend to the whole context; stay where that equals the model.
+        logger.warning("capping the context at the model's sliding window of %d tokens", arch.sliding_window)
+        limit = arch.sliding_window
+    wanted = config.model.max_model_len
+    if wanted is not None and wanted > limit:
+        raise InvalidParameterError("max_model_len", f"{wanted} exceeds the model's context length of {limit}")
+    max_model_len = wanted or limit
+    sched = config.scheduler
+    if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
+        raise InvalidParameterError(
+            "max_num_batched_tokens",
+            f"without chunked prefill it must be >= max_model_len ({max_model_len}), got {sched.max_num_batched_tokens}",
+        )
+    return max_model_len
+
+
+def eos_token_ids(source) -> tuple[int, ...]:
+    """End-of-sequence ids: generation_config's, else config.json's, else the tokenizer's."""
+    eos = source.generation_config.get("eos_token_id")
+    if eos is None:
+        eos = list(source.arch.eos_token_ids) or source.tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

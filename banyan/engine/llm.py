@@ -1,0 +1,216 @@
+"""LLM: the offline API, vLLM-compatible. The same Engine as the server, with the I/O swapped."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from banyan.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from banyan.engine.engine import Engine
+from banyan.engine.output_processor import OutputProcessor, PromptState, SequenceState
+from banyan.engine.outputs import RequestOutput
+from banyan.engine.tokenizer import render_chat_template
+from banyan.errors import InvalidParameterError
+from banyan.request import RequestStatus
+from banyan.sampling_params import SamplingParams
+
+PromptInput = str | Sequence[int] | dict[str, Any]
+
+
+class LLM:
+    """Generate from a batch of prompts.
+
+    >>> llm = LLM()  # the default model, smollm2-135m-instruct
+    >>> llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        num_pages: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        scheduling_policy: str = "fcfs",
+        seed: int = 0,
+        device: str = "auto",
+        attention_backend: str = "torch",
+        num_threads: int | None = None,
+        trust_remote_code: bool = False,
+        tensor_parallel_size: int = 1,
+    ):
+        if tensor_parallel_size != 1:
+            raise InvalidParameterError("tensor_parallel_size", "only 1 is supported so far")
+        config = EngineConfig(
+            model=ModelConfig(
+                model=model,
+                tokenizer=tokenizer,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                seed=seed,
+                device=device,
+                attention_backend=attention_backend,
+                num_threads=num_threads,
+                trust_remote_code=trust_remote_code,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory=kv_cache_memory,
+                gpu_memory_utilization=gpu_memory_utilization,
+                num_pages=num_pages,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill,
+                policy=scheduling_policy,
+            ),
+        )
+        self._start(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.engine = Engine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        prompts = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        priorities = _per_prompt(priority if priority is not None else 0, len(prompts), "priority")
+        processor = OutputProcessor(self.tokenizer)
+        request_ids = []
+        try:
+            for prompt, sp, prio in zip(prompts, params, priorities):
+                request_ids.append(self._add(processor, prompt, sp, prio))
+            self._run(processor, len(request_ids), use_tqdm)
+        except BaseException:
+            self.engine.abort_requests(processor.unfinished_request_ids())
+            raise
+        return [processor.pop(rid) for rid in request_ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the chat template (sandboxed Jinja), then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = render_chat_template(
+                self.tokenizer,
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                **(chat_template_kwargs or {}),
+            )
+            # The template already wrote any BOS token; encoding must not add a second one.
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one completion as it is generated (the first of its n sequences)."""
+        processor = OutputProcessor(self.tokenizer)
+        request_id = self._add(processor, prompt, sampling_params or SamplingParams(), 0)
+        state = processor.prompts[request_id]
+        shown = 0
+        try:
+            while not state.finished and self.engine.has_unfinished_requests():
+                self.engine.abort_requests(processor.process(self.engine.step()), RequestStatus.FINISHED_STOPPED)
+                text = state.sequences[0].text
+                if len(text) > shown:
+                    yield text[shown:]
+                    shown = len(text)
+        finally:
+            self.engine.abort_requests(processor.unfinished_request_ids())
+
+    # -- internals ----------------------------------------------------------------------------
+    def _add(self, processor: OutputProcessor, prompt: PromptInput, params: SamplingParams, priority: int) -> str:
+        text, token_ids = self._tokenize(prompt)
+        request_id = str(next(self._ids))
+        sequences = [SequenceState(i, params, self.tokenizer, token_ids) for i in range(params.n)]
+        self.engine.check_prompt(token_ids)
+        child_ids = processor.add(PromptState(request_id, text, token_ids, sequences, metrics=None))
+        requests = []
+        for i, child_id in enumerate(child_ids):
+            # Seeded n > 1: each sequence its own stream, as vLLM does (seed + index).
+            child_params = params if params.seed is None or params.n == 1 else params.clone(seed=params.seed + i)
+            group = request_id if params.n > 1 else None
+            requests.append(self.engine.add_request(child_id, token_ids, child_params, priority=priority, group_id=group))
+        processor.prompts[request_id].metrics = requests[0].metrics
+        return request_id
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise InvalidParameterError("prompts", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        return None, list(prompt)
+
+    def _run(self, processor: OutputProcessor, total: int, use_tqdm: bool) -> None:
+        bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm)
+        done = set()
+        with bar:
+            while self.engine.has_unfinished_requests():
+                to_abort = processor.process(self.engine.step())
+                self.engine.abort_requests(to_abort, RequestStatus.FINISHED_STOPPED)
+                newly = [rid for rid, state in processor.prompts.items() if rid not in done and state.finished]
+                done.update(newly)
+                bar.update(len(newly))
+
+
+def _as_prompt_list(prompts) -> list[PromptInput]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _per_prompt(value, count: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise InvalidParameterError(name, f"got {len(value)} values for {count} prompts")
+        return list(value)
+    return [value] * count

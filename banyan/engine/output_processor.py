@@ -1,0 +1,162 @@
+"""OutputProcessor: the frontend half of a request, shared by `LLM` and the API server.
+
+The engine sends token deltas; this turns them into text (incremental detokenizer), applies
+stop strings (asking the caller to abort the engine request when one matches), and gathers the
+n sequences of one prompt into a RequestOutput.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from banyan.engine.engine import RequestDelta
+from banyan.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from banyan.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
+from banyan.request import RequestMetrics, TokenLogprobs
+from banyan.sampling_params import SamplingParams
+
+
+class SequenceState:
+    """Text and tokens of one of a prompt's n sequences."""
+
+    def __init__(self, index: int, params: SamplingParams, tokenizer, prompt_token_ids: Sequence[int]):
+        self.index = index
+        self.params = params
+        self.tokenizer = tokenizer
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
+        )
+        self.stop = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def apply(self, delta: RequestDelta) -> tuple[str, bool]:
+        """Take one delta; returns (new text, whether a stop string ended the sequence here)."""
+        self.token_ids.extend(delta.new_token_ids)
+        self.cumulative_logprob = delta.cumulative_logprob
+        if self.logprobs is not None and delta.new_logprobs:
+            self.logprobs.extend(to_position_logprobs(lp, self.tokenizer) for lp in delta.new_logprobs)
+        new_text = self.detokenizer.add(delta.new_token_ids)
+        stopped_on = None
+        if self.stop is not None:
+            new_text, stopped_on = self.stop.feed(new_text)
+            if stopped_on is None and delta.finish_reason is not None:
+                new_text += self.stop.flush()
+        self.text += new_text
+        if stopped_on is not None:
+            self.finish_reason, self.stop_reason = "stop", stopped_on
+            return new_text, True
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        return new_text, False
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass
+class PromptState:
+    """One user request: its prompt and its n sequences (engine requests `{index}_{request_id}`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[SequenceState]
+    metrics: RequestMetrics
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=self.prompt_logprobs,
+            outputs=[s.output() for s in self.sequences],
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=self.metrics,
+        )
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.prompts: dict[str, PromptState] = {}
+        self._sequence_of: dict[str, tuple[PromptState, SequenceState]] = {}
+
+    def add(self, state: PromptState) -> list[str]:
+        """Track a prompt; returns the engine request ids of its sequences."""
+        self.prompts[state.request_id] = state
+        ids = [child_request_id(state.request_id, s.index, len(state.sequences)) for s in state.sequences]
+        for child_id, seq in zip(ids, state.sequences):
+            self._sequence_of[child_id] = (state, seq)
+        return ids
+
+    def process(self, deltas: Sequence[RequestDelta]) -> list[str]:
+        """Apply a step's deltas; returns engine request ids to abort (their stop string matched)."""
+        to_abort = []
+        for delta in deltas:
+            entry = self._sequence_of.get(delta.request_id)
+            if entry is None:
+                continue  # aborted meanwhile
+            prompt, seq = entry
+            if delta.prompt_logprobs is not None and prompt.prompt_logprobs is None:
+                prompt.prompt_logprobs = [
+                    None if lp is None else to_position_logprobs(lp, self.tokenizer) for lp in delta.prompt_logprobs
+                ]
+            if len(seq.token_ids) == 0:
+                prompt.num_cached_tokens = max(prompt.num_cached_tokens, delta.num_cached_tokens)
+            _, stopped = seq.apply(delta)
+            if stopped:
+                to_abort.append(delta.request_id)
+            if seq.finish_reason is not None:
+                del self._sequence_of[delta.request_id]
+        return to_abort
+
+    def finish_all(self, request_id: str, reason: str) -> None:
+        """Mark every unfinished sequence of a prompt as ended (abort, error)."""
+        state = self.prompts.get(request_id)
+        if state is None:
+            return
+        for i, seq in enumerate(state.sequences):
+            if seq.finish_reason is None:
+                seq.finish_reason = reason
+                self._sequence_of.pop(child_request_id(request_id, i, len(state.sequences)), None)
+
+    def unfinished_request_ids(self) -> list[str]:
+        """Engine request ids of every sequence still running."""
+        return list(self._sequence_of)
+
+    def pop(self, request_id: str) -> RequestOutput:
+        return self.prompts.pop(request_id).output()
+
+
+def to_position_logprobs(lp: TokenLogprobs, tokenizer) -> PositionLogprobs:
+    """vLLM's shape: token id -> Logprob, the chosen token first, then the top ones by rank."""
+    out = {lp.token_id: Logprob(lp.logprob, lp.rank, tokenizer.decode([lp.token_id]))}
+    for rank, (token_id, logprob) in enumerate(lp.top.items(), start=1):
+        if token_id not in out:
+            out[token_id] = Logprob(logprob, rank, tokenizer.decode([token_id]))
+    return out

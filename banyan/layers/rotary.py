@@ -1,0 +1,113 @@
+"""Rotary position embedding (Su et al., 2021), neox style (rotate_half), as Hugging Face Llama.
+
+Token at position p rotates each pair (x[i], x[i + d/2]) by angle p * inv_freq[i]. cos/sin are
+computed once in fp32 for every position up to the context length, as HF computes them per step,
+then looked up by `positions` and cast to the activations' dtype.
+
+Rope scaling kinds (config `rope_scaling.rope_type`): default, linear, llama3 (Llama 3.1), yarn.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from banyan.errors import UnsupportedModelError
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float = 10000.0,
+        rope_scaling: dict[str, Any] | None = None,
+    ):
+        super().__init__()
+        scaling = rope_scaling or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in _INV_FREQ:
+            raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported; supported: {sorted(_INV_FREQ)}")
+        inv_freq, attention_scaling = _INV_FREQ[kind](head_dim, base, max_position, scaling)
+        if "original_max_position_embeddings" in scaling and scaling.get("factor"):
+            max_position = max(max_position, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq  # [max_position, head_dim / 2]
+        self.register_buffer("cos", freqs.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin", freqs.sin() * attention_scaling, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens]; q [num_tokens, num_heads, head_dim]; k [num_tokens, num_kv_heads, head_dim]."""
+        cos = self.cos[positions].to(q.dtype)  # [num_tokens, head_dim / 2]
+        sin = self.sin[positions].to(q.dtype)
+        cos = torch.cat((cos, cos), dim=-1)[:, None, :]  # [num_tokens, 1, head_dim]
+        sin = torch.cat((sin, sin), dim=-1)[:, None, :]
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] on the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _default(dim: int, base: float) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # [dim / 2]
+
+
+def _default_kind(dim, base, max_position, scaling):
+    return _default(dim, base), 1.0
+
+
+def _linear(dim, base, max_position, scaling):
+    """Position interpolation: positions divided by `factor`."""
+    return _default(dim, base) / scaling["factor"], 1.0
+
+
+def _llama3(dim, base, max_position, scaling):
+    """Llama 3.1: long wavelengths divided by `factor`, short ones kept, a smooth ramp between."""
+    inv_freq = _default(dim, base)
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(is_medium, smoothed, scaled), 1.0
+
+
+def _yarn(dim, base, max_position, scaling):
+    """YaRN (Peng et al., 2023): interpolate low frequencies, extrapolate high ones, scale cos/sin."""
+    old_len = scaling.get("original_max_position_embeddings", max_position)
+    factor = scaling.get("factor") or max_position / old_len
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the frequency, 0: divide it by factor
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, attention_factor
+
+
+_INV_FREQ = {"default": _default_kind, "linear": _linear, "llama3": _llama3, "yarn": _yarn}

@@ -1,0 +1,170 @@
+"""Shared decoder blocks: RoPE attention, gated MLP, pre-norm decoder layer, and the causal LM shell.
+
+Parameter names follow Hugging Face checkpoints (`model.layers.0.self_attn.o_proj.weight`), except
+the fused projections: q/k/v_proj live in `qkv_proj` and gate/up_proj in `gate_up_proj`;
+`CausalLM.load_weights` routes checkpoint tensors into their rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from banyan.config import ModelArch
+from banyan.errors import ModelLoadError
+from banyan.layers.activation import get_activation
+from banyan.layers.attention import AttentionBackend
+from banyan.layers.linear import MergedLinear
+from banyan.layers.norm import RMSNorm
+from banyan.layers.rotary import RotaryEmbedding
+from banyan.runner.forward_batch import ForwardBatch
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_pages, page_size, num_kv_heads, head_dim]
+
+_IGNORED = ("rotary_emb.inv_freq",)
+
+
+class RopeAttention(nn.Module):
+    """Multi-head attention with grouped KV heads, RoPE, optional per-head q/k RMSNorm (Qwen3)."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        rotary: RotaryEmbedding,
+        attn_backend: AttentionBackend,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        sliding_window: int | None = None,
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.qkv_proj = MergedLinear(
+            arch.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}, bias=qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = rotary  # shared by all layers
+        self.attn = attn_backend
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(batch.positions, q, k)
+        o = self.attn.forward(q, k, v, *kv_cache, batch, self.scale, self.sliding_window)
+        return self.o_proj(o.flatten(1))  # [num_tokens, hidden]
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), with gate and up as one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(
+            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=bias
+        )
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = get_activation(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate] each
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, self_attn: RopeAttention, mlp: nn.Module, hidden_size: int, eps: float):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), kv_cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers, final norm: HF's `model.*` submodule."""
+
+    def __init__(self, arch: ModelArch, layers: list[DecoderLayer]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM; subclasses say how to build one layer (`make_layer`)."""
+
+    def __init__(self, arch: ModelArch, attn_backend: AttentionBackend):
+        super().__init__()
+        self.arch = arch
+        rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
+        layers = [self.make_layer(arch, rotary, attn_backend) for _ in range(arch.num_hidden_layers)]
+        self.model = DecoderModel(arch, layers)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_layer(self, arch: ModelArch, rotary: RotaryEmbedding, attn_backend: AttentionBackend) -> DecoderLayer:
+        raise NotImplementedError
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
+        """Hidden states of every new row, [num_tokens, hidden]; kv_caches holds one (k, v) per layer."""
+        x = self.model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, kv_cache, batch)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> fp32 logits [n, vocab]."""
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors in; raise ModelLoadError on unknown, misshapen or missing ones."""
+        targets = self._load_targets()
+        loaded = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED):
+                continue
+            if name not in targets:
+                raise ModelLoadError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
+            param, rows = targets[name]
+            dest = param.data[rows]
+            if dest.shape != tensor.shape:
+                raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add((id(param), rows.start))
+        missing = [n for n, (p, rows) in targets.items() if (id(p), rows.start) not in loaded]
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def _load_targets(self) -> dict[str, tuple[nn.Parameter, slice]]:
+        """Checkpoint name -> (parameter, its rows). Tied weights answer to both names."""
+        targets = {}
+        for prefix, module in self.named_modules(remove_duplicate=False):
+            for pname, param in module.named_parameters(recurse=False, remove_duplicate=False):
+                name = f"{prefix}.{pname}" if prefix else pname
+                if isinstance(module, MergedLinear):
+                    parent = prefix.rpartition(".")[0]
+                    for shard in module.out_sizes:
+                        targets[f"{parent}.{shard}.{pname}"] = (param, module.shard_rows(shard))
+                else:
+                    targets[name] = (param, slice(0, None))
+        return targets

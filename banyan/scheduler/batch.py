@@ -1,0 +1,60 @@
+"""Batch: what one step runs, handed from the scheduler to the model runner and back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from banyan.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: its next `num_new_tokens` tokens starting at `start`.
+
+        all_token_ids:  [ computed (KV in cache) | new this step | not yet ]
+                        0                  start      start + num_new_tokens
+    A request samples a token when the step brings it level with all its tokens.
+    """
+
+    request: Request
+    start: int
+    num_new_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class Batch:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass
+class SampledToken:
+    """The runner's result for one sampling request (logprobs only when it asked for them)."""
+
+    token_id: int
+    logprob: float
+    logprobs: object | None = None  # TokenLogprobs
+
+
+@dataclass
+class StepResult:
+    """Per request id: the token sampled this step, and prompt logprobs computed this step."""
+
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)

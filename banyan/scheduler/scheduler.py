@@ -1,0 +1,216 @@
+"""The phase-free scheduler.
+
+There are no prefill and decode phases. Every request has `num_computed_tokens` (KV in the cache)
+and `num_tokens` (prompt + output so far); each step hands out token counts under one budget so
+that requests catch up:
+
+    running requests first, in policy order: decode (1 token) or the next prefill chunk
+    then waiting requests, in policy order: from their cached prefix, as much as the budget allows
+
+A prompt longer than the budget is spread over steps (chunked prefill); a request readmitted
+after preemption recomputes from its cached prefix the same way. When pages run out, the request
+that would be served last is preempted (its pages freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from collections.abc import Hashable, Iterable
+
+from banyan.config import SchedulerConfig
+from banyan.errors import CacheCapacityError
+from banyan.kv_cache import KVCacheManager, PrefixMatch
+from banyan.request import Request, RequestStatus, TokenLogprobs
+from banyan.scheduler.batch import Batch, ScheduledRequest, StepResult
+from banyan.scheduler.policy import SchedulingPolicy
+
+
+class SchedulerStats:
+    """Counters since start-up (the server's metrics read them)."""
+
+    def __init__(self):
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.num_preemptions = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.policy = SchedulingPolicy(config.policy)
+        self.waiting: list[Request] = []  # sorted by policy key
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._seq = itertools.count()
+
+    # -- requests in and out ------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises CacheCapacityError if even an empty cache could not hold it."""
+        longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        if -(-longest // self.kv.page_size) > self.kv.num_pages:
+            raise CacheCapacityError(
+                f"request needs up to {longest} tokens of KV cache but the whole cache holds "
+                f"{self.kv.num_pages * self.kv.page_size}; lower max_tokens or raise the KV cache memory"
+            )
+        request.seq_no = next(self._seq)
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (abort, stop string): frees their pages now."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._release(request)
+            finished.append(request)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -----------------------------------------------------------------------------
+    def schedule(self) -> Batch:
+        batch = Batch()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=self.policy.key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, batch):
+                break  # the request itself was the last in line and got preempted
+            batch.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+            i += 1
+        if not batch.preempted:  # short of pages: admitting more would only thrash
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def update(self, batch: Batch, result: StepResult) -> list[Request]:
+        """Advance the scheduled requests by what the step computed; returns those that got a token."""
+        advanced = []
+        now = time.time()
+        for item in batch.scheduled:
+            request = item.request
+            if request.is_finished:
+                continue
+            request.num_computed_tokens = item.end
+            if request.prompt_logprobs is not None:
+                request.prompt_logprobs.extend(result.prompt_logprobs.get(request.request_id, ()))
+            sampled = result.sampled.get(request.request_id)
+            if sampled is not None:
+                self._append_sampled(request, sampled, now)
+                advanced.append(request)
+            self.kv.cache_completed_pages(
+                request.request_id, request.all_token_ids, request.num_computed_tokens, self._namespace(request)
+            )
+            if request.is_finished:
+                self.running.remove(request)
+                self._release(request)
+        return advanced
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _admit_waiting(self, batch: Batch, budget: int) -> None:
+        prefilling_groups = {r.group_id for r in self.running if r.group_id and not r.is_prefill_done}
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if request.group_id is not None and request.group_id in prefilling_groups:
+                continue  # a sibling is computing the shared prompt; reuse its pages next step
+            prefix = self._cached_prefix(request)
+            num_new = request.num_tokens - prefix.num_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    return
+                num_new = budget
+            if not self.kv.allocate_slots(request.request_id, prefix.num_tokens + num_new, prefix):
+                return  # head-of-line: later requests wait too, so none overtakes it
+            self._start(request, prefix.num_tokens)
+            batch.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+            if request.group_id is not None:
+                prefilling_groups.add(request.group_id)
+
+    def _cached_prefix(self, request: Request) -> PrefixMatch:
+        if request.prompt_logprobs is not None:
+            return PrefixMatch([], 0)  # cached positions have no logits to report
+        # Never match the whole sequence: the last token must run to produce logits.
+        return self.kv.match_prefix(request.all_token_ids[: request.num_tokens - 1], self._namespace(request))
+
+    def _start(self, request: Request, num_cached: int) -> None:
+        self.waiting.remove(request)
+        if request.status == RequestStatus.WAITING:  # first admission, not a readmission
+            request.num_cached_tokens = num_cached
+            request.metrics.first_scheduled_time = time.time()
+            self.stats.prefix_query_tokens += request.num_prompt_tokens
+            self.stats.prefix_hit_tokens += num_cached
+        request.num_computed_tokens = num_cached
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, batch: Batch) -> bool:
+        """Get pages for the request's next tokens, preempting from the back of the line."""
+        while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+            victim = self.policy.pick_victim(self.running)
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.metrics.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self.policy.key)
+
+    def _append_sampled(self, request: Request, sampled, now: float) -> None:
+        request.append_token(sampled.token_id)
+        request.cumulative_logprob += sampled.logprob
+        if request.logprobs is not None:
+            request.logprobs.append(sampled.logprobs or TokenLogprobs(sampled.token_id, sampled.logprob, 0))
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        request.metrics.last_token_time = now
+        self._check_stop(request)
+
+    def _check_stop(self, request: Request) -> None:
+        token = request.all_token_ids[-1]
+        # The sampler masks stop tokens while fewer than min_tokens were out, so this is a backstop.
+        if request.num_output_tokens > request.sampling_params.min_tokens:
+            if token in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return
+            if token in request.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token
+                return
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.metrics.finished_time = time.time()
+        del self.requests[request.request_id]
+
+    @staticmethod
+    def _namespace(request: Request) -> Hashable:
+        return request.cache_salt

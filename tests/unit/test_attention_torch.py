@@ -1,0 +1,137 @@
+"""The torch attention backend against a dense causal softmax, over random ragged paged batches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from banyan.errors import InvalidParameterError
+from banyan.layers.attention import get_attention_backend
+from banyan.runner.forward_batch import ForwardBatch
+
+HEAD_DIM = 8
+
+
+def make_paged_batch(specs, *, page_size, num_kv_heads, num_heads, rng: random.Random, gen: torch.Generator):
+    """A ForwardBatch for requests given as (cached prefix length, new tokens), pages shuffled.
+
+    The cache starts as noise with each request's prefix K/V written into its pages; returns the batch,
+    the caches, the new q/k/v rows, and each request's full (prefix + new) K/V for the reference.
+    """
+    pages_per_seq = [-(-(prefix + new) // page_size) for prefix, new in specs]
+    num_pages = sum(pages_per_seq) + 3
+    free = list(range(num_pages))
+    rng.shuffle(free)
+    shape = (num_pages, page_size, num_kv_heads, HEAD_DIM)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    flat_k, flat_v = k_cache.view(-1, num_kv_heads, HEAD_DIM), v_cache.view(-1, num_kv_heads, HEAD_DIM)
+
+    tables, slots, positions, full_kv = [], [], [], []
+    for (prefix, new), n_pages in zip(specs, pages_per_seq):
+        table = [free.pop() for _ in range(n_pages)]
+        tables.append(table)
+        seq_slots = [table[p // page_size] * page_size + p % page_size for p in range(prefix + new)]
+        k_full = torch.randn(prefix + new, num_kv_heads, HEAD_DIM, generator=gen)
+        v_full = torch.randn(prefix + new, num_kv_heads, HEAD_DIM, generator=gen)
+        flat_k[seq_slots[:prefix]] = k_full[:prefix]
+        flat_v[seq_slots[:prefix]] = v_full[:prefix]
+        slots += seq_slots[prefix:]
+        positions += range(prefix, prefix + new)
+        full_kv.append((k_full, v_full))
+
+    query_lens = [new for _, new in specs]
+    context_lens = [prefix + new for prefix, new in specs]
+    width = max(pages_per_seq)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(sum(query_lens), dtype=torch.int64),
+        positions=torch.tensor(positions),
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
+        seq_lens=torch.tensor(context_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        logits_indices=torch.arange(sum(query_lens)),
+        query_lens=query_lens,
+        context_lens=context_lens,
+        page_size=page_size,
+    )
+    q = torch.randn(sum(query_lens), num_heads, HEAD_DIM, generator=gen)
+    k = torch.cat([k_full[prefix:] for (k_full, _), (prefix, _) in zip(full_kv, specs)])
+    v = torch.cat([v_full[prefix:] for (_, v_full), (prefix, _) in zip(full_kv, specs)])
+    return batch, k_cache, v_cache, q, k, v, full_kv
+
+
+def dense_reference(q, k_full, v_full, scale, sliding_window=None):
+    """softmax(q k^T * scale + causal mask) v for one request; q holds its last rows."""
+    new, num_heads, _ = q.shape
+    ctx, num_kv_heads, _ = k_full.shape
+    group = num_heads // num_kv_heads
+    k = k_full.double().repeat_interleave(group, dim=1)  # [ctx, num_heads, head_dim]
+    v = v_full.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    q_pos = torch.arange(ctx - new, ctx)[:, None]
+    kv_pos = torch.arange(ctx)[None, :]
+    allowed = kv_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= kv_pos > q_pos - sliding_window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
+
+
+def random_specs(rng: random.Random, kind: str):
+    n = rng.randint(1, 6)
+    specs = []
+    for i in range(n):
+        decode = kind == "decode" or (kind == "mixed" and i % 2 == 0)
+        specs.append((rng.randint(0, 40) if decode else rng.choice([0, rng.randint(0, 40)]),
+                      1 if decode else rng.randint(2, 20)))
+    if kind == "decode":
+        specs = [(max(p, 0), 1) for p, _ in specs]
+    return specs
+
+
+def check(specs, *, page_size, num_kv_heads, group, seed, sliding_window=None):
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    num_heads = num_kv_heads * group
+    batch, k_cache, v_cache, q, k, v, full_kv = make_paged_batch(
+        specs, page_size=page_size, num_kv_heads=num_kv_heads, num_heads=num_heads, rng=rng, gen=gen
+    )
+    scale = HEAD_DIM**-0.5
+    out = get_attention_backend("torch").forward(q, k, v, k_cache, v_cache, batch, scale, sliding_window)
+
+    assert out.shape == q.shape
+    assert torch.equal(k_cache.view(-1, num_kv_heads, HEAD_DIM)[batch.slot_mapping], k)
+    assert torch.equal(v_cache.view(-1, num_kv_heads, HEAD_DIM)[batch.slot_mapping], v)
+    start = 0
+    for (_, new), (k_full, v_full) in zip(specs, full_kv):
+        expected = dense_reference(q[start : start + new], k_full, v_full, scale, sliding_window)
+        torch.testing.assert_close(out[start : start + new], expected, atol=1e-5, rtol=1e-5)
+        start += new
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+def test_matches_dense_causal_softmax(page_size, group, kind):
+    for seed in range(3):
+        specs = random_specs(random.Random(seed * 7 + page_size), kind)
+        check(specs, page_size=page_size, num_kv_heads=2, group=group, seed=seed)
+
+
+def test_edge_cases():
+    # a lone first token, a one-token chunk after a prefix, and a chunk ending exactly on a page edge
+    check([(0, 1)], page_size=4, num_kv_heads=1, group=4, seed=0)
+    check([(5, 1), (0, 8), (3, 5), (40, 1)], page_size=4, num_kv_heads=2, group=2, seed=1)
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_sliding_window(page_size):
+    specs = [(30, 1), (0, 20), (12, 9), (3, 1)]
+    check(specs, page_size=page_size, num_kv_heads=2, group=2, seed=3, sliding_window=7)
+
+
+def test_registry():
+    assert get_attention_backend("torch").name == "torch"
+    with pytest.raises(InvalidParameterError):
+        get_attention_backend("no-such-backend")
