@@ -140,7 +140,7 @@ class Scheduler:
             self._start(request, prefix.num_tokens)
             batch.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
-            if request.group_id is not None:
+            if request.group_id is not None and prefix.num_tokens < self._shareable_tokens(request):
                 prefilling_groups.add(request.group_id)
 
     def _cached_prefix(self, request: Request) -> PrefixMatch:
@@ -148,6 +148,10 @@ class Scheduler:
             return PrefixMatch([], 0)  # cached positions have no logits to report
         # Never match the whole sequence: the last token must run to produce logits.
         return self.kv.match_prefix(request.all_token_ids[: request.num_tokens - 1], self._namespace(request))
+
+    def _shareable_tokens(self, request: Request) -> int:
+        """Prompt tokens a sibling could take from the cache: whole pages, short of the last token."""
+        return (request.num_prompt_tokens - 1) // self.kv.page_size * self.kv.page_size
 
     def _start(self, request: Request, num_cached: int) -> None:
         self.waiting.remove(request)

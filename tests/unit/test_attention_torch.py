@@ -80,14 +80,11 @@ def dense_reference(q, k_full, v_full, scale, sliding_window=None):
 
 
 def random_specs(rng: random.Random, kind: str):
-    n = rng.randint(1, 6)
+    """1..6 requests: decode rows (1 new token) and/or prefill chunks (2..20), prefixes 0..40."""
     specs = []
-    for i in range(n):
+    for i in range(rng.randint(1, 6)):
         decode = kind == "decode" or (kind == "mixed" and i % 2 == 0)
-        specs.append((rng.randint(0, 40) if decode else rng.choice([0, rng.randint(0, 40)]),
-                      1 if decode else rng.randint(2, 20)))
-    if kind == "decode":
-        specs = [(max(p, 0), 1) for p, _ in specs]
+        specs.append((rng.randint(0, 40), 1 if decode else rng.randint(2, 20)))
     return specs
 
 
