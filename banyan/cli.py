@@ -114,7 +114,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from banyan.engine.llm import LLM
-    from banyan.engine.tokenizer import render_chat_template
+    from banyan.engine.tokenizer import encode_chat
 
     llm = LLM.from_config(engine_config(args))
     params = sampling_params(args)
@@ -134,8 +134,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        text = render_chat_template(llm.tokenizer, history)
-        prompt = {"prompt": text, "prompt_token_ids": llm.tokenizer.encode(text, add_special_tokens=False)}
+        text, token_ids = encode_chat(llm.tokenizer, history)
+        prompt = {"prompt": text, "prompt_token_ids": token_ids}
         reply = []
         for piece in llm.stream(prompt, params):
             reply.append(piece)

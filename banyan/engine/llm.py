@@ -12,7 +12,7 @@ from banyan.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig,
 from banyan.engine.engine import Engine
 from banyan.engine.output_processor import OutputProcessor, PromptState, SequenceState
 from banyan.engine.outputs import RequestOutput
-from banyan.engine.tokenizer import render_chat_template
+from banyan.engine.tokenizer import encode_chat
 from banyan.errors import InvalidParameterError
 from banyan.request import RequestStatus
 from banyan.sampling_params import SamplingParams
@@ -131,17 +131,17 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conversation in conversations:
-            text = render_chat_template(
+            # The template writes any BOS itself; control tokens typed inside messages stay plain text.
+            text, token_ids = encode_chat(
                 self.tokenizer,
                 conversation,
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tools=tools,
-                **(chat_template_kwargs or {}),
+                chat_template_kwargs=chat_template_kwargs,
             )
-            # The template already wrote any BOS token; encoding must not add a second one.
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[str]:

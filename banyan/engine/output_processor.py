@@ -42,6 +42,8 @@ class SequenceState:
         if self.logprobs is not None and delta.new_logprobs:
             self.logprobs.extend(to_position_logprobs(lp, self.tokenizer) for lp in delta.new_logprobs)
         new_text = self.detokenizer.add(delta.new_token_ids)
+        if delta.finish_reason is not None:
+            new_text += self.detokenizer.flush()
         stopped_on = None
         if self.stop is not None:
             new_text, stopped_on = self.stop.feed(new_text)

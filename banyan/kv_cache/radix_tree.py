@@ -155,6 +155,7 @@ class RadixTree:
         """Drop up to num_pages pages from unlocked leaves, least recently used first, and return
         their ids; the caller gets them back (drops the tree's references)."""
         tiebreak = itertools.count()
+        # Collecting the leaves is O(nodes) per call: eviction is rare next to matching.
         heap = [(n.last_access, next(tiebreak), n) for n in self._nodes() if self._is_evictable_leaf(n)]
         heapq.heapify(heap)
         released: list[int] = []

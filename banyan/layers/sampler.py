@@ -103,6 +103,7 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: i
 
 def _logprob_entries(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:
     """logprobs: [N, V]; token_ids: [N]. Rank is 1 + the number of tokens strictly more likely."""
+    k = min(k, logprobs.shape[-1])
     chosen = logprobs.gather(1, token_ids[:, None])  # [N, 1]
     ranks = (logprobs > chosen).sum(dim=-1) + 1
     tops: list[dict[int, float]] = [{} for _ in range(len(token_ids))]

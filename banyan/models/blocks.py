@@ -148,7 +148,9 @@ class CausalLM(nn.Module):
             param, rows = targets[name]
             dest = param.data[rows]
             if dest.shape != tensor.shape:
-                raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}")
+                raise ModelLoadError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}"
+                )
             dest.copy_(tensor)
             loaded.add((id(param), rows.start))
         missing = [n for n, (p, rows) in targets.items() if (id(p), rows.start) not in loaded]

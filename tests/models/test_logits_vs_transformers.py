@@ -34,7 +34,7 @@ CONFIGS = {
     "llama-bias": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
     "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=6)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
-    "qwen2-yarn": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_parameters=YARN_ROPE)),
+    "qwen2-yarn": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_parameters=YARN_ROPE, max_position_embeddings=64)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, num_key_value_heads=1)),
 }
 
@@ -152,6 +152,12 @@ def test_load_weights_rejects_bad_checkpoints():
     with pytest.raises(ModelLoadError, match="lm_head"):
         model.load_weights(untied.items())
     model.load_weights([*state.items(), ("model.layers.0.self_attn.rotary_emb.inv_freq", torch.zeros(8))])
+
+    tied_hf = make_hf_model(*CONFIGS["llama-tied-mha"])
+    tied_arch = ModelArch.from_hf_config(tied_hf.config.to_dict())
+    tied = get_model_class("LlamaForCausalLM")(tied_arch, get_attention_backend("torch"))
+    tied.load_weights((k, v) for k, v in tied_hf.state_dict().items() if k != "lm_head.weight")
+    assert torch.equal(tied.lm_head.weight, tied_hf.lm_head.weight)
 
 
 def test_registry_names_supported_architectures():

@@ -1,0 +1,95 @@
+"""The engine end to end: greedy outputs equal transformers' token for token, however the batch is cut.
+
+One tiny random Llama on disk (safetensors + tokenizer), loaded through banyan's real loader; the
+reference is transformers recomputing each sequence from scratch.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from banyan import LLM, SamplingParams
+from tests.factories import reference_greedy, write_model_dir
+
+MAX_NEW = 12
+PROMPT_LENGTHS = [3, 7, 16, 17, 29, 40, 55, 64]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model = write_model_dir(path, "llama", seed=1)
+    rng = random.Random(0)
+    vocab = model.config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+    # Prompts 5 and 6 share the first 32 tokens of prompt 7, so that they can hit the prefix cache.
+    for i in (5, 6):
+        prompts[i] = prompts[7][:32] + prompts[i][32:]
+    expected = [reference_greedy(model, p, MAX_NEW) for p in prompts]
+    return path, prompts, expected
+
+
+def greedy(**kw):
+    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, **kw)
+
+
+def make_llm(path, **kw):
+    kw.setdefault("num_threads", 1)
+    return LLM(str(path), block_size=kw.pop("block_size", 4), **kw)
+
+
+def test_batch_equals_transformers(tiny):
+    path, prompts, expected = tiny
+    llm = make_llm(path)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    llm.engine.kv.check_integrity()
+
+
+def test_staggered_arrivals(tiny):
+    path, prompts, expected = tiny
+    llm = make_llm(path)
+    engine = llm.engine
+    got = {str(i): [] for i in range(len(prompts))}
+    pending = list(enumerate(prompts))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 3 == 0:  # a new request every third step, while others decode
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, greedy())
+        for delta in engine.step():
+            got[delta.request_id] += delta.new_token_ids
+        step += 1
+    assert [got[str(i)] for i in range(len(prompts))] == expected
+    engine.kv.check_integrity()
+
+
+def test_small_budget_forces_chunked_prefill(tiny):
+    path, prompts, expected = tiny
+    llm = make_llm(path, max_num_batched_tokens=8)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_shared_prefixes_hit_the_cache(tiny):
+    path, prompts, expected = tiny
+    llm = make_llm(path)
+    first = llm.generate([{"prompt_token_ids": prompts[7]}], greedy(), use_tqdm=False)[0]
+    assert first.outputs[0].token_ids == expected[7]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[5:7]], greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected[5:7]
+    assert all(o.num_cached_tokens == 32 for o in outputs)
+
+
+def test_tiny_page_pool_forces_preemption(tiny):
+    path, prompts, expected = tiny
+    # 20 pages of 4 tokens: the longest request alone needs 19 pages, so requests must take turns.
+    llm = make_llm(path, num_pages=20)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    llm.engine.kv.check_integrity()
+    assert llm.engine.kv.stats().num_in_use == 0

@@ -1,0 +1,106 @@
+"""Test factories: tiny real models and tokenizers written to disk, loaded through banyan's real code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention keeps the KV cache in fixed-size pages.",
+    "A radix tree shares prefixes between requests; héllo wörld, naïve café, 東京, 🙂 emoji.",
+    "def add(a, b):\n    return a + b\n",
+    "Continuous batching schedules tokens, not requests, under one budget.",
+] * 20
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE tokenizer (GPT-2 / SmolLM style) trained on a small corpus, ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+TINY_SHAPES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+
+def make_hf_config(arch: str = "llama", vocab_size: int = 384, **overrides):
+    import transformers
+
+    classes = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }
+    kwargs = dict(TINY_SHAPES, vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "qwen3":
+        kwargs["head_dim"] = 16
+    kwargs.update(overrides)
+    return classes[arch](**kwargs)
+
+
+def make_hf_model(arch: str = "llama", seed: int = 0, **overrides):
+    """A tiny random transformers model in fp32, weights scaled up so that outputs are not flat."""
+    import transformers
+
+    config = make_hf_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    return model.eval()
+
+
+def write_model_dir(path: Path, arch: str = "llama", seed: int = 0, **overrides):
+    """Write config.json + model.safetensors + tokenizer files; returns the transformers model."""
+    path = Path(path)
+    tokenizer = make_tokenizer()
+    model = make_hf_model(arch, seed=seed, vocab_size=len(tokenizer), **overrides)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return model
+
+
+def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by transformers, recomputing the whole sequence each step (no cache)."""
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(torch.argmax(logits)))
+    return ids[len(prompt_ids) :]

@@ -1,0 +1,253 @@
+"""The sampler: every parameter against a hand-computed expectation, seeded determinism, and the
+sampled distribution against softmax."""
+
+import math
+
+import pytest
+import torch
+
+from banyan.layers.sampler import (
+    Sampler,
+    _apply_min_p,
+    _apply_penalties,
+    _apply_top_k_top_p,
+    compute_prompt_logprobs,
+)
+from banyan.request import Request
+from banyan.sampling_params import SamplingParams
+
+V = 8
+
+
+def make_request(prompt=(1, 2, 3), output=(), eos=(7,), rid="r", **params) -> Request:
+    request = Request(rid, list(prompt), SamplingParams(**params), eos_token_ids=eos, max_tokens=100)
+    for t in output:
+        request.append_token(t)
+    return request
+
+
+def finite_support(logits: torch.Tensor) -> list[set[int]]:
+    return [set(torch.nonzero(torch.isfinite(row)).flatten().tolist()) for row in logits]
+
+
+LOGITS = torch.tensor([[3.0, 1.0, 0.5, 2.5, -1.0, 0.0, 2.0, -2.0]])  # order: 0, 3, 6, 1, 2, 5, 4, 7
+
+
+def test_greedy_takes_argmax():
+    logits = torch.randn(5, V)
+    out = Sampler(V)(logits, [make_request(temperature=0.0) for _ in range(5)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs == [None] * 5
+    assert out.chosen_logprobs == pytest.approx(torch.log_softmax(logits, -1).max(-1).values.tolist())
+
+
+def test_padded_vocabulary_columns_are_never_sampled():
+    logits = torch.zeros(3, V + 4)
+    logits[:, V:] = 100.0
+    out = Sampler(V)(logits, [make_request(temperature=t) for t in (0.0, 1.0, 0.5)])
+    assert all(t < V for t in out.token_ids)
+
+
+@pytest.mark.parametrize(
+    "params, support",
+    [
+        (dict(top_k=1), {0}),
+        (dict(top_k=3), {0, 3, 6}),
+        (dict(top_k=V + 5), set(range(V))),
+        (dict(top_p=1e-6), {0}),
+        (dict(min_p=0.5), {0, 3}),  # p_i / p_max >= 0.5  <=>  l_i >= 3 - ln 2 = 2.31
+        (dict(min_p=math.exp(-1.01)), {0, 3, 6}),
+        (dict(top_k=2, min_p=0.9), {0}),
+    ],
+)
+def test_masks_leave_exactly_the_right_support(params, support):
+    sp = [SamplingParams(**params)]
+    logits = LOGITS.clone()
+    _apply_top_k_top_p(logits, sp)
+    _apply_min_p(logits, sp)
+    assert finite_support(logits) == [support]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.softmax(LOGITS[0], -1)
+    order = probs.argsort(descending=True).tolist()
+    cumulative = probs[order].cumsum(0).tolist()  # the first 2 cover cumulative[1]
+    for p, expected_len in ((cumulative[1] - 1e-4, 2), (cumulative[1] + 1e-4, 3), (cumulative[4] - 1e-4, 5)):
+        logits = LOGITS.clone()
+        _apply_top_k_top_p(logits, [SamplingParams(top_p=p)])
+        assert finite_support(logits) == [set(order[:expected_len])]
+
+
+def test_top_k_and_top_p_per_row_in_one_batch():
+    logits = LOGITS.repeat(3, 1)
+    params = [SamplingParams(top_k=2), SamplingParams(), SamplingParams(top_p=1e-6)]
+    _apply_top_k_top_p(logits, params)
+    assert finite_support(logits) == [{0, 3}, set(range(V)), {0}]
+
+
+def test_top_k_ties_keep_exactly_k():
+    logits = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]])
+    _apply_top_k_top_p(logits, [SamplingParams(top_k=2)])
+    assert len(finite_support(logits)[0]) == 2
+
+
+def test_sampled_tokens_stay_in_the_support():
+    logits = LOGITS.repeat(500, 1)
+    out = Sampler(V)(logits, [make_request(top_k=3, temperature=1.5) for _ in range(500)])
+    assert set(out.token_ids) == {0, 3, 6}
+
+
+def test_repetition_penalty_over_prompt_and_output():
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 2.0, 1.0, 1.0, 1.0]])
+    request = make_request(prompt=(0, 1), output=(1, 3), repetition_penalty=2.0)
+    _apply_penalties(logits, [request])
+    assert logits.tolist() == [[1.0, -4.0, 2.0, -4.0, 2.0, 1.0, 1.0, 1.0]]
+
+
+def test_presence_and_frequency_penalties_over_output_only():
+    logits = torch.zeros(2, V)
+    requests = [
+        make_request(prompt=(5, 5, 5), output=(1, 1, 2), frequency_penalty=0.5, presence_penalty=1.5),
+        make_request(prompt=(1,), output=(2,)),  # no penalties: untouched in the same batch
+    ]
+    _apply_penalties(logits, requests)
+    expected = [0.0] * V
+    expected[1] = -(0.5 * 2 + 1.5)
+    expected[2] = -(0.5 * 1 + 1.5)
+    assert logits[0].tolist() == pytest.approx(expected)
+    assert logits[1].tolist() == [0.0] * V
+
+
+def test_all_penalties_together():
+    logits = torch.tensor([[3.0, -1.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    request = make_request(prompt=(0,), output=(1, 2, 2), repetition_penalty=1.5, frequency_penalty=1.0,
+                           presence_penalty=0.25)
+    _apply_penalties(logits, [request])
+    expected = [3.0 / 1.5, -1.0 * 1.5 - 1.25, 0.5 / 1.5 - 2.25, 0, 0, 0, 0, 0]
+    assert logits[0].tolist() == pytest.approx(expected)
+
+
+def test_logit_bias_changes_the_greedy_choice():
+    logits = LOGITS.repeat(2, 1)
+    requests = [make_request(temperature=0.0, logit_bias={5: 10.0, 0: -100.0}), make_request(temperature=0.0)]
+    out = Sampler(V)(logits, requests)
+    assert out.token_ids == [5, 0]
+    # logprobs and chosen_logprobs still describe the raw logits
+    assert out.chosen_logprobs[0] == pytest.approx(torch.log_softmax(LOGITS[0], -1)[5].item())
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    logits = torch.zeros(1, V)
+    logits[0, 7], logits[0, 6], logits[0, 2] = 5.0, 4.0, 3.0  # eos 7, stop id 6
+    early = make_request(output=(1,), eos=(7,), temperature=0.0, min_tokens=2, stop_token_ids=[6])
+    assert Sampler(V)(logits, [early]).token_ids == [2]
+    done = make_request(output=(1, 1), eos=(7,), temperature=0.0, min_tokens=2, stop_token_ids=[6])
+    assert Sampler(V)(logits, [done]).token_ids == [7]
+    ignore = make_request(output=(), eos=(7,), temperature=0.0, min_tokens=3, ignore_eos=True)
+    assert Sampler(V)(logits, [ignore]).token_ids == [7]  # ignore_eos: eos is no stop, nothing to mask
+
+
+def _run_steps(sampler, make_batch, position, steps=12):
+    """Sample `steps` tokens for the request at `position` of batches that make_batch() builds."""
+    batch = make_batch()
+    tokens = []
+    for _ in range(steps):
+        logits = torch.randn(len(batch), 64)
+        logits[position] = torch.linspace(-1, 1, 64)  # the tracked row always sees the same logits
+        out = sampler(logits, batch)
+        tokens.append(out.token_ids[position])
+        for request, t in zip(batch, out.token_ids):
+            request.append_token(t)
+    return tokens
+
+
+def test_seeded_rows_ignore_batch_composition_and_position():
+    def seeded():
+        return make_request(rid="seeded", seed=1234, temperature=1.0)
+
+    alone = _run_steps(Sampler(64, default_seed=0), lambda: [seeded()], 0)
+    crowd = _run_steps(
+        Sampler(64, default_seed=99),
+        lambda: [make_request(), make_request(seed=5), seeded(), make_request(temperature=0.0)],
+        2,
+    )
+    assert alone == crowd
+    assert len(set(alone)) > 1  # really sampled
+    other_seed = _run_steps(Sampler(64), lambda: [make_request(seed=4321)], 0)
+    assert other_seed != alone
+
+
+def test_seeded_generator_survives_on_the_request():
+    request = make_request(seed=7)
+    sampler = Sampler(V)
+    first = sampler(LOGITS, [request]).token_ids
+    assert request.generator is not None
+    state = request.generator.get_state()
+    sampler(LOGITS, [request])
+    assert not torch.equal(state, request.generator.get_state())  # advances: a new draw each step
+    assert first[0] in range(V)
+
+
+def _expected_distribution(logits, temperature, top_p=1.0):
+    probs = torch.softmax(logits / temperature, -1)
+    sorted_probs, order = probs.sort(descending=True)
+    keep = (sorted_probs.cumsum(0) - sorted_probs) < top_p
+    truncated = torch.zeros_like(probs)
+    truncated[order[keep]] = probs[order[keep]]
+    return truncated / truncated.sum()
+
+
+def _total_variation(tokens, expected):
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(expected)).double()
+    return 0.5 * (counts / counts.sum() - expected.double()).abs().sum().item()
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8), (2.0, 0.95)])
+def test_sampled_distribution_matches_softmax(temperature, top_p):
+    n = 8000
+    expected = _expected_distribution(LOGITS[0], temperature, top_p)
+    out = Sampler(V, default_seed=3)(LOGITS.repeat(n, 1), [make_request(temperature=temperature, top_p=top_p)] * n)
+    assert _total_variation(out.token_ids, expected) < 0.03  # sampling noise here is ~0.01
+    assert set(out.token_ids) <= set(torch.nonzero(expected).flatten().tolist())
+
+
+def test_seeded_rows_sample_the_softmax_distribution_too():
+    n = 3000
+    requests = [make_request(seed=s, temperature=0.8) for s in range(n)]
+    out = Sampler(V)(LOGITS.repeat(n, 1), requests)
+    assert _total_variation(out.token_ids, _expected_distribution(LOGITS[0], 0.8)) < 0.04
+
+
+def test_logprobs_are_raw_log_softmax_with_ranks_and_top_k():
+    logits = LOGITS.repeat(3, 1)
+    requests = [
+        make_request(logprobs=3, temperature=0.0, logit_bias={4: 50.0}),  # bias picks 4; logprobs stay raw
+        make_request(logprobs=0, temperature=0.5, repetition_penalty=1.3, presence_penalty=1.0, output=(0,)),
+        make_request(),
+    ]
+    out = Sampler(V)(logits, requests)
+    raw = torch.log_softmax(LOGITS[0], -1)
+    first = out.logprobs[0]
+    assert first.token_id == 4 and out.token_ids[0] == 4
+    assert first.logprob == pytest.approx(raw[4].item())
+    assert first.rank == 7  # 4 is the 7th most likely token of the raw logits
+    assert list(first.top) == [0, 3, 6]
+    assert list(first.top.values()) == pytest.approx(raw[[0, 3, 6]].tolist())
+    second = out.logprobs[1]
+    assert second.top == {} and second.logprob == pytest.approx(raw[second.token_id].item())
+    assert second.rank == 1 + int((raw > raw[second.token_id]).sum())
+    assert out.logprobs[2] is None
+    assert out.chosen_logprobs == pytest.approx([raw[t].item() for t in out.token_ids])
+
+
+def test_compute_prompt_logprobs():
+    logits = torch.randn(4, V)
+    targets = torch.tensor([3, 0, 7, 7])
+    entries = compute_prompt_logprobs(logits, targets, k=2)
+    raw = torch.log_softmax(logits, -1)
+    for j, entry in enumerate(entries):
+        t = targets[j].item()
+        assert entry.token_id == t and entry.logprob == pytest.approx(raw[j, t].item())
+        assert entry.rank == 1 + int((raw[j] > raw[j, t]).sum())
+        assert list(entry.top) == raw[j].topk(2).indices.tolist()
+    assert compute_prompt_logprobs(logits, targets, k=0)[0].top == {}
