@@ -294,8 +294,7 @@ def _open_gguf(path: Path) -> ModelSource:
         arch = _check_supported(_gguf_arch(meta, tensors, path), path)
     except (TypeError, ValueError, KeyError) as e:  # e.g. a per-layer array where a number belongs
         raise ModelLoadError(f"{path}: malformed GGUF metadata ({e!r})") from None
-    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
-    generation_config = {"eos_token_id": list(dict.fromkeys(eos))} if eos else {}
+    generation_config = {"eos_token_id": list(arch.eos_token_ids)} if arch.eos_token_ids else {}
     return ModelSource(path, arch, _gguf_tokenizer(meta, path), generation_config, _gguf=reader)
 
 
@@ -463,7 +462,7 @@ def _gguf_arch(meta: dict[str, Any], tensors: dict[str, Any], path: Path) -> Mod
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = int(key("attention.key_length", hidden // heads))
     theta = float(key("rope.freq_base", 10000.0))
-    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]  # end of turn
     return ModelArch(
         architecture=GGUF_ARCHS[family],
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # ggml dims: [hidden, vocab]
@@ -680,8 +679,8 @@ def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str]):
 
 
 def _merges_from_scores(vocab: dict[str, int], tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
-    """BPE merges implied by a SentencePiece vocabulary: every split of a token into two tokens,
-    best score first (ties: shorter left, then shorter right piece; then vocabulary order)."""
+    """BPE merges implied by a SentencePiece vocabulary: every split of a token into two tokens, best
+    score first (ties: longer left piece, longer right piece, then vocabulary order), as transformers does."""
     merges = []
     for token, score in dict(zip(tokens, scores)).items():
         pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
