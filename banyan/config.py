@@ -44,8 +44,10 @@ class ModelArch:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
-        """Build from a Hugging Face config.json dict."""
-        archs = cfg.get("architectures") or [""]
+        """Build from a Hugging Face config.json dict (`architectures`, else known from `model_type`)."""
+        by_model_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+        archs = cfg.get("architectures") or [by_model_type.get(cfg.get("model_type"), "")]
         arch = archs[0]
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -55,9 +57,9 @@ class ModelArch:
         is_qwen2 = arch == "Qwen2ForCausalLM"
         is_qwen3 = arch == "Qwen3ForCausalLM"
         attention_bias = bool(cfg.get("attention_bias", False))
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        if is_qwen2:  # Qwen2's config has use_sliding_window=false almost always
-            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+        # Qwen2/3 configs carry a sliding_window they use only when use_sliding_window says so
+        use_sliding = cfg.get("use_sliding_window", not (is_qwen2 or is_qwen3))
+        sliding = cfg.get("sliding_window") if use_sliding else None
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from banyan.config import EngineConfig
 from banyan.errors import ContextLengthExceededError, InvalidParameterError
 from banyan.kv_cache import KVCacheManager
+from banyan.models.registry import get_model_class
 from banyan.request import Request, RequestStatus, TokenLogprobs
 from banyan.runner.model_runner import ModelRunner
 from banyan.runner.weights import open_model
@@ -146,8 +147,8 @@ def make_delta(request: Request) -> RequestDelta:
 def resolve_max_model_len(config: EngineConfig, arch) -> int:
     """The user's max_model_len, checked against what the model supports."""
     limit = arch.max_position_embeddings
-    if arch.sliding_window and arch.sliding_window < limit:
-        # The attention backends attend to the whole context; stay where that equals the model.
+    if arch.sliding_window and arch.sliding_window < limit and not get_model_class(arch.architecture).supports_sliding_window:
+        # Without the window in attention, stay where attending to everything equals the model.
         logger.warning("capping the context at the model's sliding window of %d tokens", arch.sliding_window)
         limit = arch.sliding_window
     wanted = config.model.max_model_len

@@ -111,6 +111,8 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """A decoder-only LM; subclasses say how to build one layer (`make_layer`)."""
 
+    supports_sliding_window = False  # True where make_layer passes arch.sliding_window to attention
+
     def __init__(self, arch: ModelArch, attn_backend: AttentionBackend):
         super().__init__()
         self.arch = arch

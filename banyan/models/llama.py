@@ -12,6 +12,8 @@ from banyan.models.blocks import CausalLM, DecoderLayer, GatedMLP, RopeAttention
 
 
 class LlamaForCausalLM(CausalLM):
+    supports_sliding_window = True
+
     def make_layer(self, arch: ModelArch, rotary: RotaryEmbedding, attn_backend: AttentionBackend) -> DecoderLayer:
         attention = RopeAttention(
             arch,

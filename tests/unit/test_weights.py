@@ -16,6 +16,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
 
+from banyan.config import ModelArch
 from banyan.errors import ModelLoadError, UnsupportedModelError
 from banyan.runner import weights
 from banyan.runner.weights import open_model, resolve_model
@@ -162,6 +163,29 @@ def test_auto_map_code_is_never_imported(tmp_path):
     with pytest.raises(UnsupportedModelError, match="EvilForCausalLM"):
         open_model(str(tmp_path))
     assert not marker.exists()
+
+
+def test_missing_architectures_falls_back_to_model_type(tmp_path):
+    save_hf_model(tmp_path, "qwen2")
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["architectures"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    arch = open_model(str(tmp_path)).arch
+    assert arch.architecture == "Qwen2ForCausalLM" and arch.attention_bias
+    for model_type, expected in [("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"),
+                                 ("qwen3", "Qwen3ForCausalLM"), ("gpt2", "")]:  # fmt: skip
+        assert ModelArch.from_hf_config(dict(config, model_type=model_type)).architecture == expected
+
+
+@pytest.mark.parametrize("architecture, default_window", [
+    ("Qwen2ForCausalLM", None), ("Qwen3ForCausalLM", None), ("MistralForCausalLM", 4096),
+])  # fmt: skip
+def test_qwen_sliding_window_only_when_use_sliding_window(architecture, default_window):
+    config = {"architectures": [architecture], "vocab_size": 32, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "sliding_window": 4096}  # fmt: skip
+    assert ModelArch.from_hf_config(config).sliding_window == default_window
+    assert ModelArch.from_hf_config(dict(config, use_sliding_window=True)).sliding_window == 4096
+    assert ModelArch.from_hf_config(dict(config, use_sliding_window=False)).sliding_window is None
 
 
 def raw_safetensors(header: dict, data: bytes, header_len: int | None = None) -> bytes:
