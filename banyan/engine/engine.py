@@ -37,6 +37,7 @@ class RequestDelta:
     stop_reason: int | str | None
     num_cached_tokens: int
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # whole list, once, with the first delta
+    queue_time: float | None = None  # seconds from arrival to first schedule, with the first delta
 
 
 class Engine:
@@ -141,6 +142,7 @@ def make_delta(request: Request) -> RequestDelta:
         stop_reason=request.stop_reason,
         num_cached_tokens=request.num_cached_tokens,
         prompt_logprobs=list(request.prompt_logprobs) if first and request.prompt_logprobs is not None else None,
+        queue_time=request.metrics.first_scheduled_time - request.metrics.arrival_time if first else None,
     )
 
 
