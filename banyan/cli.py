@@ -9,7 +9,7 @@ import re
 import sys
 import time
 
-from banyan.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, field_docs
+from banyan.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, field_docs
 from banyan.errors import BanyanError
 
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
@@ -28,21 +28,33 @@ def parse_size(text: str) -> int:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per config field, named as vLLM names it, with the field's docstring as help."""
     for section, cls in SECTIONS.items():
-        group = parser.add_argument_group(section)
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in HIDDEN:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            kind = str(f.type)
-            help_text = docs.get(f.name, "")
-            if kind == "bool":
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-                continue
-            convert = parse_size if f.name == "kv_cache_memory" else int if "int" in kind else float if "float" in kind else str
+        add_config_args(parser, section, cls)
+
+
+def add_config_args(parser: argparse.ArgumentParser, section: str, cls) -> None:
+    """One flag per config field, named as vLLM names it, with the field's docstring as help."""
+    group = parser.add_argument_group(section)
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in HIDDEN:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type)
+        help_text = docs.get(f.name, "")
+        if kind == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        elif kind.startswith("tuple"):
+            group.add_argument(flag, action="append", default=[], help=help_text)
+        else:
+            convert = parse_size if f.name in ("kv_cache_memory", "max_body_bytes") else int if "int" in kind else float if "float" in kind else str
             group.add_argument(flag, type=convert, default=f.default, help=help_text)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)}
+    values["api_key"] = tuple(values["api_key"])
+    return ServerConfig(**values)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -144,6 +156,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from banyan.server.launch import serve
+
+    return asyncio.run(serve(engine_config(args), server_config(args), fault=args.fault))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="banyan", description="banyan: LLM inference and serving")
     parser.add_argument("--log-level", default="WARNING")
@@ -162,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    srv = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_config_args(srv, "server", ServerConfig)
+    add_engine_args(srv)
+    srv.add_argument("--fault", default=None, help=argparse.SUPPRESS)  # fault injection, for tests only
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -199,3 +199,39 @@ def field_docs(cls) -> dict[str, str]:
             if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
                 docs[node.target.id] = " ".join(str(following.value.value).split())
     return docs
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    """Address to listen on (0.0.0.0 for every interface)."""
+    port: int = 8000
+    """Port to listen on."""
+    served_model_name: str | None = None
+    """Name(s) clients use for the model, comma-separated (default: the --model value)."""
+    api_key: tuple[str, ...] = ()
+    """API key clients must send as `Authorization: Bearer KEY` (repeatable; also BANYAN_API_KEY)."""
+    api_key_file: str | None = None
+    """A file with one API key per line."""
+    share_prefix_cache: bool = False
+    """Let different API keys reuse each other's cached prompts (off: each key is its own cache namespace)."""
+    protect_metrics: bool = False
+    """Require an API key for /metrics too."""
+    max_queued_requests: int = 1024
+    """Requests in the engine (running + waiting) beyond which new ones get 503 with Retry-After."""
+    requests_per_minute: int | None = None
+    """Per-key request rate limit (429 with Retry-After beyond it)."""
+    tokens_per_minute: int | None = None
+    """Per-key limit on prompt + max_tokens tokens per minute."""
+    max_body_bytes: int = 16 * 1024 * 1024
+    """Largest request body accepted (413 beyond it)."""
+    shutdown_timeout: float = 30.0
+    """Seconds SIGTERM waits for in-flight requests before aborting them."""
+    chat_template: str | None = None
+    """A chat template (file path or inline Jinja) replacing the model's."""
+    allow_request_chat_template: bool = False
+    """Accept a `chat_template` field in requests (rendered sandboxed, with time and size caps)."""
+    wedge_timeout: float = 30.0
+    """Seconds without engine progress (while requests wait) after which /health reports 503."""
+    render_timeout: float = 5.0
+    """Seconds a chat template render or a tokenization may take before the request gets 400."""

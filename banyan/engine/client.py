@@ -1,0 +1,322 @@
+"""EngineClient: the API server's handle on the engine core process, inside its asyncio loop.
+
+    client = await EngineClient.start(config)
+    async for delta in client.generate(AddRequest(...)):   # one stream per request
+        ...
+    await client.shutdown()
+
+One background task reads the core's output socket and routes each delta to its request's queue;
+it also watches the process, so that when the core dies (EngineDead, crash, SIGKILL) every stream
+raises EngineDeadError within ~POLL_MS and the `on_death` hooks run. A stream the consumer leaves
+early (break, aclose, cancelled task: the HTTP client went away) aborts its request in the core.
+Sockets are ipc:// in a private 0700 directory; messages are msgspec structs, never pickle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+import banyan
+from banyan.config import EngineConfig
+from banyan.engine import messages as m
+from banyan.engine.engine import RequestDelta
+from banyan.errors import BanyanError
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 100  # how often the reader looks at the process between messages
+STDERR_TAIL_LINES = 40
+
+
+class EngineDeadError(BanyanError):
+    """The engine core is gone (crashed, killed or shut down); no request can be served."""
+
+
+class RequestError(BanyanError):
+    """One request failed in the core (RequestFailed); carries the OpenAI error fields."""
+
+    def __init__(self, message: str, *, error_type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, status: int = 400):  # fmt: skip
+        super().__init__(message)
+        self.message = message
+        self.error_type = error_type
+        self.param = param
+        self.code = code
+        self.status = status
+
+    @classmethod
+    def from_message(cls, msg: m.RequestFailed) -> RequestError:
+        return cls(msg.message, error_type=msg.error_type, param=msg.param, code=msg.code, status=msg.status)
+
+
+class EngineClient:
+    """Use `await EngineClient.start(config)`; the constructor expects a running loop and a fresh ipc dir."""
+
+    def __init__(self, config: EngineConfig, ipc_dir: str, fault: str | None = None):
+        self.config = config
+        self.ipc_dir = ipc_dir
+        self.info: m.Ready | None = None
+        self.stats: m.EngineStats | None = None
+        self.on_death: list[Callable[[str], object]] = []  # called once with the reason; may be async
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._dead: str | None = None
+        self._closing = False
+        self._shutdown_task: asyncio.Task | None = None
+        self._stats_at = self._progress_at = time.monotonic()
+        self._encoder = m.encoder()
+        self._decoder = m.client_decoder()
+
+        self._ctx = zmq.asyncio.Context()
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._input.bind(f"ipc://{ipc_dir}/input")
+        self._output.bind(f"ipc://{ipc_dir}/output")
+        self._proc = _spawn(config, ipc_dir, fault)
+        self._stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self._stderr_pump = threading.Thread(target=_pump_stderr, args=(self._proc, self._stderr_tail), daemon=True)
+        self._stderr_pump.start()
+        self._finalizer = weakref.finalize(self, _reap, self._proc, ipc_dir)  # also at interpreter exit
+        self._ready = asyncio.get_running_loop().create_future()
+        self._reader = asyncio.create_task(self._read_loop(), name="banyan-engine-reader")
+
+    @classmethod
+    async def start(cls, config: EngineConfig, *, fault: str | None = None, ready_timeout: float = 600.0) -> EngineClient:
+        """Spawn the core and wait for Ready; EngineDeadError (with the core's stderr tail) if it fails first."""
+        client = cls(config, tempfile.mkdtemp(prefix="banyan-"), fault)  # mkdtemp: mode 0700
+        try:
+            client.info = await asyncio.wait_for(asyncio.shield(client._ready), ready_timeout)
+        except BaseException as e:
+            await client.shutdown(timeout=0.5)
+            if isinstance(e, asyncio.TimeoutError):
+                message = f"the engine core was not ready after {ready_timeout:.0f} s"
+                raise EngineDeadError(f"{message}\n{client.stderr_tail()}") from None
+            if isinstance(e, EngineDeadError):
+                raise EngineDeadError(f"{e}\n{client.stderr_tail()}") from None
+            raise
+        return client
+
+    # -- state --------------------------------------------------------------------------------
+    def is_alive(self) -> bool:
+        return self._dead is None and self._proc.poll() is None
+
+    def is_making_progress(self, wedge_timeout: float) -> bool:
+        """False when no EngineStats came for wedge_timeout, or requests wait and no step completed in it."""
+        now = time.monotonic()
+        if now - self._stats_at > wedge_timeout:
+            return False
+        return not self._streams or now - self._progress_at <= wedge_timeout
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The core's exit status once it has exited (negative: killed by that signal)."""
+        return self._proc.poll()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def stderr_tail(self) -> str:
+        """The core's last log lines (all of them once it has exited)."""
+        if self._proc.poll() is not None:
+            self._stderr_pump.join(timeout=1.0)
+        return "".join(self._stderr_tail)
+
+    # -- requests -----------------------------------------------------------------------------
+    async def generate(self, request: m.AddRequest) -> AsyncIterator[RequestDelta]:
+        """Send the request and yield its deltas, the last one with finish_reason.
+
+        Raises RequestError (the core refused it) or EngineDeadError. Leaving early aborts it in the core.
+        """
+        request_id = request.request_id
+        if self._dead is not None or self._closing:
+            raise EngineDeadError(self._dead or "the engine is shutting down")
+        if request_id in self._streams:
+            raise RequestError(f"request {request_id!r} is already running", param="request_id")
+        if not self._streams:
+            self._progress_at = time.monotonic()  # idle until now: the wedge clock starts here
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        try:
+            self._send(request)
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if self._streams.get(request_id) is queue:  # still open in the core: the consumer left early
+                del self._streams[request_id]
+                if self.is_alive():
+                    self._send(m.AbortRequests([request_id]))
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Abort in the core; their streams end with a delta whose finish_reason is "abort"."""
+        if request_ids and self.is_alive():
+            self._send(m.AbortRequests(list(request_ids)))
+
+    def _send(self, msg: m.ToCore) -> None:
+        # Never awaited: the send goes out at once or queues in order, and a dead peer cannot block a
+        # caller (its stream fails through the reader instead).
+        self._input.send(self._encoder.encode(msg), copy=False)
+
+    # -- shutdown -----------------------------------------------------------------------------
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the core to exit, kill it after timeout, close the sockets, remove the ipc dir. Idempotent."""
+        if self._shutdown_task is None:
+            self._shutdown_task = asyncio.ensure_future(self._shutdown(timeout))
+        await asyncio.shield(self._shutdown_task)
+
+    async def _shutdown(self, timeout: float) -> None:
+        self._closing = True
+        if self._proc.poll() is None:
+            self._send(m.Shutdown())
+            if not await _wait_exit(self._proc, timeout):
+                logger.warning("the engine core did not exit within %.1f s; killing it", timeout)
+                self._proc.kill()
+                await _wait_exit(self._proc, 5.0)
+        try:
+            await asyncio.wait_for(self._reader, timeout=1.0)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            pass
+        self._fail_all("the engine is shut down")
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._ctx.term()
+        self._finalizer()
+        self._stderr_pump.join(timeout=1.0)
+
+    # -- the reader ---------------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        try:
+            while self._proc.poll() is None:
+                if await self._output.poll(POLL_MS):
+                    self._dispatch(await self._output.recv())
+            while await self._output.poll(0):  # what it sent before it went
+                self._dispatch(await self._output.recv())
+            self._die(f"the engine core exited with status {self._proc.returncode}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a reader that stops silently would hang every stream
+            logger.exception("engine output reader failed")
+            self._die(f"engine output reader failed: {e}")
+
+    def _dispatch(self, raw: bytes) -> None:
+        msg = self._decoder.decode(raw)
+        if isinstance(msg, m.StepOutputs):
+            for delta in msg.deltas:
+                self._route(delta.request_id, delta, delta.finish_reason is not None)
+        elif isinstance(msg, m.EngineStats):
+            self._on_stats(msg)
+        elif isinstance(msg, m.RequestFailed):
+            self._route(msg.request_id, RequestError.from_message(msg), True)
+        elif isinstance(msg, m.Ready):
+            self._stats_at = self._progress_at = time.monotonic()  # the heartbeat clock starts now
+            if not self._ready.done():
+                self._ready.set_result(msg)
+        elif isinstance(msg, m.EngineDead):
+            self._die(msg.message)
+
+    def _route(self, request_id: str, item: RequestDelta | Exception, last: bool) -> None:
+        queue = self._streams.get(request_id)
+        if queue is None:  # already left by its consumer
+            return
+        queue.put_nowait(item)
+        if last:
+            del self._streams[request_id]
+
+    def _on_stats(self, stats: m.EngineStats) -> None:
+        now = time.monotonic()
+        if self.stats is None or stats.num_steps > self.stats.num_steps or not self._streams:
+            self._progress_at = now
+        self.stats = stats
+        self._stats_at = now
+
+    def _die(self, reason: str) -> None:
+        """Fail every stream and run the death hooks, once; a deliberate shutdown runs no hooks."""
+        if self._dead is not None:
+            return
+        self._dead = reason
+        if self._closing:
+            self._ready.cancel()  # a no-op once Ready came
+        elif not self._ready.done():
+            self._ready.set_exception(EngineDeadError(reason))
+        self._fail_all(reason)
+        if self._closing:
+            return
+        logger.error("engine core died: %s", reason)
+        for hook in self.on_death:
+            try:
+                result = hook(reason)
+                if inspect.isawaitable(result):
+                    asyncio.ensure_future(result)
+            except Exception:
+                logger.exception("engine death hook failed")
+
+    def _fail_all(self, reason: str) -> None:
+        for queue in self._streams.values():
+            queue.put_nowait(EngineDeadError(reason))
+        self._streams.clear()
+
+
+def _spawn(config: EngineConfig, ipc_dir: str, fault: str | None) -> subprocess.Popen:
+    """Start the core as a plain subprocess (nothing pickled); it can import banyan from where we did."""
+    root = str(Path(banyan.__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "banyan.engine.core_process",
+           "--config-json", msgspec.json.encode(config).decode(),
+           "--input", f"ipc://{ipc_dir}/input", "--output", f"ipc://{ipc_dir}/output"]  # fmt: skip
+    if fault:
+        cmd += ["--fault", fault]
+    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _pump_stderr(proc: subprocess.Popen, tail: collections.deque) -> None:
+    """Forward the core's log lines to ours, keeping the last few for error messages."""
+    for raw in proc.stderr:
+        line = raw.decode(errors="replace")
+        tail.append(line)
+        try:
+            sys.stderr.write(line)
+        except (ValueError, OSError):  # our stderr closed at interpreter exit
+            pass
+    proc.stderr.close()
+
+
+async def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+def _reap(proc: subprocess.Popen, ipc_dir: str) -> None:
+    """Last resort (shutdown not called, interpreter exiting): no orphan core, no stale sockets."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -1,0 +1,166 @@
+"""The HTTP surface: routes, and one ASGI guard in front of all of them.
+
+The guard runs before routing, on every path (RELIABILITY rules 5 and 8):
+  - a request id (X-Request-Id accepted when sane, else made) echoed on the response;
+  - authentication, default-deny: every path but /health (and /metrics unless protected) needs a
+    valid key, so a route added later is protected without anyone remembering to;
+  - 503 while draining for shutdown, 413 for a declared body over the limit.
+Handlers read the body themselves (bounded, streamed bodies included) and parse it strictly.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from banyan import __version__
+from banyan.config import ServerConfig
+from banyan.engine.client import EngineClient
+from banyan.server.auth import ANONYMOUS, ApiKeyAuth, Tenant
+from banyan.server.errors import APIError, error_body, parse_json_body
+from banyan.server.metrics import ServerMetrics
+from banyan.server.serving import OpenAIServing
+
+logger = logging.getLogger("banyan.server")
+
+OPEN_PATHS = {"/health"}
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    client: EngineClient
+    serving: OpenAIServing
+    auth: ApiKeyAuth
+    metrics: ServerMetrics
+    draining: bool = False
+    dead: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def api_error_response(err: APIError) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, round(err.retry_after)))} if err.retry_after else None
+    return JSONResponse(error_body(err), status_code=err.status, headers=headers)
+
+
+class Guard:
+    """Pure ASGI middleware (not BaseHTTPMiddleware: that would break streaming disconnects)."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+        self.open_paths = OPEN_PATHS | (set() if state.config.protect_metrics else {"/metrics"})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        given = headers.get("x-request-id", "")
+        request_id = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", []).append((b"x-request-id", request_id.encode()))
+            await send(message)
+
+        error = self._refuse(scope, headers)
+        if error is not None:
+            return await api_error_response(error)(scope, receive, send_with_id)
+        await self.app(scope, receive, send_with_id)
+
+    def _refuse(self, scope, headers: dict) -> APIError | None:
+        path = scope["path"]
+        if path not in self.open_paths and self.state.auth.enabled:
+            tenant = self.state.auth.authenticate(headers.get("authorization"))
+            if tenant is None:
+                return APIError(401, "invalid or missing API key", type="invalid_request_error", code="invalid_api_key")
+            scope["state"]["tenant"] = tenant
+        if self.state.draining and path not in self.open_paths:
+            return APIError(503, "the server is shutting down", type="server_error", code="shutting_down", retry_after=5)
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.state.config.max_body_bytes:
+            return APIError(413, f"the body exceeds {self.state.config.max_body_bytes} bytes", code="payload_too_large")
+        return None
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The body as a JSON object, refusing more than `limit` bytes even when it comes chunked."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the body exceeds {limit} bytes", code="payload_too_large")
+        chunks.append(chunk)
+    return parse_json_body(b"".join(chunks))
+
+
+def tenant_of(request: Request) -> Tenant:
+    return getattr(request.state, "tenant", None) or ANONYMOUS
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="banyan", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    serving = state.serving
+    limit = state.config.max_body_bytes
+
+    @app.get("/health")
+    async def health() -> Response:
+        healthy = not state.dead and state.client.is_alive() and state.client.is_making_progress(state.config.wedge_timeout)
+        return Response(status_code=200 if healthy and not state.draining else 503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return serving.models()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.client.stats is not None:
+            state.metrics.update_from_engine_stats(state.client.stats)
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.completions(await read_json(request, limit), tenant_of(request), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await serving.chat(await read_json(request, limit), tenant_of(request), request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await serving.tokenize(await read_json(request, limit))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await serving.detokenize(await read_json(request, limit))
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, err: APIError) -> JSONResponse:
+        return api_error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "NotFoundError", 405: "invalid_request_error"}.get(err.status_code, "invalid_request_error")
+        return api_error_response(APIError(err.status_code, str(err.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, err: Exception) -> JSONResponse:
+        logger.exception("request %s failed", getattr(request.state, "request_id", "?"))
+        return api_error_response(APIError(500, "internal server error", type="server_error"))
+
+    app.add_middleware(Guard, state=state)
+    return app

@@ -1,0 +1,160 @@
+"""Generation: the choices of one HTTP request running in the core, merged into one event stream.
+
+One HTTP request holds P prompts x n choices; each choice is one engine request. A pump task per
+choice reads its deltas from the engine client, turns them into text (detokenizer, stop strings:
+SequenceState, shared with the offline API) and puts events on one queue, so streaming and
+non-streaming responses read the same events:
+
+    choice index = prompt index * n + j            (OpenAI's numbering for several prompts)
+    engine id    = f"{http request id}-{prompt index}-{j}"
+
+Closing the Generation (client gone, error, shutdown) cancels the pumps; the engine client aborts
+their requests in the core, which frees their pages within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from banyan.engine.client import EngineClient
+from banyan.engine.messages import AddRequest
+from banyan.engine.output_processor import SequenceState
+from banyan.sampling_params import SamplingParams
+
+MAX_BUFFERED_EVENTS = 4096  # a reader this far behind is dropped (RELIABILITY D4)
+
+
+@dataclass
+class Choice:
+    index: int
+    request_id: str
+    prompt_index: int
+    seq: SequenceState
+    arrival: float
+    num_cached_tokens: int = 0
+    queue_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class Event:
+    """New text of one choice, with its state at that moment; `error` set when the choice failed."""
+
+    choice: Choice
+    text: str
+    num_tokens: int = 0  # the choice's output tokens up to and including this event
+    finish_reason: str | None = None
+    error: BaseException | None = None
+
+
+class SlowReaderError(Exception):
+    """The client reads the stream slower than the engine writes it, beyond the buffer cap."""
+
+
+class Generation:
+    def __init__(
+        self,
+        client: EngineClient,
+        tokenizer,
+        http_request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ):
+        self.client = client
+        self.prompts = prompts
+        self.choices: list[Choice] = []
+        self._queue: asyncio.Queue[Event | None] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        now = time.time()
+        n = params.n
+        for p, prompt in enumerate(prompts):
+            for j in range(n):
+                child = params if n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + j)
+                request_id = f"{http_request_id}-{p}-{j}"
+                choice = Choice(p * n + j, request_id, p, SequenceState(p * n + j, child, tokenizer, prompt), now)
+                add = AddRequest(
+                    request_id,
+                    prompt,
+                    child,
+                    arrival_time=now,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                    group_id=f"{http_request_id}-{p}" if n > 1 else None,
+                )
+                self.choices.append(choice)
+                self._tasks.append(asyncio.ensure_future(self._pump(choice, add)))
+
+    async def _pump(self, choice: Choice, add: AddRequest) -> None:
+        try:
+            async for delta in self.client.generate(add):
+                choice.token_times.append(time.time())
+                if delta.queue_time is not None:
+                    choice.queue_time = delta.queue_time
+                    choice.num_cached_tokens = delta.num_cached_tokens
+                text, stopped = choice.seq.apply(delta)
+                if self._queue.qsize() >= MAX_BUFFERED_EVENTS:
+                    raise SlowReaderError("the client is not reading the stream")
+                self._queue.put_nowait(Event(choice, text, len(choice.seq.token_ids), choice.seq.finish_reason))
+                if stopped:  # a stop string ended it here: the core stops at once
+                    await self.client.abort([choice.request_id])
+                    break
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # request-scoped: this choice fails, the others go on
+            self._queue.put_nowait(Event(choice, "", error=e))
+        finally:
+            choice.finished = True
+            self._queue.put_nowait(None)
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every choice's events as they come, until all choices end."""
+        remaining = len(self._tasks)
+        while remaining:
+            event = await self._queue.get()
+            if event is None:
+                remaining -= 1
+                continue
+            yield event
+
+    async def run(self) -> list[Event]:
+        """Wait for the end of all choices; returns the error events (if any)."""
+        return [e async for e in self.events() if e.error is not None]
+
+    def abort(self) -> None:
+        """End every unfinished choice now with finish_reason "abort" (shutdown past its drain time)."""
+        for choice, task in zip(self.choices, self._tasks):
+            if not choice.finished:
+                choice.seq.finish_reason = "abort"
+                self._queue.put_nowait(Event(choice, "", len(choice.seq.token_ids), "abort"))
+                task.cancel()
+
+    async def close(self) -> None:
+        """Cancel what still runs (their engine requests are aborted)."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- usage --------------------------------------------------------------------------------
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.seq.token_ids) for c in self.choices)
+
+    @property
+    def cached_tokens(self) -> int:
+        # A prompt is computed once and its siblings reuse its pages: count the prompt once, as its
+        # first computation found the cache.
+        first: dict[int, int] = {}
+        for c in self.choices:
+            first[c.prompt_index] = min(first.get(c.prompt_index, c.num_cached_tokens), c.num_cached_tokens)
+        return sum(first.values())

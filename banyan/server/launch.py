@@ -1,0 +1,111 @@
+"""`banyan serve`: start the engine core, then the HTTP server, and own their lifecycle.
+
+    start:   core process up and Ready  ->  bind the port  ->  "listening on ..."
+    SIGTERM: stop admitting (503) -> wait for in-flight up to shutdown_timeout -> abort the rest
+             (finish_reason "abort") -> close HTTP -> stop the core -> exit 0
+    core dies: /health 503, in-flight requests fail at once -> exit 1 (a supervisor restarts us)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from pathlib import Path
+
+import uvicorn
+
+from banyan.config import EngineConfig, ServerConfig
+from banyan.engine.client import EngineClient
+from banyan.runner.weights import open_model
+from banyan.server.app import ServerState, build_app
+from banyan.server.auth import ApiKeyAuth, load_api_keys
+from banyan.server.metrics import ServerMetrics
+from banyan.server.serving import OpenAIServing
+
+logger = logging.getLogger("banyan.server")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, with banyan's drain on the first SIGTERM/SIGINT (a second one exits at once)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.state.draining or self.state.dead:
+            return super().handle_exit(sig, frame)
+        self.state.draining = True
+        asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.state.config.shutdown_timeout
+        logger.info("draining %d requests (up to %.0f s)", self.state.client.num_in_flight, self.state.config.shutdown_timeout)
+        while self.state.serving.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.state.serving.abort_all()
+        await asyncio.sleep(0.2)  # let the aborted streams write their last chunks
+        self.should_exit = True
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template takes a file path or the template itself."""
+    if value is None:
+        return None
+    path = Path(value)
+    if len(value) < 4096 and path.is_file():
+        return path.read_text(encoding="utf-8")
+    return value
+
+
+async def serve(engine_config: EngineConfig, server_config: ServerConfig, *, fault: str | None = None) -> int:
+    """Run until shut down; returns the process exit status."""
+    keys = load_api_keys(server_config.api_key, os.environ, server_config.api_key_file)
+    auth = ApiKeyAuth(keys, share_prefix_cache=server_config.share_prefix_cache)
+    tokenizer = open_model(engine_config.model.model, trust_remote_code=engine_config.model.trust_remote_code).tokenizer
+    client = await EngineClient.start(engine_config, fault=fault)
+    names = (server_config.served_model_name or engine_config.model.model).split(",")
+    names = [n.strip() for n in names if n.strip()]
+    metrics = ServerMetrics(names[0])
+    config = _with_template(server_config)
+    serving = OpenAIServing(config, client, tokenizer, names, metrics)
+    state = ServerState(config, client, serving, auth, metrics)
+    app = build_app(state)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level="warning",
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=5,
+        h11_max_incomplete_event_size=64 * 1024,  # caps header size (RELIABILITY H5)
+        http="h11",
+    )
+    server = _Server(uv_config, state)
+
+    def on_death(message: str) -> None:
+        logger.error("engine core died: %s", message)
+        state.dead = True
+        asyncio.get_running_loop().call_later(1.0, lambda: setattr(server, "should_exit", True))
+
+    client.on_death.append(on_death)
+    info = client.info
+    print(
+        f"banyan: serving {names[0]} ({info.architecture}, {info.dtype} on {info.device}) at "
+        f"http://{config.host}:{config.port}/v1 — KV cache {info.num_pages * info.page_size} tokens, "
+        f"max_model_len {info.max_model_len}{', API keys required' if auth.enabled else ''}",
+        flush=True,
+    )
+    try:
+        await server.serve()
+    finally:
+        await client.shutdown()
+    return 1 if state.dead else 0
+
+
+def _with_template(config: ServerConfig) -> ServerConfig:
+    from dataclasses import replace
+
+    return replace(config, chat_template=load_chat_template(config.chat_template))

@@ -1,0 +1,120 @@
+"""Prometheus metrics for `/metrics`, named as vLLM's with the `banyan:` prefix so dashboards port.
+
+Each ServerMetrics owns its CollectorRegistry (never prometheus_client's global one), so two apps
+or two tests in one process never share or collide on a metric. Engine-wide numbers arrive in
+EngineStats snapshots; per-request numbers arrive once, when the request finishes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from banyan.engine.messages import EngineStats
+
+# Bucket bounds as vLLM's, so the same histogram_quantile panels read the same.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISHED_REASONS = ("stop", "length", "abort", "error")  # as banyan.engine.outputs
+
+
+class ServerMetrics:
+    """The server's metrics for one served model; `render()` is the `/metrics` response."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"banyan:{name}", doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            # prometheus_client appends `_total` itself: `banyan:x` is exposed as `banyan:x_total`.
+            return Counter(f"banyan:{name}", doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(
+                f"banyan:{name}", doc, labels, buckets=buckets, registry=self.registry
+            ).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in model execution.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent.")
+
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Generation tokens processed.")
+
+        success = Counter(
+            "banyan:request_success", "Successfully processed requests.",
+            labels + ["finished_reason"], registry=self.registry,
+        )
+        self.request_success = {r: success.labels(model_name, r) for r in FINISHED_REASONS}
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between output tokens in seconds.", ITL_BUCKETS)
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+            LATENCY_BUCKETS)
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Time spent waiting in the queue in seconds.",
+            LATENCY_BUCKETS)
+
+        self._last_stats: EngineStats | None = None
+
+    def update_from_engine_stats(self, stats: EngineStats) -> None:
+        """Set the gauges; advance the counters by what the core's cumulative counts grew by.
+
+        A count that went down means the core restarted from zero: its new value is all growth.
+        """
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_usage)
+        last = self._last_stats
+        for counter, field in [
+            (self.prefix_cache_queries, "prefix_query_tokens"),
+            (self.prefix_cache_hits, "prefix_hit_tokens"),
+            (self.num_preemptions, "num_preemptions"),
+        ]:
+            now = getattr(stats, field)
+            before = getattr(last, field) if last is not None else 0
+            counter.inc(now - before if now >= before else max(0, now))
+        self._last_stats = stats
+
+    def observe_request(
+        self,
+        prompt_tokens: int,
+        generation_tokens: int,
+        finished_reason: str,
+        ttft: float | None,
+        itls: list[float],
+        e2e: float,
+        queue_time: float,
+    ) -> None:
+        """Record one finished request (ttft is None when it produced no token)."""
+        self.prompt_tokens.inc(max(0, prompt_tokens))
+        self.generation_tokens.inc(max(0, generation_tokens))
+        success = self.request_success.get(finished_reason)
+        if success is None:  # keep label cardinality bounded: only known reasons get a series
+            success = self.request_success["error"]
+        success.inc()
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        for itl in itls:
+            self.itl.observe(itl)
+        self.e2e.observe(e2e)
+        self.queue_time.observe(queue_time)
+
+    def render(self) -> tuple[bytes, str]:
+        """The `/metrics` body and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,563 @@
+"""OpenAI's request and response shapes as pydantic models, with OpenAI's ranges and the server's caps.
+
+Requests are validated strictly (no "1" for 1, no true for 1, finite numbers only); unknown top-level
+fields are ignored (logged at debug), never passed on. A JSON `null` means "the default" for every
+field except `max_tokens`, where it means "as many as the context allows". Validators raise
+InvalidParameterError naming the field relative to where they run, so `from_validation_error` can
+report `param` as a full path like `messages[2].tool_call_id`.
+
+    body bytes --parse_json_body--> dict --parse--> CompletionRequest | ChatCompletionRequest
+               --to_sampling_params--> SamplingParams          (messages_for_template: chat -> template input)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from banyan.engine.tokenizer import RESERVED_TEMPLATE_KWARGS
+from banyan.errors import InvalidParameterError
+from banyan.sampling_params import INT64_MAX, INT64_MIN, MAX_N, MAX_STOP_STRING_LEN, SamplingParams
+from banyan.server.errors import MAX_JSON_DEPTH, from_validation_error
+
+logger = logging.getLogger(__name__)
+
+MAX_PROMPTS = 256
+"""Prompts in one completions request (CVE-2026-73559)."""
+MAX_STOP = 4
+MAX_COMPLETION_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20
+MAX_TOKEN_ID = 2**31 - 1
+"""Token ids are checked against the model's vocabulary later; this only bounds them."""
+MAX_LOGIT_BIAS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+CACHE_SALT_PATTERN = r"^[A-Za-z0-9_.:-]{1,256}$"
+UNSUPPORTED_PARTS = ("image_url", "input_audio", "image", "audio", "input_image", "video_url", "file", "refusal")
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class _Request(_Strict):
+    """A request body: `null` means the default (except for max_tokens); unknown fields are ignored."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_mean_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        unknown = data.keys() - cls.model_fields.keys()
+        if unknown:
+            logger.debug("%s: ignoring unknown fields %s", cls.__name__, sorted(unknown)[:20])
+        return {k: v for k, v in data.items() if v is not None or k == "max_tokens"}
+
+
+# -- pieces of requests ---------------------------------------------------------------------------
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+    """JSON text, as the model wrote it."""
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class TextPart(_Strict):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ChatMessageParam(_Strict):
+    """One message of a chat: text content only (a string or a list of text parts)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        if content is None or isinstance(content, str):
+            return content
+        if not isinstance(content, list) or not content:
+            raise InvalidParameterError("", "must be a string or a non-empty list of content parts")
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in UNSUPPORTED_PARTS:
+                raise InvalidParameterError(f"[{i}].type", f"content parts of type {kind!r} are not supported")
+            if kind != "text":
+                raise InvalidParameterError(f"[{i}]", 'must be an object {"type": "text", "text": "..."}')
+            if not isinstance(part.get("text"), str):
+                raise InvalidParameterError(f"[{i}].text", "must be a string")
+        return content
+
+    @model_validator(mode="after")
+    def _role_rules(self) -> ChatMessageParam:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise InvalidParameterError("tool_call_id", "is required in a message with role 'tool'")
+        if self.tool_calls and self.role != "assistant":
+            raise InvalidParameterError("tool_calls", "only messages with role 'assistant' have tool calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise InvalidParameterError("content", "is required (null only in an assistant message with tool_calls)")
+        return self
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+# -- requests -------------------------------------------------------------------------------------
+class _SamplingFields(_Request):
+    """What completions and chat completions share: sampling, stopping, streaming, and vLLM's extras."""
+
+    model: str | None = None
+    """None: the served model."""
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_LEN)]] | None = Field(
+        None, max_length=MAX_STOP)
+    seed: Int64 | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
+    min_p: Probability | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = Field(None, pattern=CACHE_SALT_PATTERN)
+    """Namespace of the prefix cache (from a trusted gateway); letters, digits and _.:- only."""
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_is_a_list(cls, stop: Any) -> Any:
+        return [stop] if isinstance(stop, str) else stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in logit_bias or {}:
+            if not (key.isascii() and key.isdigit() and int(key) <= MAX_TOKEN_ID):
+                shown = key if len(key) <= 20 else key[:17] + "..."
+                raise InvalidParameterError(
+                    "", f"keys must be token ids (integers in [0, {MAX_TOKEN_ID}]), got {shown!r}")
+        return logit_bias
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise InvalidParameterError("stream_options", "is only allowed when stream is true")
+        return self
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    """One prompt or a batch of them, as text or token ids."""
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="plain")  # the whole validation: pydantic's union is slow on long lists
+    @classmethod
+    def _check_prompt(cls, prompt: Any) -> Any:
+        if isinstance(prompt, str):
+            return _check_text_prompt("", prompt)
+        if not isinstance(prompt, list) or not prompt:
+            raise InvalidParameterError("", "must be a non-empty string, list of strings, or list of token ids")
+        if all(isinstance(p, list) for p in prompt):
+            _check_prompt_count(prompt)
+            for i, ids in enumerate(prompt):
+                _check_token_ids(f"[{i}]", ids)
+        elif all(isinstance(p, str) for p in prompt):
+            _check_prompt_count(prompt)
+            for i, text in enumerate(prompt):
+                _check_text_prompt(f"[{i}]", text)
+        else:
+            _check_token_ids("", prompt)
+        return prompt
+
+    @model_validator(mode="after")
+    def _supported(self) -> CompletionRequest:
+        if self.suffix is not None:
+            raise InvalidParameterError("suffix", "is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidParameterError("best_of", f"must equal n ({self.n}) if given, got {self.best_of}")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a batch: each one a text or a list of token ids."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+
+
+class _ChatTemplateFields(_Request):
+    """What rendering a chat needs: the messages and the chat template's inputs."""
+
+    model: str | None = None
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    documents: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    """A template sent with the request: refused unless the server allows it (RELIABILITY M1)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs or {}))
+        if reserved:
+            raise InvalidParameterError("", f"cannot set {', '.join(reserved)}: the server sets them")
+        return kwargs
+
+    @model_validator(mode="after")
+    def _start_or_continue(self):
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidParameterError(
+                "continue_final_message", "cannot be combined with add_generation_prompt (start or continue a message)")
+        return self
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    """Wins over max_tokens (its newer name)."""
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _check_tool_choice(cls, choice: Any) -> Any:
+        named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
+            choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)
+        if not (named or choice in ("none", "auto", "required")):
+            raise InvalidParameterError(
+                "", "must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        return choice
+
+    @model_validator(mode="after")
+    def _supported(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidParameterError("top_logprobs", "requires logprobs to be true")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise InvalidParameterError("response_format", "structured output is not supported yet")
+        if self.tools and self.tool_choice != "none":
+            raise InvalidParameterError("tools", "tool calling is not supported yet")
+        return self
+
+
+def _check_text_prompt(param: str, text: str) -> str:
+    if not text:
+        raise InvalidParameterError(param, "a prompt must not be empty")
+    return text
+
+
+def _check_prompt_count(prompts: list) -> None:
+    if len(prompts) > MAX_PROMPTS:
+        raise InvalidParameterError("", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+
+
+def _check_token_ids(param: str, ids: list) -> None:
+    if not ids:
+        raise InvalidParameterError(param, "a prompt must not be empty")
+    if set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) <= MAX_TOKEN_ID:
+        return  # the common case, checked in C
+    for i, t in enumerate(ids):
+        if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
+            shown = repr(t)[:40]
+            raise InvalidParameterError(
+                f"{param}[{i}]", f"token ids must be integers in [0, {MAX_TOKEN_ID}], got {shown}")
+
+
+def _template_message(message: ChatMessageParam) -> dict[str, Any]:
+    out = message.model_dump(exclude_none=True)
+    if isinstance(message.content, list):
+        out["content"] = "\n".join(part.text for part in message.content)
+    for call in out.get("tool_calls", ()):
+        try:
+            arguments = json.loads(call["function"]["arguments"])
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(arguments, dict) and _depth_at_most(arguments, MAX_JSON_DEPTH):
+            call["function"]["arguments"] = arguments
+    return out
+
+
+def _depth_at_most(value: Any, limit: int) -> bool:
+    level, depth = [value], 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return False
+        level = [v for node in level for v in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(v, (dict, list))]
+    return True
+
+
+# -- to the engine --------------------------------------------------------------------------------
+Req = TypeVar("Req", bound=BaseModel)
+
+
+def parse(model: type[Req], data: dict) -> Req:
+    """A request of type `model` from a body `parse_json_body` returned; APIError (400) naming the field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def messages_for_template(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
+    """The messages as a chat template reads them: text parts joined into one string, tool-call
+    arguments parsed from JSON where they are a JSON object, null fields left out."""
+    return [_template_message(m) for m in messages]
+
+
+def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *,
+                       default_max_tokens: int | None) -> SamplingParams:
+    """How to sample for the request. `default_max_tokens` applies when the request sets no limit
+    (None: up to the context length). Raises InvalidParameterError (param kept) for combinations
+    SamplingParams refuses."""
+    if isinstance(request, ChatCompletionRequest):
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    else:
+        max_tokens, logprobs = request.max_tokens, request.logprobs
+    optional = {name: getattr(request, name) for name in (
+        "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")}
+    return SamplingParams(
+        n=request.n,
+        seed=request.seed,
+        stop=request.stop or [],
+        stop_token_ids=request.stop_token_ids or [],
+        ignore_eos=request.ignore_eos,
+        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        min_tokens=request.min_tokens,
+        logprobs=logprobs,
+        logit_bias={int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        skip_special_tokens=request.skip_special_tokens,
+        spaces_between_special_tokens=request.spaces_between_special_tokens,
+        **{k: v for k, v in optional.items() if v is not None},
+    )
+
+
+# -- responses ------------------------------------------------------------------------------------
+def _now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(BaseModel):
+    class PromptTokensDetails(BaseModel):
+        cached_tokens: int = 0
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions format: parallel lists, one entry per token."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    """vLLM's extra: the stop string or token id that ended the choice."""
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprob] | None = None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "banyan"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = []
+
+
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_ChatTemplateFields):
+    add_special_tokens: bool = False
+    """The chat template writes the special tokens itself."""
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

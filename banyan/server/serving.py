@@ -1,0 +1,350 @@
+"""OpenAIServing: OpenAI requests -> engine requests -> OpenAI responses (JSON or SSE).
+
+Each handler: validate the body (protocol.py), tokenize off the event loop with a time cap, check
+lengths against the model, admit (rate limits, queue), run a Generation, then answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from banyan.config import ServerConfig
+from banyan.engine.client import EngineClient, EngineDeadError, RequestError
+from banyan.engine.tokenizer import encode_chat
+from banyan.errors import BanyanError
+from banyan.sampling_params import SamplingParams
+from banyan.server import protocol
+from banyan.server.auth import ApiKeyAuth, RateLimiter, Tenant
+from banyan.server.errors import APIError, error_body, from_banyan_error
+from banyan.server.generation import Choice, Generation
+from banyan.server.logprobs import chat_logprobs, completion_logprobs
+from banyan.server.metrics import ServerMetrics
+
+
+class OpenAIServing:
+    def __init__(self, config: ServerConfig, client: EngineClient, tokenizer, model_names: list[str], metrics: ServerMetrics):
+        self.config = config
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_names = model_names
+        self.metrics = metrics
+        self.limiter = RateLimiter(config.requests_per_minute, config.tokens_per_minute)
+        self.max_model_len = client.info.max_model_len
+        self.vocab_size = client.info.vocab_size
+        self.chat_template = config.chat_template
+        self.live: set[Generation] = set()  # generations in flight, for the shutdown drain
+        # Tokenizing and template rendering run here, off the event loop, under a time cap.
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="banyan-text")
+
+    # -- endpoints ----------------------------------------------------------------------------
+    async def completions(self, body: dict, tenant: Tenant, http: Request) -> Response:
+        req = protocol.parse(protocol.CompletionRequest, body)
+        self.check_model(req.model)
+        prompts = await self._offload(self._tokenize_prompts, req.prompt)
+        params = protocol.to_sampling_params(req, default_max_tokens=None)
+        gen = self._start(prompts, params, req, tenant, http)
+        texts = [self._prompt_text(p) for p in prompts] if req.echo else None
+        render = _CompletionRender(self, gen, req, texts)
+        if req.stream:
+            return self._sse(gen, render.chunks(), http)
+        return await self._respond(gen, render.response, http)
+
+    async def chat(self, body: dict, tenant: Tenant, http: Request) -> Response:
+        req = protocol.parse(protocol.ChatCompletionRequest, body)
+        self.check_model(req.model)
+        if req.chat_template is not None and not self.config.allow_request_chat_template:
+            raise APIError(400, "request chat templates are disabled on this server", param="chat_template")
+        prompt_ids = await self._offload(self._render_chat, req)
+        params = protocol.to_sampling_params(req, default_max_tokens=None)
+        gen = self._start([prompt_ids], params, req, tenant, http)
+        render = _ChatRender(self, gen, req)
+        if req.stream:
+            return self._sse(gen, render.chunks(), http)
+        return await self._respond(gen, render.response, http)
+
+    async def tokenize(self, body: dict) -> Response:
+        if "messages" in body:
+            req = protocol.parse(protocol.TokenizeChatRequest, body)
+            ids = await self._offload(self._render_chat, req)
+        else:
+            req = protocol.parse(protocol.TokenizeCompletionRequest, body)
+            ids = await self._offload(lambda: self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len})
+
+    async def detokenize(self, body: dict) -> Response:
+        req = protocol.parse(protocol.DetokenizeRequest, body)
+        self._check_token_ids(req.tokens, "tokens")
+        return JSONResponse({"prompt": await self._offload(lambda: self.tokenizer.decode(req.tokens))})
+
+    def models(self) -> dict:
+        created = int(time.time())
+        cards = [
+            {"id": name, "object": "model", "created": created, "owned_by": "banyan", "max_model_len": self.max_model_len}
+            for name in self.model_names
+        ]
+        return {"object": "list", "data": cards}
+
+    # -- checks -------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise APIError(404, f"the model {model!r} does not exist", type="NotFoundError", param="model", code="model_not_found")
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is out of vocabulary (size {self.vocab_size})", param=param)
+
+    def _check_lengths(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        for ids in prompts:
+            if not ids:
+                raise APIError(400, "the prompt is empty", param="prompt")
+            self._check_token_ids(ids, "prompt")
+            wanted = len(ids) + (params.max_tokens or 1)
+            if wanted > self.max_model_len:
+                asked = f"{len(ids)} in the prompt + {params.max_tokens} to generate" if params.max_tokens else f"{len(ids)} in the prompt"
+                raise APIError(
+                    400,
+                    f"this model's maximum context length is {self.max_model_len} tokens, but {asked} were requested",
+                    param="max_tokens" if params.max_tokens else "prompt",
+                    code="context_length_exceeded",
+                )
+
+    def _admit(self, tenant: Tenant, num_tokens: int, num_requests: int) -> None:
+        if self.client.num_in_flight + num_requests > self.config.max_queued_requests:
+            raise APIError(503, "the server is at capacity; retry shortly", type="server_error", code="server_overloaded", retry_after=1)
+        wait = self.limiter.check(tenant.tenant_id, num_tokens)
+        if wait is not None:
+            raise APIError(429, "rate limit reached for this API key", type="rate_limit_error", code="rate_limit_exceeded", retry_after=wait)
+
+    # -- text work off the loop -----------------------------------------------------------------
+    async def _offload(self, fn: Callable, *args):
+        future = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        try:
+            return await asyncio.wait_for(future, self.config.render_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(400, f"tokenizing or rendering took longer than {self.config.render_timeout} s", param="prompt") from None
+
+    def _tokenize_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self.tokenizer.encode(prompt)]
+        if prompt and isinstance(prompt[0], int):
+            return [list(prompt)]
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+
+    def _render_chat(self, req) -> list[int]:
+        _, ids = encode_chat(
+            self.tokenizer,
+            protocol.messages_for_template(req.messages),
+            chat_template=getattr(req, "chat_template", None) or self.chat_template,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            tools=[t.model_dump(exclude_none=True) for t in req.tools] if getattr(req, "tools", None) else None,
+            documents=getattr(req, "documents", None),
+            chat_template_kwargs=req.chat_template_kwargs,
+        )
+        return ids
+
+    def _prompt_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    # -- running --------------------------------------------------------------------------------
+    def _start(self, prompts, params: SamplingParams, req, tenant: Tenant, http: Request) -> Generation:
+        self._check_lengths(prompts, params)
+        try:
+            params.verify_for_model(self.vocab_size)
+        except BanyanError as e:
+            raise from_banyan_error(e) from e
+        budget = sum(len(p) + (params.max_tokens or self.max_model_len - len(p)) for p in prompts) * params.n
+        self._admit(tenant, budget, len(prompts) * params.n)
+        namespace = ApiKeyAuth.namespace_for(tenant, req.cache_salt)
+        gen = Generation(self.client, self.tokenizer, http.state.request_id, prompts, params, priority=req.priority, cache_salt=namespace)
+        self.live.add(gen)
+        return gen
+
+    def abort_all(self) -> None:
+        """End every generation in flight with finish_reason "abort"."""
+        for gen in list(self.live):
+            gen.abort()
+
+    async def _finish(self, gen: Generation) -> None:
+        await gen.close()
+        self.live.discard(gen)
+        self._record(gen)
+
+    async def _respond(self, gen: Generation, build: Callable[[], dict], http: Request) -> Response:
+        """Wait for every choice (aborting them if the client leaves first), then answer in one body."""
+        work = asyncio.ensure_future(gen.run())
+        gone = asyncio.ensure_future(_client_disconnected(http))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the client left: free the engine now
+                work.cancel()
+                return Response(status_code=499)
+            errors = work.result()
+        finally:
+            gone.cancel()
+            await self._finish(gen)
+        if errors:
+            raise _error_of(errors[0].error)
+        return JSONResponse(build())
+
+    def _sse(self, gen: Generation, chunks: AsyncIterator[dict], http: Request) -> StreamingResponse:
+        async def stream():
+            try:
+                async for chunk in chunks:
+                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            except Exception as e:  # request-scoped failure mid-stream: an error event, then [DONE]
+                err = _error_of(e)
+                yield f"data: {json.dumps(error_body(err))}\n\n"
+            finally:
+                await self._finish(gen)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    def _record(self, gen: Generation) -> None:
+        for c in gen.choices:
+            if not c.token_times:
+                continue
+            times = c.token_times
+            self.metrics.observe_request(
+                prompt_tokens=len(gen.prompts[c.prompt_index]),
+                generation_tokens=len(c.seq.token_ids),
+                finished_reason=c.seq.finish_reason or "abort",
+                ttft=times[0] - c.arrival,
+                itls=[b - a for a, b in zip(times, times[1:])],
+                e2e=times[-1] - c.arrival,
+                queue_time=c.queue_time,
+            )
+
+
+async def _client_disconnected(http: Request) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _error_of(e: BaseException) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, RequestError):
+        return APIError(e.status, e.message, type=e.error_type, param=e.param, code=e.code)
+    if isinstance(e, EngineDeadError):
+        return APIError(500, "the engine stopped; the server is restarting", type="server_error", code="engine_dead")
+    if isinstance(e, BanyanError):
+        return from_banyan_error(e)
+    return APIError(500, "internal error", type="server_error")
+
+
+def usage(gen: Generation) -> dict:
+    return {
+        "prompt_tokens": gen.prompt_tokens,
+        "completion_tokens": gen.completion_tokens,
+        "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
+    }
+
+
+class _CompletionRender:
+    """/v1/completions bodies and chunks."""
+
+    def __init__(self, serving: OpenAIServing, gen: Generation, req, prompt_texts: list[str] | None):
+        self.serving, self.gen, self.req, self.prompt_texts = serving, gen, req, prompt_texts
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = req.model or serving.model_names[0]
+
+    def _head(self, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "choices": choices}
+
+    def _logprobs(self, c: Choice):
+        if self.req.logprobs is None:
+            return None
+        return completion_logprobs(c.seq, self.serving.tokenizer, self.req.logprobs)
+
+    def response(self) -> dict:
+        choices = []
+        for c in self.gen.choices:
+            echo = self.prompt_texts[c.prompt_index] if self.prompt_texts else ""
+            choices.append({"index": c.index, "text": echo + c.seq.text, "logprobs": self._logprobs(c),
+                            "finish_reason": c.seq.finish_reason, "stop_reason": c.seq.stop_reason})
+        return self._head(choices) | {"usage": usage(self.gen)}
+
+    async def chunks(self) -> AsyncIterator[dict]:
+        echoed: set[int] = set()
+        sent = {c.index: 0 for c in self.gen.choices}  # logprob positions already sent
+        async for event in self.gen.events():
+            if event.error is not None:
+                raise event.error
+            c, text = event.choice, event.text
+            if self.prompt_texts and c.index not in echoed:
+                echoed.add(c.index)
+                text = self.prompt_texts[c.prompt_index] + text
+            logprobs = None
+            if self.req.logprobs is not None:
+                logprobs = completion_logprobs(c.seq, self.serving.tokenizer, self.req.logprobs, sent[c.index], event.num_tokens)
+                sent[c.index] = event.num_tokens
+            if text or logprobs or event.finish_reason:
+                yield self._head([{"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": event.finish_reason}])
+        if _include_usage(self.req):
+            yield self._head([]) | {"usage": usage(self.gen)}
+
+
+class _ChatRender:
+    """/v1/chat/completions bodies and chunks."""
+
+    def __init__(self, serving: OpenAIServing, gen: Generation, req):
+        self.serving, self.gen, self.req = serving, gen, req
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = req.model or serving.model_names[0]
+
+    def _head(self, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": choices}
+
+    def _logprobs(self, c: Choice, start: int = 0, end: int | None = None):
+        if not self.req.logprobs:
+            return None
+        return chat_logprobs(c.seq, self.serving.tokenizer, self.req.top_logprobs or 0, start, end)
+
+    def response(self) -> dict:
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.seq.text},
+                "logprobs": self._logprobs(c),
+                "finish_reason": c.seq.finish_reason,
+                "stop_reason": c.seq.stop_reason,
+            }
+            for c in self.gen.choices
+        ]
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage(self.gen)}
+
+    async def chunks(self) -> AsyncIterator[dict]:
+        for c in self.gen.choices:  # OpenAI sends the role first, with empty content
+            yield self._head([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        sent = {c.index: 0 for c in self.gen.choices}  # logprob positions already sent
+        async for event in self.gen.events():
+            if event.error is not None:
+                raise event.error
+            c = event.choice
+            logprobs = self._logprobs(c, sent[c.index], event.num_tokens)
+            sent[c.index] = event.num_tokens
+            if event.text or logprobs:
+                yield self._head([{"index": c.index, "delta": {"content": event.text}, "logprobs": logprobs, "finish_reason": None}])
+            if event.finish_reason is not None:
+                yield self._head([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}])
+        if _include_usage(self.req):
+            yield self._head([]) | {"usage": usage(self.gen)}
+
+
+def _include_usage(req) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
