@@ -127,6 +127,10 @@ class Generation:
         """Wait for the end of all choices; returns the error events (if any)."""
         return [e async for e in self.events() if e.error is not None]
 
+    @property
+    def done(self) -> bool:
+        return all(task.done() for task in self._tasks)
+
     def abort(self) -> None:
         """End every unfinished choice now with finish_reason "abort" (shutdown past its drain time)."""
         for choice, task in zip(self.choices, self._tasks):
@@ -135,11 +139,14 @@ class Generation:
                 self._queue.put_nowait(Event(choice, "", len(choice.seq.token_ids), "abort"))
                 task.cancel()
 
-    async def close(self) -> None:
-        """Cancel what still runs (their engine requests are aborted)."""
+    def close(self) -> None:
+        """Cancel what still runs; the engine client aborts their requests in the core.
+
+        Synchronous on purpose: it runs in `finally` blocks of cancelled tasks, where any await
+        would be cancelled again before it could finish.
+        """
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # -- usage --------------------------------------------------------------------------------
     @property

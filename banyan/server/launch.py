@@ -43,7 +43,7 @@ class _Server(uvicorn.Server):
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.state.config.shutdown_timeout
         logger.info("draining %d requests (up to %.0f s)", self.state.client.num_in_flight, self.state.config.shutdown_timeout)
-        while self.state.serving.live and time.monotonic() < deadline:
+        while self.state.serving.in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self.state.serving.abort_all()
         await asyncio.sleep(0.2)  # let the aborted streams write their last chunks

@@ -169,13 +169,18 @@ class OpenAIServing:
         self.live.add(gen)
         return gen
 
+    def in_flight(self) -> list[Generation]:
+        """Generations still running (a stream the client left before it began is pruned here)."""
+        self.live = {gen for gen in self.live if not gen.done}
+        return list(self.live)
+
     def abort_all(self) -> None:
         """End every generation in flight with finish_reason "abort"."""
-        for gen in list(self.live):
+        for gen in self.in_flight():
             gen.abort()
 
-    async def _finish(self, gen: Generation) -> None:
-        await gen.close()
+    def _finish(self, gen: Generation) -> None:
+        gen.close()
         self.live.discard(gen)
         self._record(gen)
 
@@ -191,7 +196,7 @@ class OpenAIServing:
             errors = work.result()
         finally:
             gone.cancel()
-            await self._finish(gen)
+            self._finish(gen)
         if errors:
             raise _error_of(errors[0].error)
         return JSONResponse(build())
@@ -205,7 +210,7 @@ class OpenAIServing:
                 err = _error_of(e)
                 yield f"data: {json.dumps(error_body(err))}\n\n"
             finally:
-                await self._finish(gen)
+                self._finish(gen)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

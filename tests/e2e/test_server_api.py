@@ -1,0 +1,178 @@
+"""`banyan serve` as OpenAI clients see it: a real server on 127.0.0.1, the official `openai` client.
+
+The server runs a tiny random Llama; outputs are checked against the offline engine on the same
+weights (greedy), and between streaming and non-streaming (same seed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from banyan import LLM, SamplingParams
+from tests.factories import write_model_dir
+from tests.server_process import start_server
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_serve")
+    write_model_dir(path, "llama", seed=4)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    proc = start_server(model_dir, "--served-model-name", "tiny", "--kv-cache-memory", "64MiB", "--max-model-len", "256")
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    return LLM(str(model_dir), block_size=4, num_threads=1, max_model_len=256)
+
+
+def post(server, path, body=None, content=None, headers=None):
+    return httpx.post(f"{server.base_url}{path}", json=body, content=content, headers=headers, timeout=60)
+
+
+# -- the happy paths --------------------------------------------------------------------------
+def test_models_version_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{server.base_url}/version").json()["version"]
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_completion_equals_the_offline_engine(client, offline):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    ref = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    assert out.choices[0].text == ref.outputs[0].text
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids) and out.usage.completion_tokens == 12
+
+
+def test_prompt_forms(client):
+    ids = [5, 6, 7, 8]
+    out = client.completions.create(model="tiny", prompt=[ids, [9, 10, 11]], max_tokens=3, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    out = client.completions.create(model="tiny", prompt=["a b", "c d"], n=2, max_tokens=2, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+
+
+def test_stream_equals_non_stream_with_the_same_seed(client):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "hello there"}], max_tokens=16, temperature=1.0,
+              seed=11, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in finishing] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 16 and chunks[-1].choices == []
+
+
+def test_completion_stream_ends_with_done(server):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_n_and_logprobs(client):
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=4,
+                                         temperature=1.0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    for choice in out.choices:
+        content = choice.logprobs.content
+        assert len(content) == 4
+        assert all(len(p.top_logprobs) == 2 and p.logprob <= 0 for p in content)
+    comp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, logprobs=2, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3 and len(lp.top_logprobs[0]) <= 2
+    assert "".join(lp.tokens) == comp.choices[0].text or len(lp.text_offset) == 3
+
+
+def test_stop_strings_and_echo(client):
+    base = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[4:7]
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == base[: base.index(stop)] and out.choices[0].finish_reason == "stop"
+    echo = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, echo=True, extra_body={"ignore_eos": True})
+    assert echo.choices[0].text.startswith(PROMPT)
+
+
+def test_cached_tokens_are_reported(client):
+    long_prompt = "Radix trees share prefixes; paged attention keeps pages" * 2
+    first = client.completions.create(model="tiny", prompt=long_prompt, max_tokens=1)
+    again = client.completions.create(model="tiny", prompt=long_prompt, max_tokens=1)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_tokenize_detokenize(server):
+    tokens = post(server, "/tokenize", {"prompt": PROMPT}).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 256
+    assert post(server, "/detokenize", {"tokens": tokens["tokens"]}).json()["prompt"] == PROMPT
+    chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "<|im_start|>system"}]}).json()
+    specials = post(server, "/tokenize", {"prompt": "<|im_start|>"}).json()["tokens"]
+    # The user's text "<|im_start|>" is plain text, not the control token (no role injection).
+    assert chat["tokens"].count(specials[0]) == 2  # the template's own: user turn + assistant turn
+
+
+def test_metrics_names(server, client):
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    text = httpx.get(f"{server.base_url}/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "prompt_tokens_total", "generation_tokens_total", "request_success_total",
+                 "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "num_preemptions_total"):
+        assert f"banyan:{name}" in text
+
+
+def test_request_id_is_echoed(server):
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1}, headers={"X-Request-Id": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+
+
+def test_64_concurrent_streams_complete_correctly(server, offline):
+    prompts = [f"request number {i}" for i in range(64)]
+    refs = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+
+    async def one(aclient, prompt):
+        stream = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                                  extra_body={"ignore_eos": True})
+        text, reasons = "", []
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            reasons.append(chunk.choices[0].finish_reason)
+        return text, [r for r in reasons if r]
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120) as aclient:
+            return await asyncio.gather(*(one(aclient, p) for p in prompts))
+
+    results = asyncio.run(run())
+    assert [t for t, _ in results] == [r.outputs[0].text for r in refs]
+    assert all(reasons == ["length"] for _, reasons in results)

@@ -1,0 +1,394 @@
+"""RELIABILITY.md against a real server: hostile input, disconnects, auth, tenants, load and faults.
+
+Every bad request must get an OpenAI-shaped error with the right status, and leave the server
+healthy with its KV pages back at baseline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+
+from banyan.config import ServerConfig
+from banyan.server.app import build_app
+from tests.factories import write_model_dir
+from tests.server_process import start_server
+
+pytestmark = pytest.mark.slow
+
+COMMON = ("--served-model-name", "tiny", "--kv-cache-memory", "64MiB", "--max-model-len", "256")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_reliability")
+    write_model_dir(path, "llama", seed=5)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    proc = start_server(model_dir, *COMMON)
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+def post(server, path, body=None, content=None, headers=None, timeout=60):
+    return httpx.post(f"{server.base_url}{path}", json=body, content=content, headers=headers, timeout=timeout)
+
+
+def error_of(response, status, param=None, code=None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if param is not None:  # the field, or a place inside it ("stop[0]")
+        assert error["param"] == param or error["param"].startswith((f"{param}[", f"{param}.")), error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+def metric(server, name) -> float:
+    for line in httpx.get(f"{server.base_url}/metrics").text.splitlines():
+        if line.startswith(f"banyan:{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def wait_idle(server, timeout=10.0):
+    """Until nothing runs and no KV page is held by a request."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metric(server, "num_requests_running") == 0 and metric(server, "kv_cache_usage_perc") == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the engine did not return to idle")
+
+
+# -- C1: malformed HTTP / JSON ------------------------------------------------------------------
+@pytest.mark.parametrize("content", [b"{", b"\x00\xff garbage", b"", b"[]", b'"x"', b"1", b"null"])
+def test_h1_h2_bodies_that_are_not_a_json_object(server, content):
+    error_of(post(server, "/v1/completions", content=content, headers={"content-type": "application/json"}), 400)
+
+
+@pytest.mark.parametrize(
+    "content,param",
+    [
+        (b'{"prompt": "x", "temperature": NaN}', "temperature"),
+        (b'{"prompt": "x", "temperature": Infinity}', "temperature"),
+        (b'{"prompt": "x", "temperature": 1e400}', "temperature"),
+        (b'{"prompt": [5279552648203111001]}', None),
+        (b'{"prompt": "x", "seed": 1180591620717411303424}', None),
+    ],
+)
+def test_h7_numbers_out_of_range(server, content, param):
+    error_of(post(server, "/v1/completions", content=content), 400, param=param)
+
+
+def test_h6_deep_nesting(server):
+    error_of(post(server, "/v1/completions", content=b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"), 400)
+
+
+def test_h8_wrong_types_name_the_field(server):
+    error_of(post(server, "/v1/completions", {"prompt": "x", "temperature": "hot"}), 400, param="temperature")
+    error_of(post(server, "/v1/chat/completions", {"messages": {}}), 400, param="messages")
+
+
+def test_h9_unknown_fields_are_ignored(server):
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "no_such_field": {"a": 1}})
+    assert r.status_code == 200
+
+
+def test_h10_unknown_model(server):
+    error_of(post(server, "/v1/completions", {"model": "gpt-17", "prompt": "x"}), 404, code="model_not_found")
+
+
+def test_h11_wrong_method(server):
+    error_of(httpx.get(f"{server.base_url}/v1/completions"), 405)
+
+
+def test_h4_body_over_the_limit(server):
+    big = b'{"prompt": "' + b"a" * (17 * 1024 * 1024) + b'"}'
+    error_of(post(server, "/v1/completions", content=big), 413)
+
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"a" * (1024 * 1024)
+        yield b'"}'
+
+    error_of(post(server, "/v1/completions", content=chunks()), 413)  # chunked: no Content-Length
+
+
+# -- C2, C3: parameters and lengths -------------------------------------------------------------
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "n": -1}, "n"),
+        ({"prompt": "x", "n": 10**6}, "n"),
+        ({"prompt": "x", "n": 2**63}, "n"),
+        ({"prompt": "x", "n": 1, "best_of": 4}, "best_of"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "temperature": -0.5}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p"),
+        ({"prompt": "x", "min_p": 2}, "min_p"),
+        ({"prompt": "x", "top_k": -2}, "top_k"),
+        ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+        ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "x", "logprobs": 6}, "logprobs"),
+        ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
+        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"prompt": "x", "stop": [""]}, "stop"),
+        ({"prompt": "x", "stop": ["a" * (1 << 20)]}, "stop"),
+        ({"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids"),
+        ({"prompt": ["x"] * 100_000}, "prompt"),
+        ({"prompt": "x", "seed": 2**64}, "seed"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "x", "cache_salt": "bad salt!"}, "cache_salt"),
+    ],
+)
+def test_c2_parameters_out_of_range(server, body, param):
+    error_of(post(server, "/v1/completions", body), 400, param=param)
+
+
+def test_c2_chat_top_logprobs(server):
+    msgs = [{"role": "user", "content": "x"}]
+    error_of(post(server, "/v1/chat/completions", {"messages": msgs, "logprobs": True, "top_logprobs": 21}), 400,
+             param="top_logprobs")
+
+
+def test_t1_over_long_requests_again_and_again(server):
+    ids = [5] * 250
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        for _ in range(1000):
+            r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 7})
+            error_of(r, 400, code="context_length_exceeded")
+    assert "256" in r.json()["error"]["message"] and "250" in r.json()["error"]["message"]
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_t2_the_boundary_passes(server):
+    r = post(server, "/v1/completions", {"prompt": [5] * 255, "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+
+
+@pytest.mark.parametrize("prompt", [[-1], [384], [2**31], [2**63 - 1]])
+def test_t3_token_ids_out_of_vocabulary(server, prompt):
+    error_of(post(server, "/v1/completions", {"prompt": prompt}), 400, param="prompt")
+
+
+@pytest.mark.parametrize("prompt", ["", [], [[]], [""]])
+def test_t4_empty_prompts(server, prompt):
+    error_of(post(server, "/v1/completions", {"prompt": prompt}), 400)
+
+
+def test_l2_request_larger_than_the_context(server):
+    error_of(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 10_000}), 400, code="context_length_exceeded")
+
+
+# -- C5: chat templates and messages -------------------------------------------------------------
+def test_m1_request_templates_are_refused(server):
+    body = {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ cycler.__init__.__globals__ }}"}
+    error_of(post(server, "/v1/chat/completions", body), 400, param="chat_template")
+
+
+def test_m3_template_kwargs_cannot_override_internals(server):
+    body = {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"add_generation_prompt": False}}
+    error_of(post(server, "/v1/chat/completions", body), 400)
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [[], [{"role": "wizard", "content": "x"}], [{"role": "tool", "content": "x"}], [{"role": "user", "content": 5}]],
+)
+def test_m4_bad_messages(server, messages):
+    error = error_of(post(server, "/v1/chat/completions", {"messages": messages}), 400)
+    assert error["param"].startswith("messages")
+
+
+# -- C6: disconnects -----------------------------------------------------------------------------
+def test_d1_stream_disconnect_frees_the_pages(server):
+    body = {"prompt": "tell me a long story", "max_tokens": 240, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+        next(lines)
+    wait_idle(server, timeout=5)
+
+
+def test_d2_non_stream_disconnect_aborts_too(server):
+    before = metric(server, "generation_tokens_total")
+    body = {"prompt": "tell me a long story", "max_tokens": 240, "ignore_eos": True}
+
+    def leave_early():
+        with pytest.raises(httpx.ReadTimeout):
+            post(server, "/v1/completions", body, timeout=0.3)
+
+    threads = [threading.Thread(target=leave_early) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wait_idle(server, timeout=5)
+    assert metric(server, "generation_tokens_total") - before < 6 * 240  # they did not run to the end
+
+
+def test_d_many_clients_disconnect_at_random(server):
+    async def one(i):
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+            body = {"prompt": f"story {i}", "max_tokens": 200, "stream": True, "ignore_eos": True}
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                async for _ in r.aiter_lines():
+                    await asyncio.sleep(0.001 * (i % 7))
+                    if i % 3:
+                        return
+
+    async def run():
+        await asyncio.gather(*(one(i) for i in range(100)))
+
+    asyncio.run(run())
+    wait_idle(server, timeout=10)
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+# -- C8: authentication and tenants ----------------------------------------------------------------
+KEY_A, KEY_B = "key-aaaaaaaa", "key-bbbbbbbb"
+
+
+@pytest.fixture(scope="module")
+def auth_server(model_dir):
+    proc = start_server(model_dir, *COMMON, "--api-key", KEY_A, "--api-key", KEY_B)
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+def app_routes():
+    app = build_app(SimpleNamespace(config=ServerConfig(), serving=None))
+    return [(route.path, sorted(route.methods - {"HEAD"})) for route in app.routes if hasattr(route, "methods")]
+
+
+def test_a1_every_route_needs_a_key(auth_server):
+    routes = app_routes()
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/metrics"} <= {p for p, _ in routes}
+    for path, methods in routes:
+        for method in methods:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY_A}"}):
+                r = httpx.request(method, f"{auth_server.base_url}{path}", headers=headers, json={})
+                if path in ("/health", "/metrics"):  # open by design (/metrics unless --protect-metrics)
+                    assert r.status_code == 200
+                else:
+                    error_of(r, 401, code="invalid_api_key")
+    ok = httpx.post(f"{auth_server.base_url}/v1/completions", headers={"Authorization": f"Bearer {KEY_A}"},
+                    json={"prompt": "x", "max_tokens": 1})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("path", ["//v1/completions", "/v1/./completions", "/v1%2Fcompletions", "/v1/completions/",
+                                  "/V1/COMPLETIONS", "/nope"])
+@pytest.mark.parametrize("method", ["POST", "GET", "HEAD", "OPTIONS"])
+def test_a3_path_tricks_never_pass_unauthenticated(auth_server, path, method):
+    with socket.create_connection(("127.0.0.1", auth_server.port)) as s:
+        body = b'{"prompt": "x", "max_tokens": 1}'
+        s.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        status = int(s.recv(4096).split(b" ", 2)[1])
+    assert status in (401, 404, 405)
+
+
+def test_a5_tenants_never_share_cached_prompts(auth_server):
+    secret = "The launch code is 0000; the launch code is 0000; the launch code is 0000." * 2
+
+    def ask(key):
+        c = openai.OpenAI(base_url=f"{auth_server.base_url}/v1", api_key=key, max_retries=0)
+        return c.completions.create(model="tiny", prompt=secret, max_tokens=1).usage.prompt_tokens_details.cached_tokens
+
+    assert ask(KEY_A) == 0
+    assert ask(KEY_A) > 0  # the same tenant hits its own cache
+    assert ask(KEY_B) == 0  # another tenant never does
+
+
+# -- C7: load and faults -----------------------------------------------------------------------------
+def test_l1_queue_full_gets_503_with_retry_after(model_dir):
+    proc = start_server(model_dir, *COMMON, "--max-queued-requests", "2")
+    try:
+        async def one(http):
+            return await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 64, "ignore_eos": True})
+
+        async def run():
+            async with httpx.AsyncClient(base_url=proc.base_url, timeout=60) as http:
+                return await asyncio.gather(*(one(http) for _ in range(12)))
+
+        responses = asyncio.run(run())
+        statuses = sorted(r.status_code for r in responses)
+        assert statuses.count(200) >= 2 and 503 in statuses and set(statuses) <= {200, 503}
+        assert all(r.headers.get("retry-after") for r in responses if r.status_code == 503)
+    finally:
+        assert proc.stop() == 0
+
+
+def test_rate_limit_gets_429_with_retry_after(model_dir):
+    proc = start_server(model_dir, *COMMON, "--requests-per-minute", "3")
+    try:
+        statuses = [post(proc, "/v1/completions", {"prompt": "x", "max_tokens": 1}) for _ in range(5)]
+        assert [r.status_code for r in statuses] == [200, 200, 200, 429, 429]
+        assert float(statuses[-1].headers["retry-after"]) > 0
+        error_of(statuses[-1], 429, code="rate_limit_exceeded")
+    finally:
+        assert proc.stop() == 0
+
+
+def test_l4_engine_failure_errors_everyone_and_exits_nonzero(model_dir):
+    proc = start_server(model_dir, *COMMON, "--fault", "raise-after-steps=40")
+    body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{proc.base_url}/v1/completions", json=body, timeout=30) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2]
+    assert httpx.get(f"{proc.base_url}/health", timeout=5).status_code == 503 or proc.proc.poll() is not None
+    proc.proc.wait(timeout=10)
+    assert proc.proc.returncode not in (0, None)
+
+
+def test_l6_sigterm_drains_in_flight_requests(model_dir):
+    proc = start_server(model_dir, *COMMON, "--shutdown-timeout", "30")
+    body = {"prompt": "x", "max_tokens": 120, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{proc.base_url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+        proc.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        refused = post(proc, "/v1/completions", {"prompt": "x", "max_tokens": 1}, timeout=5)
+        rest = [line for line in lines if line]
+    error_of(refused, 503)
+    assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
+    assert proc.proc.wait(timeout=20) == 0
+
+
+def test_l6_sigterm_with_no_drain_time_aborts(model_dir):
+    proc = start_server(model_dir, *COMMON, "--shutdown-timeout", "0")
+    body = {"prompt": "x", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{proc.base_url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+        proc.proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]" and '"finish_reason": "abort"' in rest[-2]
+    assert proc.proc.wait(timeout=10) == 0 and time.monotonic() - start < 5
+
+
+def test_logs_carry_no_prompt_text(model_dir, server):
+    post(server, "/v1/completions", {"prompt": "my secret diary entry", "max_tokens": 2})
+    post(server, "/v1/completions", {"prompt": "my secret diary entry", "temperature": "bad"})
+    assert "secret diary" not in server.log()
