@@ -188,15 +188,11 @@ class LLM:
         return None, list(prompt)
 
     def _run(self, processor: OutputProcessor, total: int, use_tqdm: bool) -> None:
-        bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm)
-        done = set()
-        with bar:
+        with tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 to_abort = processor.process(self.engine.step())
                 self.engine.abort_requests(to_abort, RequestStatus.FINISHED_STOPPED)
-                newly = [rid for rid, state in processor.prompts.items() if rid not in done and state.finished]
-                done.update(newly)
-                bar.update(len(newly))
+                bar.update(len(processor.pop_finished()))
 
 
 def _as_prompt_list(prompts) -> list[PromptInput]:

@@ -107,6 +107,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.prompts: dict[str, PromptState] = {}
         self._sequence_of: dict[str, tuple[PromptState, SequenceState]] = {}
+        self._finished: list[str] = []  # prompts that finished since the last pop_finished()
 
     def add(self, state: PromptState) -> list[str]:
         """Track a prompt; returns the engine request ids of its sequences."""
@@ -135,7 +136,14 @@ class OutputProcessor:
                 to_abort.append(delta.request_id)
             if seq.finish_reason is not None:
                 del self._sequence_of[delta.request_id]
+                if prompt.finished:
+                    self._finished.append(prompt.request_id)
         return to_abort
+
+    def pop_finished(self) -> list[str]:
+        """Prompts whose every sequence ended since the last call."""
+        finished, self._finished = self._finished, []
+        return finished
 
     def finish_all(self, request_id: str, reason: str) -> None:
         """Mark every unfinished sequence of a prompt as ended (abort, error)."""
