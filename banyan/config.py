@@ -235,3 +235,17 @@ class ServerConfig:
     """Seconds without engine progress (while requests wait) after which /health reports 503."""
     render_timeout: float = 5.0
     """Seconds a chat template render or a tokenization may take before the request gets 400."""
+    request_read_timeout: float = 30.0
+    """Seconds a client may take to send a whole request, headers and body; a slower one (slowloris) is
+    disconnected, with 408 when its headers never came."""
+    response_write_timeout: float = 30.0
+    """Seconds a response may wait on a client that reads nothing (its send buffer full) before the connection is
+    dropped and its requests aborted."""
+    max_buffered_events: int = 1024
+    """Stream events held per choice for a client that reads slower than the model writes; beyond it the request
+    is aborted."""
+
+    def __post_init__(self):
+        for name in ("request_read_timeout", "response_write_timeout", "max_buffered_events"):
+            if not getattr(self, name) > 0:
+                raise InvalidParameterError(name, f"must be positive, got {getattr(self, name)}")

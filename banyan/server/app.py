@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from banyan import __version__
@@ -95,11 +95,14 @@ class Guard:
 async def read_json(request: Request, limit: int) -> dict:
     """The body as a JSON object, refusing more than `limit` bytes even when it comes chunked."""
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"the body exceeds {limit} bytes", code="payload_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the body exceeds {limit} bytes", code="payload_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:  # it left, or was too slow (connection.py): nobody reads this answer
+        raise APIError(400, "the connection closed before the whole body arrived") from None
     return parse_json_body(b"".join(chunks))
 
 

@@ -15,8 +15,10 @@ their requests in the core, which frees their pages within one step.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from banyan.engine.client import EngineClient
@@ -24,7 +26,11 @@ from banyan.engine.messages import AddRequest
 from banyan.engine.output_processor import SequenceState
 from banyan.sampling_params import SamplingParams
 
-MAX_BUFFERED_EVENTS = 4096  # a reader this far behind is dropped (RELIABILITY D4)
+logger = logging.getLogger("banyan.server")
+
+MAX_BUFFERED_EVENTS = 1024
+"""Events held per choice for a stream its client does not read; beyond it the request is aborted (RELIABILITY D4).
+Per choice, because a reader that keeps up can still be a step behind on every choice at once."""
 
 
 @dataclass
@@ -66,9 +72,12 @@ class Generation:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        max_buffered_events: int = MAX_BUFFERED_EVENTS,
     ):
         self.client = client
         self.prompts = prompts
+        self._event_cap = max_buffered_events * len(prompts) * params.n
+        self.slow_reader = False
         self.choices: list[Choice] = []
         self._queue: asyncio.Queue[Event | None] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
@@ -93,21 +102,25 @@ class Generation:
 
     async def _pump(self, choice: Choice, add: AddRequest) -> None:
         try:
-            async for delta in self.client.generate(add):
-                choice.token_times.append(time.time())
-                if delta.queue_time is not None:
-                    choice.queue_time = delta.queue_time
-                    choice.num_cached_tokens = delta.num_cached_tokens
-                text, stopped = choice.seq.apply(delta)
-                if self._queue.qsize() >= MAX_BUFFERED_EVENTS:
-                    raise SlowReaderError("the client is not reading the stream")
-                self._queue.put_nowait(Event(choice, text, len(choice.seq.token_ids), choice.seq.finish_reason))
-                if stopped:  # a stop string ended it here: the core stops at once
-                    await self.client.abort([choice.request_id])
-                    break
+            async with aclosing(self.client.generate(add)) as deltas:  # leaving early aborts it in the core
+                async for delta in deltas:
+                    choice.token_times.append(time.time())
+                    if delta.queue_time is not None:
+                        choice.queue_time = delta.queue_time
+                        choice.num_cached_tokens = delta.num_cached_tokens
+                    text, stopped = choice.seq.apply(delta)
+                    if self._queue.qsize() >= self._event_cap:
+                        raise SlowReaderError("the client is not reading the stream")
+                    self._queue.put_nowait(Event(choice, text, len(choice.seq.token_ids), choice.seq.finish_reason))
+                    if stopped:  # a stop string ended it here: the core stops at once
+                        await self.client.abort([choice.request_id])
+                        break
         except asyncio.CancelledError:
             raise
         except Exception as e:  # request-scoped: this choice fails, the others go on
+            if isinstance(e, SlowReaderError) and not self.slow_reader:
+                self.slow_reader = True  # logged once per HTTP request; its other choices fail the same way
+                logger.warning("request %s aborted: its client stopped reading the stream", choice.request_id)
             self._queue.put_nowait(Event(choice, "", error=e))
         finally:
             choice.finished = True

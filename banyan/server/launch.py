@@ -21,6 +21,7 @@ from banyan.engine.client import EngineClient
 from banyan.runner.weights import open_model
 from banyan.server.app import ServerState, build_app
 from banyan.server.auth import ApiKeyAuth, load_api_keys
+from banyan.server.connection import DeadlineH11Protocol
 from banyan.server.metrics import ServerMetrics
 from banyan.server.serving import OpenAIServing
 
@@ -81,7 +82,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, *, fau
         timeout_keep_alive=30,
         timeout_graceful_shutdown=5,
         h11_max_incomplete_event_size=64 * 1024,  # caps header size (RELIABILITY H5)
-        http="h11",
+        http=DeadlineH11Protocol.with_timeouts(config.request_read_timeout, config.response_write_timeout),
     )
     server = _Server(uv_config, state)
 

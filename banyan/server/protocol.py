@@ -211,6 +211,14 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_prompt_embeds(cls, data: Any) -> Any:
+        # vLLM's prompt_embeds: refused rather than ignored, before `prompt` is found missing (RELIABILITY T7)
+        if isinstance(data, dict) and data.get("prompt_embeds") is not None:
+            raise InvalidParameterError("prompt_embeds", "is not supported")
+        return data
+
     @field_validator("prompt", mode="plain")  # the whole validation: pydantic's union is slow on long lists
     @classmethod
     def _check_prompt(cls, prompt: Any) -> Any:

@@ -165,7 +165,8 @@ class OpenAIServing:
         budget = sum(len(p) + (params.max_tokens or self.max_model_len - len(p)) for p in prompts) * params.n
         self._admit(tenant, budget, len(prompts) * params.n)
         namespace = ApiKeyAuth.namespace_for(tenant, req.cache_salt)
-        gen = Generation(self.client, self.tokenizer, http.state.request_id, prompts, params, priority=req.priority, cache_salt=namespace)
+        gen = Generation(self.client, self.tokenizer, http.state.request_id, prompts, params, priority=req.priority,
+                         cache_salt=namespace, max_buffered_events=self.config.max_buffered_events)
         self.live.add(gen)
         return gen
 

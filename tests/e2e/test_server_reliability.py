@@ -7,10 +7,14 @@ healthy with its KV pages back at baseline.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import select
 import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
@@ -73,6 +77,34 @@ def wait_idle(server, timeout=10.0):
     raise AssertionError("the engine did not return to idle")
 
 
+def health_latencies_while(server, future) -> list[float]:
+    """Seconds each /health took, asked over and over until `future` is done (each must be 200)."""
+    latencies = []
+    with httpx.Client(base_url=server.base_url, timeout=10) as http:
+        while not future.done():
+            start = time.monotonic()
+            assert http.get("/health").status_code == 200
+            latencies.append(time.monotonic() - start)
+            time.sleep(0.02)
+    return latencies
+
+
+def read_to_end(s: socket.socket) -> bytes:
+    """Everything until the server hangs up (a socket timeout fails the test: it did not)."""
+    chunks = []
+    try:
+        while chunk := s.recv(1 << 16):
+            chunks.append(chunk)
+    except ConnectionResetError:
+        pass
+    return b"".join(chunks)
+
+
+def raw_post(path: str, body: bytes) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
 # -- C1: malformed HTTP / JSON ------------------------------------------------------------------
 @pytest.mark.parametrize("content", [b"{", b"\x00\xff garbage", b"", b"[]", b'"x"', b"1", b"null"])
 def test_h1_h2_bodies_that_are_not_a_json_object(server, content):
@@ -126,6 +158,80 @@ def test_h4_body_over_the_limit(server):
         yield b'"}'
 
     error_of(post(server, "/v1/completions", content=chunks()), 413)  # chunked: no Content-Length
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def send_until_answered(port: int, head: bytes, filler: bytes, times: int) -> bytes:
+    """Send head, then filler `times` times unless the server answers first; all it says until it hangs up."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        try:
+            s.sendall(head)
+            for _ in range(times):
+                if select.select([s], [], [], 0)[0]:
+                    break
+                s.sendall(filler)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        return read_to_end(s)
+
+
+def test_h5_a_huge_header_or_countless_headers_are_refused_in_bounded_memory(server):
+    before = rss_bytes(server.proc.pid)
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\n"
+    huge = send_until_answered(server.port, head + b"X-Big: ", b"a" * (1 << 20), 64)  # one 64 MiB header
+    countless = send_until_answered(server.port, head, b"".join(b"X-H%d: v\r\n" % i for i in range(10_000)), 1)
+    for answer in (huge, countless):  # h11 stops at 64 KiB of head: an error, then the server hangs up
+        assert answer == b"" or answer.split(b" ", 2)[1] in (b"400", b"431"), answer[:100]
+    assert rss_bytes(server.proc.pid) - before < 16 << 20
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def impatient_server(model_dir):
+    """Client deadlines of 2 s, 8 buffered stream events per choice, and a 512-token context for long streams."""
+    proc = start_server(model_dir, *COMMON, "--max-model-len", "512", "--request-read-timeout", "2",
+                        "--response-write-timeout", "2", "--max-buffered-events", "8")
+    post(proc, "/v1/completions", {"prompt": "warm up", "max_tokens": 2})  # lazy first-request work out of the way
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+def trickle(port: int, head: bytes, data: bytes) -> tuple[bytes, float]:
+    """Send head, then data at 1 byte/s until the server answers or hangs up: (its answer, seconds)."""
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(head)
+        for byte in data:
+            if select.select([s], [], [], 1.0)[0]:
+                break
+            s.send(bytes([byte]))
+        return read_to_end(s), time.monotonic() - start
+
+
+def test_h12_slowloris_is_cut_off_while_other_clients_are_served(impatient_server):
+    server = impatient_server
+    slow = {
+        "silent": (b"", b""),
+        "headers": (b"POST /v1/completions HTTP/1.1\r\n", b"X-Slow: " + b"a" * 60),
+        "body": (raw_post("/v1/completions", b" " * 64)[:-64], b'{"prompt": ' + b" " * 50),
+    }
+    with ThreadPoolExecutor(len(slow)) as pool:
+        futures = {name: pool.submit(trickle, server.port, *sent) for name, sent in slow.items()}
+        served = pool.submit(post, server, "/v1/completions", {"prompt": "x", "max_tokens": 8})
+        latencies = health_latencies_while(server, futures["body"])
+    assert served.result().status_code == 200
+    assert max(latencies) < 0.5, latencies
+    for name, future in futures.items():
+        answer, seconds = future.result()
+        assert 1.5 < seconds < 6, (name, seconds)
+        if name == "body":  # the handler had the request: the connection just closes
+            assert answer == b""
+        else:
+            assert answer.startswith(b"HTTP/1.1 408 ") and b'"code": "request_timeout"' in answer, answer
 
 
 # -- C2, C3: parameters and lengths -------------------------------------------------------------
@@ -199,6 +305,55 @@ def test_l2_request_larger_than_the_context(server):
     error_of(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 10_000}), 400, code="context_length_exceeded")
 
 
+@pytest.mark.parametrize("prompt", ["a" * 2_000_000, "a" + "\u0301" * 100_000], ids=["2MB-no-spaces", "100k-marks"])
+def test_t5_pathological_text_ends_in_bounded_time_and_health_stays_fast(server, prompt):
+    start = time.monotonic()
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(post, server, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+        latencies = health_latencies_while(server, future)
+    assert future.result().status_code in (200, 400)
+    assert time.monotonic() - start < ServerConfig.render_timeout + 5
+    assert max(latencies) < 0.5, sorted(latencies)[-5:]
+
+
+@pytest.mark.parametrize(
+    "path,content,param",
+    [
+        ("/v1/completions", b'{"prompt": "\xff\xfe\xc3"}', None),
+        ("/v1/completions", b'{"prompt": "ok \\ud800"}', "prompt"),
+        ("/v1/completions", b'{"prompt": "ok", "\\udfff": 1}', None),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content"),
+    ],
+)
+def test_t6_invalid_utf8_and_lone_surrogates(server, path, content, param):
+    error_of(post(server, path, content=content), 400, param=param)
+
+
+def test_t6_a_stream_never_splits_a_multibyte_character(server, model_dir):
+    from transformers import AutoTokenizer
+
+    from banyan import LLM, SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # Byte-level BPE's single bytes C3, A9, B6: "é" is C3 A9 and "ö" is C3 B6, two tokens each.
+    bias = {token: 100.0 for token in tokenizer.convert_tokens_to_ids(["Ã", "©", "¶"])}
+    params = dict(temperature=0, max_tokens=48, ignore_eos=True)
+    offline = LLM(str(model_dir), block_size=4, num_threads=1, max_model_len=256)
+    ids = offline.generate(["x"], SamplingParams(**params, logit_bias=bias), use_tqdm=False)[0].outputs[0].token_ids
+    expected = tokenizer.decode(ids)
+    assert "é" in expected or "ö" in expected  # the model wrote some two-token characters
+    body = {"prompt": "x", "stream": True, "logit_bias": {str(t): b for t, b in bias.items()}, **params}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+
+
+def test_t7_prompt_embeds_are_refused_not_ignored(server):
+    for body in ({"prompt": "x", "prompt_embeds": "AAAA"}, {"prompt_embeds": [[0.5, 1.0]]}):
+        error = error_of(post(server, "/v1/completions", body), 400, param="prompt_embeds")
+        assert "not supported" in error["message"]
+
+
 # -- C5: chat templates and messages -------------------------------------------------------------
 def test_m1_request_templates_are_refused(server):
     body = {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ cycler.__init__.__globals__ }}"}
@@ -264,6 +419,30 @@ def test_d_many_clients_disconnect_at_random(server):
     assert httpx.get(f"{server.base_url}/health").status_code == 200
 
 
+def test_d4_a_stream_nobody_reads_is_aborted_then_dropped(impatient_server):
+    server = impatient_server
+    other = {"prompt": "tell me a story", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    solo = post(server, "/v1/completions", other).json()["choices"][0]["text"]
+    # 16 choices x 480 tokens x ~1.8 KB of logprobs: ~13 MB, more than the kernel buffers between us
+    unread = {"messages": [{"role": "user", "content": "hi"}], "n": 16, "max_tokens": 480, "ignore_eos": True,
+              "logprobs": True, "top_logprobs": 20, "stream": True}
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", server.port))
+        s.sendall(raw_post("/v1/chat/completions", json.dumps(unread).encode()))  # and read nothing
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json={**other, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        wait_idle(server, timeout=20)  # aborted in the engine, its pages freed
+        deadline = time.monotonic() + 10
+        while "read nothing for 2 s" not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        s.settimeout(10)
+        read_to_end(s)  # the server has hung up
+    assert "".join(c["choices"][0]["text"] for c in chunks) == solo  # the other stream did not notice
+    log = server.log()
+    assert log.index("stopped reading the stream") < log.index("read nothing for 2 s")
+
+
 # -- C8: authentication and tenants ----------------------------------------------------------------
 KEY_A, KEY_B = "key-aaaaaaaa", "key-bbbbbbbb"
 
@@ -317,6 +496,118 @@ def test_a5_tenants_never_share_cached_prompts(auth_server):
     assert ask(KEY_A) == 0
     assert ask(KEY_A) > 0  # the same tenant hits its own cache
     assert ask(KEY_B) == 0  # another tenant never does
+
+
+def test_d7_disconnects_still_free_the_pages_with_auth_on(auth_server):
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    body = {"prompt": "tell me a long story", "max_tokens": 240, "ignore_eos": True}
+    with httpx.stream("POST", f"{auth_server.base_url}/v1/completions", json={**body, "stream": True}, headers=auth,
+                      timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        next(lines)
+        next(lines)
+    wait_idle(auth_server, timeout=5)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{auth_server.base_url}/v1/completions", json=body, headers=auth, timeout=0.3)
+    wait_idle(auth_server, timeout=5)
+
+
+GREEDY = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
+MIXED_BATCH = [
+    {"prompt": "The quick brown fox", **GREEDY},
+    {"prompt": "The quick brown fox", **GREEDY, "presence_penalty": 1.5, "frequency_penalty": 0.5},
+    {"prompt": "The quick brown fox", **GREEDY, "repetition_penalty": 1.3},
+    {"prompt": "The quick brown fox", **GREEDY, "logit_bias": {"40": 6, "41": -100, "300": 3}},
+    {"prompt": "Paged attention", **GREEDY, "stop": ["e", "at"]},
+    {"prompt": "Paged attention", **GREEDY, "n": 3},
+    {"prompt": "Paged attention", **GREEDY, "logprobs": 5},
+    {"prompt": "Paged attention", **GREEDY, "temperature": 1.0, "seed": 7, "n": 2},
+    {"prompt": "Paged attention", **GREEDY, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 3},
+    {"prompt": [5, 6, 7, 8], **GREEDY, "temperature": 1.0, "min_p": 0.2, "seed": 11, "logprobs": 2},
+    {"prompt": "A radix tree", "temperature": 0, "max_tokens": 24, "min_tokens": 10, "stop_token_ids": [2, 7]},
+]
+
+
+def test_a8_a_mixed_batch_gives_each_request_its_solo_output(server):
+    def outcome(response):
+        assert response.status_code == 200, response.text
+        choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+        exact = [(c["text"], c["finish_reason"], c["stop_reason"], c["logprobs"] and c["logprobs"]["tokens"])
+                 for c in choices]
+        return exact, [c["logprobs"] and c["logprobs"]["token_logprobs"] for c in choices]
+
+    solo = [outcome(post(server, "/v1/completions", body)) for body in MIXED_BATCH]
+
+    async def together():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            bodies = MIXED_BATCH + MIXED_BATCH[::-1]
+            return await asyncio.gather(*(http.post("/v1/completions", json=body) for body in bodies))
+
+    batched = [outcome(r) for r in asyncio.run(together())]
+    for i, (exact, logprobs) in enumerate(batched):
+        j = i if i < len(MIXED_BATCH) else 2 * len(MIXED_BATCH) - 1 - i
+        assert exact == solo[j][0], MIXED_BATCH[j]  # text, finish and chosen tokens byte for byte
+        for ours, theirs in zip(logprobs, solo[j][1]):
+            assert ours == theirs or ours == pytest.approx(theirs, abs=1e-4)
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
+def inet_sockets() -> dict[str, tuple[str, str, int, str]]:
+    """inode -> (protocol, local address, port, TCP state in hex) for every TCP/UDP socket, IPv4 and IPv6."""
+    found = {}
+    for proto in ("tcp", "tcp6", "udp", "udp6"):
+        with open(f"/proc/net/{proto}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # 32-bit words, host order
+                family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
+                found[fields[9]] = (proto, socket.inet_ntop(family, raw), int(port, 16), fields[3])
+    return found
+
+
+def test_a9_only_the_api_port_listens_and_the_core_talks_over_unix_sockets(server):
+    core = descendants(server.proc.pid)
+    assert core, "the engine core runs as a child process"
+    inet = inet_sockets()
+    listening = [inet[i][1:3] for i in socket_inodes(server.proc.pid) if i in inet and inet[i][3] == "0A"]
+    assert listening == [("127.0.0.1", server.port)]
+    with open("/proc/net/unix") as f:
+        unix = {line.split()[6] for line in f.readlines()[1:]}
+    for pid in core:
+        sockets = socket_inodes(pid)
+        assert not sockets & inet.keys(), [inet[i] for i in sockets & inet.keys()]  # no TCP or UDP at all
+    assert any(socket_inodes(pid) & unix for pid in core)
 
 
 # -- C7: load and faults -----------------------------------------------------------------------------
@@ -386,6 +677,27 @@ def test_l6_sigterm_with_no_drain_time_aborts(model_dir):
         rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]" and '"finish_reason": "abort"' in rest[-2]
     assert proc.proc.wait(timeout=10) == 0 and time.monotonic() - start < 5
+
+
+def test_l5_a_wedged_engine_turns_health_503_until_it_moves_again(model_dir):
+    proc = start_server(model_dir, *COMMON, "--fault", "sleep-after-steps=3:3", "--wedge-timeout", "1")
+    try:
+        statuses = []
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(post, proc, "/v1/completions", {"prompt": "x", "max_tokens": 10, "ignore_eos": True})
+            while not future.done():
+                statuses.append(httpx.get(f"{proc.base_url}/health", timeout=5).status_code)
+                time.sleep(0.1)
+        deadline = time.monotonic() + 5
+        while statuses[-1] != 200 and time.monotonic() < deadline:
+            statuses.append(httpx.get(f"{proc.base_url}/health", timeout=5).status_code)
+            time.sleep(0.1)
+        response = future.result()
+    finally:
+        assert proc.stop() == 0, proc.log()
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 10
+    assert statuses.count(503) >= 5, statuses  # ~2 s of the 3 s wedge, polled every 0.1 s
+    assert statuses[-1] == 200
 
 
 def test_logs_carry_no_prompt_text(model_dir, server):

@@ -229,6 +229,12 @@ def test_c2_unsupported_features_say_so():
     assert "not supported" in reject(CompletionRequest, completion(suffix="x")).message
 
 
+@pytest.mark.parametrize("body", [completion(prompt_embeds="AAAA"), {"prompt_embeds": [[0.5, 1.0]]}])
+def test_t7_prompt_embeds_are_refused_not_ignored(body):
+    error = reject(CompletionRequest, body)
+    assert (error.status, error.param) == (400, "prompt_embeds") and "not supported" in error.message
+
+
 # -- C3: tokens and lengths -----------------------------------------------------------------------
 @pytest.mark.parametrize("prompt, param", [
     ([-1], "prompt[0]"), ([1, 2**31], "prompt[1]"), ([2**63 - 1], "prompt[0]"),
