@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Sequence
 
 import torch
 
 from banyan.config import CacheConfig, ModelConfig, default_num_threads
 from banyan.errors import InvalidParameterError
-from banyan.layers.attention.registry import get_attention_backend
+from banyan.layers.attention import AttentionBackend, get_attention_backend
 from banyan.layers.sampler import Sampler, compute_prompt_logprobs
 from banyan.models.registry import get_model_class
 from banyan.runner.forward_batch import ForwardBatch
@@ -48,7 +49,7 @@ class ModelRunner:
 
     def _load_model(self, model_config: ModelConfig, source: ModelSource) -> torch.nn.Module:
         model_cls = get_model_class(self.arch.architecture)
-        attn = get_attention_backend(model_config.attention_backend)
+        attn = _attention_backend(model_config.attention_backend, self.device)
         with _default_dtype(self.dtype), torch.device(self.device):
             model = model_cls(self.arch, attn)
         model.load_weights(source.iter_weights())
@@ -172,6 +173,19 @@ def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device)
     if name not in DTYPES:
         raise InvalidParameterError("dtype", f"must be auto, {', '.join(DTYPES)}; got {name!r}")
     return DTYPES[name]
+
+
+def _attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The backend asked for; on a GPU without triton installed, `torch` with a warning."""
+    if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise InvalidParameterError("attention_backend", "'triton' needs a CUDA device (on CPU: 'torch')")
+    try:
+        return get_attention_backend(name)
+    except InvalidParameterError as e:
+        if name != "triton" or device.type != "cuda":
+            raise
+        logger.warning("%s; falling back to the 'torch' attention backend", e)
+        return get_attention_backend("torch")
 
 
 def _cuda_kv_budget(cache_config: CacheConfig) -> int:
