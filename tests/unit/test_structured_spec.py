@@ -1,0 +1,178 @@
+"""StructuredOutputSpec and the hostile-grammar rows of RELIABILITY.md C4 (G1-G4) on every backend:
+each is a StructuredOutputError naming the field and the problem, within seconds, never a crash."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from banyan.errors import InvalidParameterError
+from banyan.structured import GrammarCache, StructuredOutputError, StructuredOutputSpec
+from banyan.structured.spec import MAX_CHOICES, MAX_REGEX_REPEAT, MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS
+from tests.unit.structured_helpers import BACKEND_NAMES, backend, tokenizer
+
+SPEC_TIMEOUT_S = 5.0
+
+
+def test_specs_are_frozen_and_keyed_canonically():
+    a = StructuredOutputSpec.json({"type": "object", "properties": {"a": {"type": "integer"}}})
+    b = StructuredOutputSpec.json('{ "type": "object",\n "properties": {"a": {"type": "integer"}} }')
+    assert a == b and a.cache_key == b.cache_key and hash(a) == hash(b)
+    reordered = StructuredOutputSpec.json({"properties": {"a": {"type": "integer"}}, "type": "object"})
+    assert reordered.cache_key != a.cache_key  # key order orders the generated properties: kept
+    assert StructuredOutputSpec.json(a.schema, compact=True).cache_key != a.cache_key
+    assert StructuredOutputSpec.regex("a").cache_key != StructuredOutputSpec.grammar("a").cache_key
+    with pytest.raises(AttributeError):
+        a.text = "{}"  # type: ignore[misc]
+
+
+def test_from_dict_takes_vllms_shape_and_rejects_the_rest():
+    assert StructuredOutputSpec.from_dict({"json": {"type": "string"}}).kind == "json"
+    assert StructuredOutputSpec.from_dict({"choice": ["a", "b"]}).choices == ["a", "b"]
+    assert StructuredOutputSpec.from_dict({"json_object": True, "disable_any_whitespace": True}).compact
+    assert StructuredOutputSpec.from_dict({"regex": "a+", "json": None}).kind == "regex"
+    for bad in [{}, {"json": {}, "regex": "a"}, {"jsn": {}}, "json", {"json_object": False}]:
+        with pytest.raises(StructuredOutputError) as e:
+            StructuredOutputSpec.from_dict(bad)  # type: ignore[arg-type]
+        assert e.value.param == "structured_outputs"
+
+
+def test_errors_are_invalid_parameter_errors_with_a_param():
+    with pytest.raises(InvalidParameterError) as e:
+        StructuredOutputSpec.choice([])
+    assert e.value.param == "structured_outputs.choice"
+    moved = e.value.with_param("response_format")
+    assert moved.param == "response_format" and str(moved) == f"response_format: {e.value.message}"
+
+
+@pytest.mark.parametrize(
+    "make, problem",
+    [
+        (lambda: StructuredOutputSpec.json([1, 2]), "must be a JSON object"),
+        (lambda: StructuredOutputSpec.json("{not json"), "not valid JSON"),
+        (lambda: StructuredOutputSpec.json({"a": float("nan")}), "not JSON data"),
+        (lambda: StructuredOutputSpec.choice("yes"), "non-empty list"),
+        (lambda: StructuredOutputSpec.choice(["a", 1]), "must be a string"),
+        (lambda: StructuredOutputSpec.regex(b"a"), "must be a string"),
+        (lambda: StructuredOutputSpec.grammar("  "), "must not be empty"),
+    ],
+)
+def test_malformed_specs(make, problem):
+    with pytest.raises(StructuredOutputError, match=problem):
+        make()
+
+
+# -- RELIABILITY C4 ---------------------------------------------------------------------------------
+def _rejected(name: str, spec_or_make) -> StructuredOutputError:
+    """The spec is refused, at construction or by the backend, within SPEC_TIMEOUT_S."""
+    start = time.monotonic()
+    with pytest.raises(StructuredOutputError) as e:
+        spec = spec_or_make() if callable(spec_or_make) else spec_or_make
+        cache = GrammarCache(backend(name), compile_timeout_s=SPEC_TIMEOUT_S)
+        try:
+            cache.get(spec)
+        finally:
+            cache.close()
+    assert time.monotonic() - start <= SPEC_TIMEOUT_S + 1
+    assert e.value.param.startswith("structured_outputs")
+    return e.value
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_g1_invalid_json_schema(name):
+    assert "type" in _rejected(name, StructuredOutputSpec.json({"type": 123})).message.lower()
+    assert "zz" in _rejected(name, StructuredOutputSpec.json({"$ref": "#/$defs/zz"})).message
+    _rejected(name, StructuredOutputSpec.json({"type": "integer", "minimum": 5, "maximum": 1}))
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+@pytest.mark.parametrize(
+    "pattern, problem",
+    [("(", "(?i)(paren|unclosed)"), ("(?=a)a", "(?i)look"), ("(?<!a)b", "(?i)look"), ("(a)\\1", "(?i)backref")],
+)
+def test_g2_invalid_or_unsupported_regex(name, pattern, problem):
+    assert _rejected(name, StructuredOutputSpec.regex(pattern)).message
+    with pytest.raises(StructuredOutputError, match=problem):
+        raise _rejected(name, StructuredOutputSpec.json({"type": "string", "pattern": f"^{pattern}$"}))
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+@pytest.mark.parametrize("pattern", ["(a+)+$", "((a*)*)*b", "(a|a)*c", "(x+x+)+y", "(\\w+\\s?)*$", "([a-z]+)*[0-9]"])
+def test_g3_catastrophic_regexes_are_refused_or_harmless(name, pattern):
+    """llguidance matches with a lazily built DFA: a ReDoS regex compiles in milliseconds and each
+    token stays cheap. xgrammar's Earley parser slows down token after token on a repeated group that
+    itself repeats, so banyan refuses those for it up front."""
+    tok, b = tokenizer("tiny"), backend(name)
+    start = time.monotonic()
+    try:
+        matcher = b.matcher(b.compile(StructuredOutputSpec.regex(pattern)))
+    except StructuredOutputError as e:
+        assert name == "xgrammar" and "llguidance" in e.message
+        return
+    for token in tok.encode("a" * 200):
+        if not matcher.accept_token(token):
+            break
+    assert time.monotonic() - start < 2.0
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_g3_huge_counted_repeats_are_refused_by_number(name):
+    for make in [
+        lambda: StructuredOutputSpec.regex("a{1,100000}"),
+        lambda: StructuredOutputSpec.regex("[a-z]{5000}"),
+        lambda: StructuredOutputSpec.json({"type": "string", "pattern": "^(ab){2000,}$"}),
+        lambda: StructuredOutputSpec.grammar('root ::= "a"{1,100000}'),
+        lambda: StructuredOutputSpec.grammar('start: "a" ~ 1..100000'),
+    ]:
+        assert str(MAX_REGEX_REPEAT) in _rejected(name, make).message
+    backend(name).compile(StructuredOutputSpec.regex(f"a{{1,{MAX_REGEX_REPEAT // 10}}}"))  # within the limit
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_g4_deep_nesting_ref_cycles_and_huge_enums(name):
+    deep: dict = {"type": "integer"}
+    for _ in range(10_000):
+        deep = {"type": "array", "items": deep}
+    assert "nested deeper" in _rejected(name, lambda: StructuredOutputSpec.json(deep)).message
+    text = '{"items":' * 10_000 + "{}" + "}" * 10_000
+    assert "nested deeper" in _rejected(name, lambda: StructuredOutputSpec.json(text)).message
+    ok: dict = {"type": "integer"}
+    for _ in range(MAX_SCHEMA_DEPTH // 2 - 1):
+        ok = {"type": "array", "items": ok}
+    StructuredOutputSpec.json(ok)  # within the depth limit: a spec (the backend may still refuse it)
+
+    cycle = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    _rejected(name, StructuredOutputSpec.json(cycle))
+    mutual = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    _rejected(name, StructuredOutputSpec.json(mutual))
+
+    enum = {"enum": [f"value_{i:07d}" for i in range(80_000)]}  # 1.3 MB
+    assert len(json.dumps(enum)) > 2**20
+    assert str(MAX_SPEC_CHARS) in _rejected(name, lambda: StructuredOutputSpec.json(enum)).message
+    assert str(MAX_CHOICES) in _rejected(name, lambda: StructuredOutputSpec.choice(enum["enum"])).message
+    long_choices = ["x" * 100_000, "y" * 100_000]
+    assert str(MAX_SPEC_CHARS) in _rejected(name, lambda: StructuredOutputSpec.choice(long_choices)).message
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_recursive_schemas_that_make_progress_are_fine(name):
+    tok, b = tokenizer("tiny"), backend(name)
+    tree = {"type": "object", "properties": {"child": {"$ref": "#"}}, "additionalProperties": False}
+    m = b.matcher(b.compile(StructuredOutputSpec.json(tree)))
+    assert m.accept_tokens(tok.encode('{"child":{"child":{}}}')) and m.accept_token(tok.eos_token_id)
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_unsupported_keywords_are_named(name):
+    error = _rejected(name, StructuredOutputSpec.json({"type": "array", "contains": {"const": 1}}))
+    assert "contains" in error.message
+    error = _rejected(name, StructuredOutputSpec.json({"type": "string", "format": "no-such-format"}))
+    assert "no-such-format" in error.message
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_lenient_cannot_be_switched_on_from_inside_the_schema(name):
+    schema = {"type": "array", "uniqueItems": True, "x-guidance": {"lenient": True}}
+    assert "uniqueItems" in _rejected(name, StructuredOutputSpec.json(schema)).message
