@@ -15,7 +15,7 @@ demo: install
 	banyan generate --temperature 0 --max-tokens 96 --prompt "What is the capital of France? Answer in one sentence."
 
 test: install
-	$(PYTHON) -m pytest
+	bash scripts/run_tests.sh
 
 test-fast:
-	$(PYTHON) -m pytest -m "not slow"
+	bash scripts/run_tests.sh -m "not slow"

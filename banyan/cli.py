@@ -1,4 +1,4 @@
-"""The `banyan` command: generate | chat (serve and bench come with the server and bench suites)."""
+"""The `banyan` command: generate | chat | serve | bench."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import re
 import sys
 import time
 
+from banyan.bench.cli import add_bench_parser
 from banyan.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, field_docs
 from banyan.errors import BanyanError
 
@@ -188,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     srv.add_argument("--fault", default=None, help=argparse.SUPPRESS)  # fault injection, for tests only
     srv.set_defaults(func=cmd_serve)
+
+    add_bench_parser(commands, add_engine_args, engine_config)
     return parser
 
 

@@ -121,6 +121,8 @@ class ModelConfig:
     """CPU threads for torch (default: the cores available)."""
     trust_remote_code: bool = False
     """Never used to import code; recorded so that configs asking for it fail loudly."""
+    structured_output_backend: str = "llguidance"
+    """Grammar library for structured output: llguidance or xgrammar (loaded on the first constrained request)."""
 
 
 @dataclass(frozen=True)

@@ -10,21 +10,26 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 from banyan.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from banyan.structured import GrammarMatcher
 
 
 class RequestStatus(enum.IntEnum):
     """Ordered so that `status > PREEMPTED` means finished."""
 
-    WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    WAITING_FOR_GRAMMAR = 0  # a structured-output request whose grammar is compiling
+    WAITING = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def is_finished(self) -> bool:
@@ -88,9 +93,13 @@ class Request:
         self.num_prompt_tokens = len(self._all_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first schedule
-        self.status = RequestStatus.WAITING
+        constrained = sampling_params.structured_outputs is not None
+        self.status = RequestStatus.WAITING_FOR_GRAMMAR if constrained else RequestStatus.WAITING
         self.stop_reason: int | str | None = None
-        self.error: str | None = None
+        self.error: str | None = None  # why it ended with FINISHED_ERROR
+        self.error_param: str | None = None  # the request field the error is about, if any
+        self.grammar: Future[GrammarMatcher] | None = None  # set by the engine while WAITING_FOR_GRAMMAR
+        self.matcher: GrammarMatcher | None = None  # the grammar's position; advances with each output token
         self.cumulative_logprob = 0.0
         self.logprobs: list[TokenLogprobs] | None = [] if sampling_params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
@@ -135,6 +144,11 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
+
+    def fail(self, message: str, param: str | None = None) -> None:
+        """End with finish_reason "error"; the message reaches the client."""
+        self.status = RequestStatus.FINISHED_ERROR
+        self.error, self.error_param = message, param
 
     def __repr__(self) -> str:
         return (

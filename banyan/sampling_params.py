@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from banyan.errors import InvalidParameterError
+from banyan.structured.spec import StructuredOutputError, StructuredOutputSpec
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -47,6 +48,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputSpec | None = None
+    """What the output must match (vLLM's shape): a StructuredOutputSpec, or a dict with one of json,
+    json_object, regex, choice, grammar (converted at construction)."""
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -57,6 +61,7 @@ class SamplingParams:
             self.top_k = -1
         if self.logit_bias is not None:
             self.logit_bias = {_int_key(k): v for k, v in self.logit_bias.items()}
+        self.structured_outputs = _structured_spec(self.structured_outputs)
         self._validate()
 
     @property
@@ -111,6 +116,15 @@ class SamplingParams:
         values = {f: getattr(self, f) for f in self.__dataclass_fields__}
         values.update(changes)
         return SamplingParams(**values)
+
+
+def _structured_spec(value) -> StructuredOutputSpec | None:
+    if value is None or isinstance(value, StructuredOutputSpec):
+        return value
+    try:
+        return StructuredOutputSpec.from_dict(value)
+    except StructuredOutputError as e:
+        raise e.with_param("structured_outputs") from None
 
 
 def _int_key(key) -> int:

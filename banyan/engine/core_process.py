@@ -166,6 +166,9 @@ class EngineCore:
             self.fault.before_step(self.num_steps + 1)
         deltas = self.engine.step()
         self.num_steps += 1
+        for failed in [d for d in deltas if d.finish_reason == "error"]:  # e.g. a grammar that did not compile
+            self.send(m.RequestFailed(failed.request_id, str(failed.stop_reason), param=failed.error_param))
+        deltas = [d for d in deltas if d.finish_reason != "error"]
         if deltas:
             self.send(m.StepOutputs(deltas))
 

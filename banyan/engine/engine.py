@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from banyan.config import EngineConfig
+from banyan.engine.grammar import Grammars
 from banyan.errors import ContextLengthExceededError, InvalidParameterError
 from banyan.kv_cache import KVCacheManager
 from banyan.models.registry import get_model_class
@@ -38,19 +39,24 @@ class RequestDelta:
     num_cached_tokens: int
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # whole list, once, with the first delta
     queue_time: float | None = None  # seconds from arrival to first schedule, with the first delta
+    error_param: str | None = None  # finish_reason "error": the request field at fault (stop_reason: the message)
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, runner_factory: Callable[..., ModelRunner] = ModelRunner):
+        """runner_factory(model_config, cache_config, source): the model runner (benchmarks swap in a double)."""
         self.config = config
         source = open_model(config.model.model, trust_remote_code=config.model.trust_remote_code)
         self.arch = source.arch
         self.tokenizer = source.tokenizer
         self.max_model_len = resolve_max_model_len(config, source.arch)
         self.eos_token_ids = eos_token_ids(source)
-        self.runner = ModelRunner(config.model, config.cache, source)
+        self.runner = runner_factory(config.model, config.cache, source)
         self.kv = KVCacheManager(self.runner.num_pages, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.grammars = Grammars(
+            config.model.structured_output_backend, self.tokenizer, self.arch.vocab_size, self.eos_token_ids
+        )
         self._log_capacity()
         gc.collect()
         gc.freeze()  # start-up objects never need collecting: keeps GC pauses out of the step loop
@@ -85,6 +91,8 @@ class Engine:
             group_id=group_id,
         )
         self.scheduler.add_request(request)
+        if sampling_params.structured_outputs is not None:
+            self.grammars.start(request)
         return request
 
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
@@ -111,11 +119,14 @@ class Engine:
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         batch = self.scheduler.schedule()
+        failed = [make_delta(request) for request in batch.failed]
         if batch.is_empty:
-            return []
-        result = self.runner.execute(batch, self.kv.page_table)
+            if not failed:  # only grammars compiling: wait for one rather than spin
+                self.grammars.wait(self.scheduler.waiting_for_grammar, timeout=0.01)
+            return failed
+        result = self.runner.execute(batch, self.kv.page_table, self.grammars.backend)
         advanced = self.scheduler.update(batch, result)
-        return [make_delta(request) for request in advanced]
+        return failed + [make_delta(request) for request in advanced]
 
     def _log_capacity(self) -> None:
         tokens = self.runner.num_pages * self.config.cache.block_size
@@ -131,18 +142,21 @@ class Engine:
 
 
 def make_delta(request: Request) -> RequestDelta:
-    """The request's newest token (one per step without speculative decoding)."""
+    """The request's newest token (one per step without speculative decoding). A request that
+    failed (finish_reason "error") sends no token; stop_reason carries the message."""
+    failed = request.status == RequestStatus.FINISHED_ERROR
     first = request.num_output_tokens == 1
     return RequestDelta(
         request_id=request.request_id,
-        new_token_ids=[request.all_token_ids[-1]],
+        new_token_ids=[] if failed else [request.all_token_ids[-1]],
         new_logprobs=request.logprobs[-1:] if request.logprobs is not None else None,
         cumulative_logprob=request.cumulative_logprob,
         finish_reason=request.finish_reason,
-        stop_reason=request.stop_reason,
+        stop_reason=request.error if failed else request.stop_reason,
         num_cached_tokens=request.num_cached_tokens,
         prompt_logprobs=list(request.prompt_logprobs) if first and request.prompt_logprobs is not None else None,
         queue_time=request.metrics.first_scheduled_time - request.metrics.arrival_time if first else None,
+        error_param=request.error_param if failed else None,
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -15,6 +15,7 @@ from banyan.engine.outputs import RequestOutput
 from banyan.engine.tokenizer import encode_chat
 from banyan.errors import InvalidParameterError
 from banyan.request import RequestStatus
+from banyan.runner.model_runner import ModelRunner
 from banyan.sampling_params import SamplingParams
 
 PromptInput = str | Sequence[int] | dict[str, Any]
@@ -81,13 +82,13 @@ class LLM:
         self._start(config)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLM:
+    def from_config(cls, config: EngineConfig, runner_factory: Callable[..., Any] = ModelRunner) -> LLM:
         llm = cls.__new__(cls)
-        llm._start(config)
+        llm._start(config, runner_factory)
         return llm
 
-    def _start(self, config: EngineConfig) -> None:
-        self.engine = Engine(config)
+    def _start(self, config: EngineConfig, runner_factory: Callable[..., Any] = ModelRunner) -> None:
+        self.engine = Engine(config, runner_factory)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -2,7 +2,8 @@
 
     raw logits ──► log_softmax ──► logprobs (chosen token, its rank, top-k)   [what the model said]
         │
-        ├─ logit_bias, min_tokens (mask EOS / stop ids), repetition, presence/frequency penalties
+        ├─ logit_bias, grammar bitmask (constrained rows only), min_tokens (mask EOS / stop ids
+        │  unless the grammar allows nothing else), repetition, presence/frequency penalties
         ├─ ÷ temperature ──► greedy rows: argmax
         └─ top_k ─► top_p ─► min_p masks ─► softmax ─► argmax(p / Exp(1))  [exponential race]
 
@@ -22,6 +23,7 @@ from itertools import chain
 import torch
 
 from banyan.request import Request, TokenLogprobs
+from banyan.structured import apply_bitmask
 
 _NEG_INF = float("-inf")
 
@@ -42,15 +44,20 @@ class Sampler:
         self.default_seed = default_seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, requests: Sequence[Request], grammar: tuple[torch.Tensor, list[int]] | None = None
+    ) -> SamplerOutput:
         """logits: [len(requests), vocab] fp32, row i belongs to requests[i] (whose output so far is
-        request.output_token_ids, prompt request.prompt_token_ids)."""
+        request.output_token_ids, prompt request.prompt_token_ids). grammar: (bitmask, rows), the
+        bitmask's row j masks logits row rows[j] (structured output); None when no row is constrained."""
         logits = logits[:, : self.vocab_size].float()  # drop padded vocabulary columns
         params = [r.sampling_params for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
 
         logits = logits.clone()
         _apply_logit_bias(logits, params)
+        if grammar is not None:
+            apply_bitmask(logits, *grammar)
         _apply_min_tokens(logits, requests)
         _apply_penalties(logits, requests)
 
@@ -138,7 +145,10 @@ def _apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None
             rows += [i] * len(banned)
             cols += banned
     if rows:
-        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = _NEG_INF
+        banned = logits.clone()
+        banned[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = _NEG_INF
+        # A grammar that allows only EOS wins over min_tokens: such rows keep their logits.
+        logits.copy_(torch.where(banned.isneginf().all(dim=-1, keepdim=True), logits, banned))
 
 
 def _token_counts(logits: torch.Tensor, token_lists: list[Sequence[int]]) -> torch.Tensor:

@@ -21,6 +21,7 @@ from banyan.models.registry import get_model_class
 from banyan.runner.forward_batch import ForwardBatch
 from banyan.runner.weights import ModelSource
 from banyan.scheduler.batch import Batch, SampledToken, ScheduledRequest, StepResult
+from banyan.structured import GrammarBackend, allocate_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class ModelRunner:
             for _ in range(self.arch.num_hidden_layers)
         ]
         self.sampler = Sampler(self.arch.vocab_size, default_seed=model_config.seed)
+        self._bitmask: torch.Tensor | None = None  # grammar masks, grown on demand
 
     def _load_model(self, model_config: ModelConfig, source: ModelSource) -> torch.nn.Module:
         model_cls = get_model_class(self.arch.architecture)
@@ -69,11 +71,23 @@ class ModelRunner:
 
     # -- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: Batch, page_tables: PageTables) -> StepResult:
+    def execute(self, batch: Batch, page_tables: PageTables, grammar: GrammarBackend | None = None) -> StepResult:
+        """grammar: the backend that fills the masks of requests with a matcher (structured output)."""
         fb, plan = self._prepare(batch, page_tables)
         hidden = self.model(fb, self.kv_caches)  # [num_tokens, hidden]
+        masks = self._grammar_masks(plan, grammar)  # on a GPU, filled on the CPU while the forward runs
         logits = self.model.compute_logits(hidden[fb.logits_indices])  # [num_logits, vocab] fp32
-        return self._sample(logits, plan)
+        return self._sample(logits, plan, masks)
+
+    def _grammar_masks(self, plan: _LogitsPlan, grammar: GrammarBackend | None) -> tuple[torch.Tensor, list[int]] | None:
+        """(bitmask, sampler rows): bitmask row j masks sampler row rows[j]. None when no row is constrained."""
+        rows = [i for i, request in enumerate(plan.sample_requests) if request.matcher is not None]
+        if not rows:
+            return None
+        if self._bitmask is None or self._bitmask.shape[0] < len(rows):
+            self._bitmask = allocate_bitmask(max(16, 2 * len(rows)), self.arch.vocab_size)
+        grammar.fill_bitmasks(self._bitmask, [(j, plan.sample_requests[i].matcher) for j, i in enumerate(rows)])
+        return self._bitmask, rows
 
     def _prepare(self, batch: Batch, page_tables: PageTables) -> tuple[ForwardBatch, _LogitsPlan]:
         P = self.page_size
@@ -108,7 +122,7 @@ class ModelRunner:
         )
         return fb, plan
 
-    def _sample(self, logits: torch.Tensor, plan: _LogitsPlan) -> StepResult:
+    def _sample(self, logits: torch.Tensor, plan: _LogitsPlan, masks=None) -> StepResult:
         result = StepResult()
         for request, first, count, targets in plan.prompt:
             k = request.sampling_params.prompt_logprobs
@@ -116,7 +130,7 @@ class ModelRunner:
             result.prompt_logprobs[request.request_id] = compute_prompt_logprobs(logits[first : first + count], target_ids, k)
         if plan.sample_requests:
             rows = torch.tensor(plan.sample_logit_rows, dtype=torch.long, device=logits.device)
-            out = self.sampler(logits[rows], plan.sample_requests)
+            out = self.sampler(logits[rows], plan.sample_requests, masks)
             for i, request in enumerate(plan.sample_requests):
                 result.sampled[request.request_id] = SampledToken(out.token_ids[i], out.chosen_logprobs[i], out.logprobs[i])
         return result

@@ -33,6 +33,8 @@ class ScheduledRequest:
 class Batch:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)
+    """Ended before running (a grammar that failed to compile): reported, never run."""
 
     @property
     def is_empty(self) -> bool:

@@ -10,6 +10,10 @@ that requests catch up:
 A prompt longer than the budget is spread over steps (chunked prefill); a request readmitted
 after preemption recomputes from its cached prefix the same way. When pages run out, the request
 that would be served last is preempted (its pages freed, recomputed later).
+
+A structured-output request first waits for its grammar (WAITING_FOR_GRAMMAR, compiled off this
+thread) and joins the waiting queue when it is ready; a failed compile ends it alone. After each
+sampled token its matcher advances; a preempted request keeps its tokens and so its matcher.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class Scheduler:
         self.policy = SchedulingPolicy(config.policy)
         self.waiting: list[Request] = []  # sorted by policy key
         self.running: list[Request] = []
+        self.waiting_for_grammar: list[Request] = []  # arrival order; their grammar is compiling
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._seq = itertools.count()
@@ -59,7 +64,10 @@ class Scheduler:
             )
         request.seq_no = next(self._seq)
         self.requests[request.request_id] = request
-        self._enqueue(request)
+        if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            self.waiting_for_grammar.append(request)
+        else:
+            self._enqueue(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests from outside the step (abort, stop string): frees their pages now."""
@@ -70,6 +78,8 @@ class Scheduler:
                 continue
             if request in self.running:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                self.waiting_for_grammar.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -78,11 +88,13 @@ class Scheduler:
         return finished
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_grammar)
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> Batch:
         batch = Batch()
+        if self.waiting_for_grammar:
+            self._check_grammars(batch)
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=self.policy.key)
         i = 0
@@ -122,6 +134,20 @@ class Scheduler:
         return advanced
 
     # -- helpers ------------------------------------------------------------------------------
+    def _check_grammars(self, batch: Batch) -> None:
+        """Requests whose grammar is ready join the waiting queue; a failed compile ends its request."""
+        for request in [r for r in self.waiting_for_grammar if r.grammar is not None and r.grammar.done()]:
+            self.waiting_for_grammar.remove(request)
+            try:
+                request.matcher = request.grammar.result()
+            except Exception as e:  # StructuredOutputError, or a library failure: this request only
+                request.fail(getattr(e, "message", str(e)), getattr(e, "param", None))
+                self._release(request)
+                batch.failed.append(request)
+                continue
+            request.status = RequestStatus.WAITING
+            self._enqueue(request)
+
     def _admit_waiting(self, batch: Batch, budget: int) -> None:
         prefilling_groups = {r.group_id for r in self.running if r.group_id and not r.is_prefill_done}
         for request in list(self.waiting):
@@ -194,7 +220,18 @@ class Scheduler:
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         request.metrics.last_token_time = now
+        if request.matcher is not None and self._check_grammar(request):
+            return
         self._check_stop(request)
+
+    def _check_grammar(self, request: Request) -> bool:
+        """Advance the matcher with the new token; True when that ended the request."""
+        matcher = request.matcher
+        if not matcher.accept_token(request.all_token_ids[-1]):
+            request.fail(f"the grammar rejected the output: {matcher.error}", "structured_outputs")
+        elif matcher.is_terminated():  # EOS accepted, or the grammar allows nothing else (wins over min_tokens)
+            request.status = RequestStatus.FINISHED_STOPPED
+        return request.is_finished
 
     def _check_stop(self, request: Request) -> None:
         token = request.all_token_ids[-1]

@@ -78,6 +78,7 @@ class Generation:
         self.prompts = prompts
         self._event_cap = max_buffered_events * len(prompts) * params.n
         self.slow_reader = False
+        self.structured_param: str | None = None  # the request field of its structured-output spec, if any
         self.choices: list[Choice] = []
         self._queue: asyncio.Queue[Event | None] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []

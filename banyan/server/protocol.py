@@ -17,12 +17,13 @@ import logging
 import time
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from banyan.engine.tokenizer import RESERVED_TEMPLATE_KWARGS
 from banyan.errors import InvalidParameterError
 from banyan.sampling_params import INT64_MAX, INT64_MIN, MAX_N, MAX_STOP_STRING_LEN, SamplingParams
 from banyan.server.errors import MAX_JSON_DEPTH, from_validation_error
+from banyan.structured import StructuredOutputError, StructuredOutputSpec
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,23 @@ class NamedToolChoice(_Strict):
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
+    """{"name", "schema", "strict", "description"}; `strict` changes nothing: output always validates."""
+
+    def spec(self) -> StructuredOutputSpec | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputSpec.json_object()
+        if self.json_schema is None or not isinstance(self.json_schema.get("name"), str):
+            raise StructuredOutputError("response_format", "json_schema needs a `name` and a `schema`")
+        schema = self.json_schema.get("schema")
+        if not isinstance(schema, dict):
+            raise StructuredOutputError("response_format", "json_schema.schema must be a JSON Schema object")
+        return StructuredOutputSpec.json(schema)
+
+
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")  # fmt: skip
 
 
 # -- requests -------------------------------------------------------------------------------------
@@ -179,6 +197,14 @@ class _SamplingFields(_Request):
     cache_salt: str | None = Field(None, pattern=CACHE_SALT_PATTERN)
     """Namespace of the prefix cache (from a trusted gateway); letters, digits and _.:- only."""
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    _structured: tuple[str, StructuredOutputSpec] | None = PrivateAttr(None)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -194,6 +220,26 @@ class _SamplingFields(_Request):
                 raise InvalidParameterError(
                     "", f"keys must be token ids (integers in [0, {MAX_TOKEN_ID}]), got {shown!r}")
         return logit_bias
+
+    @model_validator(mode="after")
+    def _structured_spec(self):
+        """At most one structured-output field; its spec is checked here (400 naming the field)."""
+        given = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            given.remove("response_format")
+        if len(given) > 1:
+            raise InvalidParameterError(given[1], f"cannot be combined with {given[0]}")
+        if given:
+            try:
+                self._structured = (given[0], _spec_of(given[0], getattr(self, given[0])))
+            except StructuredOutputError as e:
+                raise e.with_param(given[0]) from None
+        return self
+
+    @property
+    def structured_param(self) -> str | None:
+        """The request field the structured-output spec came from (errors about it name it)."""
+        return self._structured[0] if self._structured else None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -288,7 +334,6 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     """Wins over max_tokens (its newer name)."""
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
@@ -306,11 +351,17 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     def _supported(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameterError("top_logprobs", "requires logprobs to be true")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise InvalidParameterError("response_format", "structured output is not supported yet")
         if self.tools and self.tool_choice != "none":
             raise InvalidParameterError("tools", "tool calling is not supported yet")
         return self
+
+
+def _spec_of(field: str, value: Any) -> StructuredOutputSpec:
+    if field == "response_format":
+        return value.spec()
+    if field == "structured_outputs":
+        return StructuredOutputSpec.from_dict(value)
+    return StructuredOutputSpec.from_dict({field.removeprefix("guided_"): value})
 
 
 def _check_text_prompt(param: str, text: str) -> str:
@@ -404,6 +455,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *,
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
+        structured_outputs=request._structured[1] if request._structured else None,
         **{k: v for k, v in optional.items() if v is not None},
     )
 

@@ -167,6 +167,7 @@ class OpenAIServing:
         namespace = ApiKeyAuth.namespace_for(tenant, req.cache_salt)
         gen = Generation(self.client, self.tokenizer, http.state.request_id, prompts, params, priority=req.priority,
                          cache_salt=namespace, max_buffered_events=self.config.max_buffered_events)
+        gen.structured_param = req.structured_param  # a grammar that fails to compile is reported against it
         self.live.add(gen)
         return gen
 
@@ -199,7 +200,7 @@ class OpenAIServing:
             gone.cancel()
             self._finish(gen)
         if errors:
-            raise _error_of(errors[0].error)
+            raise _error_of(errors[0].error, gen.structured_param)
         return JSONResponse(build())
 
     def _sse(self, gen: Generation, chunks: AsyncIterator[dict], http: Request) -> StreamingResponse:
@@ -208,7 +209,7 @@ class OpenAIServing:
                 async for chunk in chunks:
                     yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
             except Exception as e:  # request-scoped failure mid-stream: an error event, then [DONE]
-                err = _error_of(e)
+                err = _error_of(e, gen.structured_param)
                 yield f"data: {json.dumps(error_body(err))}\n\n"
             finally:
                 self._finish(gen)
@@ -237,11 +238,15 @@ async def _client_disconnected(http: Request) -> None:
         pass
 
 
-def _error_of(e: BaseException) -> APIError:
+def _error_of(e: BaseException, structured_param: str | None = None) -> APIError:
+    """structured_param: the field a structured-output error from the core (param structured_outputs*) is about."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, RequestError):
-        return APIError(e.status, e.message, type=e.error_type, param=e.param, code=e.code)
+        param = e.param
+        if structured_param and param and param.startswith("structured_outputs"):
+            param = structured_param
+        return APIError(e.status, e.message, type=e.error_type, param=param, code=e.code)
     if isinstance(e, EngineDeadError):
         return APIError(500, "the engine stopped; the server is restarting", type="server_error", code="engine_dead")
     if isinstance(e, BanyanError):

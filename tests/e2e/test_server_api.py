@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import openai
@@ -176,3 +177,62 @@ def test_64_concurrent_streams_complete_correctly(server, offline):
     results = asyncio.run(run())
     assert [t for t, _ in results] == [r.outputs[0].text for r in refs]
     assert all(reasons == ["length"] for _, reasons in results)
+
+
+# -- structured output ------------------------------------------------------------------------
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "role": {"enum": ["admin", "user"]}},
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+USER = [{"role": "user", "content": "Who?"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema(client, stream):
+    import jsonschema
+
+    kw = dict(model="tiny", messages=USER, max_tokens=150, temperature=1.0, n=3, response_format=PERSON_FORMAT)
+    if stream:
+        texts = ["", "", ""]
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+    else:
+        texts = [c.message.content for c in client.chat.completions.create(**kw).choices]
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_response_format_json_object_on_completions(client):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=150, temperature=1.0, seed=1, n=8,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    finished = [c.text for c in out.choices if c.finish_reason == "stop"]  # a random model may run out of tokens
+    assert finished and all(isinstance(json.loads(text), dict) for text in finished), [c.text for c in out.choices]
+
+
+def test_guided_choice_and_structured_outputs_extras(client):
+    out = client.chat.completions.create(model="tiny", messages=USER, max_tokens=10, n=4, temperature=1.0,
+                                         extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert all(c.message.content in ("red", "green", "blue") for c in out.choices)
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=1.0,
+                                    extra_body={"structured_outputs": {"regex": "[0-9]{2}-[a-c]{3}"}})
+    assert re.fullmatch("[0-9]{2}-[a-c]{3}", out.choices[0].text)
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "a{1,99999}"}}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}},  # in the core
+])
+def test_an_invalid_schema_is_400_on_response_format(client, response_format):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=USER, max_tokens=5, response_format=response_format)
+    assert e.value.body["param"] == "response_format", e.value.body
+
+
+def test_tools_are_still_refused(server):
+    r = post(server, "/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"

@@ -203,8 +203,6 @@ def test_c2_completions_only(fields, param):
     (dict(max_completion_tokens=0), "max_completion_tokens"),
     (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
     (dict(top_logprobs=2), "top_logprobs"), (dict(logprobs=False, top_logprobs=0), "top_logprobs"),
-    (dict(response_format={"type": "json_object"}), "response_format"),
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), "response_format"),
     (dict(response_format={"type": "xml"}), "response_format.type"),
     (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (dict(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="auto"), "tools"),
@@ -222,8 +220,6 @@ def test_c2_chat_only(fields, param):
 
 
 def test_c2_unsupported_features_say_so():
-    assert "structured output is not supported yet" in reject(
-        ChatCompletionRequest, chat(response_format={"type": "json_object"})).message
     assert "tool calling is not supported yet" in reject(
         ChatCompletionRequest, chat(tools=[{"type": "function", "function": {"name": "f"}}])).message
     assert "not supported" in reject(CompletionRequest, completion(suffix="x")).message
@@ -473,3 +469,39 @@ def test_response_models_serialize():
     usage = UsageInfo(prompt_tokens=3, completion_tokens=2, total_tokens=5,
                       prompt_tokens_details=UsageInfo.PromptTokensDetails(cached_tokens=2))
     assert usage.model_dump()["prompt_tokens_details"] == {"cached_tokens": 2}
+
+
+# -- structured output ------------------------------------------------------------------------
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("make", [chat, completion])
+@pytest.mark.parametrize("fields, kind", [
+    (dict(response_format={"type": "json_object"}), "json_object"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}), "json"),
+    (dict(structured_outputs={"regex": "[a-z]+"}), "regex"),
+    (dict(guided_json=SCHEMA), "json"),
+    (dict(guided_json=json.dumps(SCHEMA)), "json"),
+    (dict(guided_regex="[0-9]+"), "regex"),
+    (dict(guided_choice=["a", "b"]), "choice"),
+    (dict(guided_grammar='root ::= "a"+'), "grammar"),
+])
+def test_structured_output_fields_become_one_spec(make, fields, kind):
+    _, params = accept(ChatCompletionRequest if make is chat else CompletionRequest, make(**fields), default_max_tokens=100)
+    assert params.structured_outputs.kind == kind
+
+
+@pytest.mark.parametrize("fields, param", [
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": "nope"}}), "response_format"),
+    (dict(structured_outputs={"json": SCHEMA, "regex": "a"}), "structured_outputs"),
+    (dict(structured_outputs={"nope": 1}), "structured_outputs"),
+    (dict(guided_regex="a{1,99999}"), "guided_regex"),
+    (dict(guided_choice=[]), "guided_choice"),
+    (dict(guided_json="{not json"), "guided_json"),
+    (dict(guided_grammar=""), "guided_grammar"),
+    (dict(guided_regex="a", guided_choice=["a"]), "guided_choice"),
+])
+def test_invalid_structured_output_is_400_naming_the_field(fields, param):
+    error = reject(ChatCompletionRequest, chat(**fields))
+    assert (error.status, error.param) == (400, param), error.message

@@ -176,3 +176,28 @@ def test_unsupported_keywords_are_named(name):
 def test_lenient_cannot_be_switched_on_from_inside_the_schema(name):
     schema = {"type": "array", "uniqueItems": True, "x-guidance": {"lenient": True}}
     assert "uniqueItems" in _rejected(name, StructuredOutputSpec.json(schema)).message
+
+
+@pytest.mark.parametrize("given", [
+    {"json": {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}},
+    {"regex": "[a-z]+"}, {"choice": ["x", "y"]}, {"json_object": True, "disable_any_whitespace": True},
+])
+def test_sampling_params_carry_a_spec_across_the_wire(given):
+    from banyan.engine import messages
+    from banyan.sampling_params import SamplingParams
+
+    params = SamplingParams(structured_outputs=given)
+    assert params.structured_outputs == StructuredOutputSpec.from_dict(given)
+    sent = messages.AddRequest("r", [1, 2], params, arrival_time=0.0)
+    received = messages.core_decoder().decode(messages.encoder().encode(sent))
+    assert received.sampling_params.structured_outputs == params.structured_outputs
+    assert SamplingParams(structured_outputs=None).structured_outputs is None
+
+
+@pytest.mark.parametrize("bad", [{"regex": "a{1,99999}"}, {"json": "{nope"}, {"choice": []}, {"json": {}, "regex": "a"}, "x"])
+def test_sampling_params_refuse_a_bad_spec_naming_structured_outputs(bad):
+    from banyan.sampling_params import SamplingParams
+
+    with pytest.raises(InvalidParameterError) as e:
+        SamplingParams(structured_outputs=bad)
+    assert e.value.param == "structured_outputs"

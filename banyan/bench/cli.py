@@ -1,0 +1,98 @@
+"""`banyan bench throughput | latency | overhead | serve`: argument parsing and dispatch."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Callable
+
+from banyan.bench.results import emit, make_report
+
+
+def add_bench_parser(commands, add_engine_args: Callable, engine_config: Callable) -> None:
+    bench = commands.add_parser("bench", help="benchmark banyan (offline, latency, overhead) or any OpenAI server")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+
+    def add(name: str, help_text: str, run, engine: bool = True) -> argparse.ArgumentParser:
+        parser = kinds.add_parser(name, help=help_text)
+        parser.add_argument("--output-json", default=None, help="write the results JSON here")
+        parser.add_argument("--workload-seed", type=int, default=0, help="seed of the random prompts")
+        parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (vLLM's benchmarks use 1.0)")
+        parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+        if engine:
+            add_engine_args(parser)
+        parser.set_defaults(func=lambda args: _run(name, run, args, engine_config))
+        return parser
+
+    tput = add("throughput", "offline requests/s and tokens/s through LLM.generate", _throughput)
+    _workload_args(tput, input_len=128, output_len=128, num_prompts=64)
+
+    lat = add("latency", "batch-1 time to first token and decode tokens/s", _latency)
+    lat.add_argument("--input-len", type=int, default=128)
+    lat.add_argument("--output-len", type=int, default=128)
+    lat.add_argument("--num-iters", type=int, default=3, help="timed runs after one warm-up")
+
+    over = add("overhead", "scheduler + KV manager + sampler + detokenizer tokens/s with a zero-cost model", _overhead)
+    over.add_argument("--batch-size", type=int, default=256)
+    over.add_argument("--input-len", type=int, default=32)
+    over.add_argument("--output-len", type=int, default=128, help="decode steps")
+
+    srv = add("serve", "load-test an OpenAI-compatible server over HTTP (streamed /v1/completions)", _serve, engine=False)
+    srv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    srv.add_argument("--model", default=None, help="the model name to send (default: the server's)")
+    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--vocab-size", type=int, default=32000, help="random prompt token ids are drawn below this")
+    srv.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
+    srv.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: all at once)")
+    srv.add_argument("--goodput", nargs="*", default=[], help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000")
+    _workload_args(srv, input_len=128, output_len=128, num_prompts=64)
+
+
+def _workload_args(parser: argparse.ArgumentParser, input_len: int, output_len: int, num_prompts: int) -> None:
+    parser.add_argument("--workload", default="random", choices=("random", "shared-prefix"))
+    parser.add_argument("--input-len", type=int, default=input_len, help="prompt tokens (shared-prefix: the question)")
+    parser.add_argument("--output-len", type=int, default=output_len, help="generated tokens (ignore_eos)")
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths vary by this fraction")
+    parser.add_argument("--prompts-per-group", type=int, default=8, help="shared-prefix: requests per system prompt")
+    parser.add_argument("--system-prompt-len", type=int, default=1024, help="shared-prefix: shared tokens")
+
+
+def _run(name: str, run, args: argparse.Namespace, engine_config: Callable) -> int:
+    config, results = run(args, engine_config)
+    emit(make_report(name, config, results), args.output_json)
+    failed = results.get("failed", 0)
+    return 1 if failed else 0
+
+
+def _throughput(args, engine_config):
+    from banyan.bench.offline import run_throughput
+
+    return run_throughput(engine_config(args), args)
+
+
+def _latency(args, engine_config):
+    from banyan.bench.offline import run_latency
+
+    return run_latency(engine_config(args), args)
+
+
+def _overhead(args, engine_config):
+    from banyan.bench.offline import run_overhead
+
+    return run_overhead(engine_config(args), args)
+
+
+def _serve(args, engine_config):
+    from banyan.bench.metrics import parse_goodput
+    from banyan.bench.serve import run_serve
+    from banyan.bench.workloads import make_workload
+
+    slos = parse_goodput(args.goodput)
+    prompts = make_workload(args.workload, args, args.vocab_size)
+    results = asyncio.run(run_serve(args.base_url, args.model, prompts, concurrency=args.concurrency,
+                                    request_rate=args.request_rate, slos=slos, seed=args.workload_seed, api_key=args.api_key,
+                                    progress=not args.no_progress))
+    config = {"bench": {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}}
+    config["bench"]["request_rate"] = str(args.request_rate)  # inf is not JSON
+    return config, results

@@ -1,0 +1,103 @@
+"""An asyncio load generator for any OpenAI-compatible server (/v1/completions, streamed).
+
+Requests go out at a fixed --concurrency or as a Poisson process at --request-rate (exponential
+gaps between sends), each limited by the concurrency cap when both are given. Every response is
+streamed; token counts come from the server's `usage` (stream_options.include_usage), else one
+token per streamed chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import random
+import time
+
+from banyan.bench.metrics import RequestTiming, summarize
+from banyan.bench.workloads import BenchPrompt
+
+
+async def run_serve(base_url: str, model: str | None, prompts: list[BenchPrompt], *, concurrency: int | None,
+                    request_rate: float, slos: dict[str, float], seed: int = 0, api_key: str | None = None,
+                    timeout: float = 600.0, progress: bool = True) -> dict:
+    """Send every prompt, gather per-request timings, and summarize them."""
+    import httpx
+    from tqdm import tqdm
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency or len(prompts) or 1, max_keepalive_connections=concurrency or 100)
+    gate = asyncio.Semaphore(concurrency) if concurrency else None
+    rng = random.Random(seed)
+    bar = tqdm(total=len(prompts), desc="Requests", unit="req", disable=not progress)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=timeout) as client:
+
+        async def one(prompt: BenchPrompt) -> RequestTiming:
+            async with gate or contextlib.nullcontext():
+                timing = await send_completion(client, model, prompt)
+            bar.update(1)
+            return timing
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(one(prompt)))
+            if math.isfinite(request_rate):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        timings = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    summary = summarize(timings, duration, slos)
+    summary["errors"] = sorted({t.error for t in timings if t.error})[:5]
+    return summary
+
+
+async def send_completion(client, model: str | None, prompt: BenchPrompt) -> RequestTiming:
+    """One streamed /v1/completions request, timed chunk by chunk."""
+    body = {
+        "prompt": prompt.prompt_token_ids,
+        "max_tokens": prompt.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if model:
+        body["model"] = model
+    timing = RequestTiming(success=False, prompt_tokens=len(prompt.prompt_token_ids))
+    chunks, usage, last = 0, None, None
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                timing.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return timing
+            async for line in response.aiter_lines():
+                data = line[len("data:"):].strip() if line.startswith("data:") else None
+                if not data or data == "[DONE]":
+                    continue
+                event = json.loads(data)
+                usage = event.get("usage") or usage
+                if not event.get("choices"):
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    timing.ttft = now - start
+                else:
+                    timing.itl.append(now - last)
+                last = now
+                chunks += 1
+    except Exception as e:  # noqa: BLE001 - any transport error is a failed request, reported
+        timing.error = f"{type(e).__name__}: {e}"
+        return timing
+    timing.e2el = time.perf_counter() - start
+    if usage:
+        timing.output_tokens = usage.get("completion_tokens", chunks)
+        timing.prompt_tokens = usage.get("prompt_tokens", timing.prompt_tokens)
+    else:
+        timing.output_tokens = chunks
+    timing.success = last is not None
+    if not timing.success:
+        timing.error = "no tokens streamed"
+    return timing
