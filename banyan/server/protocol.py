@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -461,129 +460,8 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *,
 
 
 # -- responses ------------------------------------------------------------------------------------
-def _now() -> int:
-    return int(time.time())
-
-
-class UsageInfo(BaseModel):
-    class PromptTokensDetails(BaseModel):
-        cached_tokens: int = 0
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    """The legacy completions format: parallel lists, one entry per token."""
-
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []
-    top_logprobs: list[dict[str, float] | None] = []
-    text_offset: list[int] = []
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    """vLLM's extra: the stop string or token id that ended the choice."""
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-
-
-class CompletionStreamResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = []
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatLogprob] | None = None
-
-
-class ChatMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    tool_calls: list[ToolCall] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "banyan"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard] = []
+# Responses are built as plain dicts by serving.py (OpenAI's shapes; the official client parses
+# them in the end-to-end tests), so only the request side is modelled here.
 
 
 class TokenizeCompletionRequest(_Request):
@@ -597,27 +475,6 @@ class TokenizeChatRequest(_ChatTemplateFields):
     """The chat template writes the special tokens itself."""
 
 
-class TokenizeResponse(BaseModel):
-    tokens: list[int]
-    count: int
-    max_model_len: int
-
-
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[TokenId]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
