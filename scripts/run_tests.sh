@@ -6,6 +6,7 @@ set -uo pipefail
 log=$(mktemp)
 python3 -m pytest "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
+echo  # the exit-time warnings may end without a newline
 grep -E "^[0-9]+ (passed|failed)|no tests ran" "$log" | tail -n 1
 rm -f "$log"
 exit "$status"

@@ -52,7 +52,9 @@ class Sampler:
         bitmask's row j masks logits row rows[j] (structured output); None when no row is constrained."""
         logits = logits[:, : self.vocab_size].float()  # drop padded vocabulary columns
         params = [r.sampling_params for r in requests]
-        raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+        # Raw logprob = logit - logsumexp: one reduction here, a full log-softmax only for rows that
+        # asked for top logprobs (a [B, V] log_softmax per step was a large share of the sampler's time).
+        raw, lse = logits, torch.logsumexp(logits, dim=-1, keepdim=True)  # lse: [B, 1]
 
         logits = logits.clone()
         _apply_logit_bias(logits, params)
@@ -71,14 +73,14 @@ class Sampler:
             sampled = self._sample(torch.softmax(logits, dim=-1), requests)
             token_ids = torch.where(torch.tensor(greedy, device=logits.device), token_ids, sampled)
 
-        chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [B]
+        chosen = (raw.gather(1, token_ids[:, None]) - lse).squeeze(1)  # [B]
         token_list, chosen_list = token_ids.tolist(), chosen.tolist()
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         if wanted:
             rows = torch.tensor(wanted, device=logits.device)
             k = max(params[i].logprobs for i in wanted)
-            entries = _logprob_entries(raw_logprobs[rows], token_ids[rows], k)
+            entries = _logprob_entries(raw[rows] - lse[rows], token_ids[rows], k)
             for i, entry in zip(wanted, entries):
                 entry.top = dict(list(entry.top.items())[: params[i].logprobs])
                 logprobs[i] = entry
