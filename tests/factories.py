@@ -13,6 +13,36 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# A Qwen-style (Hermes) tool-use template, written for these tests: tools listed in the system message,
+# calls as <tool_call> blocks, tool results as <tool_response> in a user turn.
+HERMES_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ 'You may call functions. Their signatures:\n<tools>\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ '</tools>\nWrite each call as <tool_call>\n{\"name\": ..., \"arguments\": {...}}\n</tool_call><|im_end|>\n' }}"
+    "{% elif messages[0]['role'] == 'system' %}"
+    "{{ '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|im_start|>assistant\n' + (message.get('content') or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '<tool_call>\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{{ call['function']['arguments'] | tojson }}{{ '}\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}"
+    "{% elif message['role'] != 'system' %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
+"""Added (not special) tokens, as in Qwen's vocabulary."""
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Paged attention keeps the KV cache in fixed-size pages.",
@@ -24,9 +54,11 @@ CORPUS = [
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def make_tokenizer(vocab_size: int = 384):
-    """A byte-level BPE tokenizer (GPT-2 / SmolLM style) trained on a small corpus, ChatML template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def make_tokenizer(vocab_size: int = 384, tool_template: bool = False):
+    """A byte-level BPE tokenizer (GPT-2 / SmolLM style) trained on a small corpus, ChatML template.
+
+    tool_template: Qwen-style instead: the Hermes tool-use template, <tool_call> tokens added."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -36,13 +68,15 @@ def make_tokenizer(vocab_size: int = 384):
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(CORPUS, trainer)
+    if tool_template:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|im_start|>",
         eos_token="<|im_end|>",
         unk_token="<|endoftext|>",
         pad_token="<|endoftext|>",
-        chat_template=CHATML_TEMPLATE,
+        chat_template=HERMES_TEMPLATE if tool_template else CHATML_TEMPLATE,
     )
 
 
@@ -86,10 +120,12 @@ def make_hf_model(arch: str = "llama", seed: int = 0, **overrides):
     return model.eval()
 
 
-def write_model_dir(path: Path, arch: str = "llama", seed: int = 0, **overrides):
-    """Write config.json + model.safetensors + tokenizer files; returns the transformers model."""
+def write_model_dir(path: Path, arch: str = "llama", seed: int = 0, tool_template: bool = False, **overrides):
+    """Write config.json + model.safetensors + tokenizer files; returns the transformers model.
+
+    tool_template: a Qwen-style tokenizer (see make_tokenizer)."""
     path = Path(path)
-    tokenizer = make_tokenizer()
+    tokenizer = make_tokenizer(tool_template=tool_template)
     model = make_hf_model(arch, seed=seed, vocab_size=len(tokenizer), **overrides)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)

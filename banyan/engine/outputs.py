@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from banyan.request import RequestMetrics
+
+if TYPE_CHECKING:
+    from banyan.tools import ToolCall
 
 
 @dataclass
@@ -27,6 +31,9 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # LLM.chat with tools: the reply read back as text before the calls, and the calls (complete or not)
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

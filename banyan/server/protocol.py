@@ -350,8 +350,6 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     def _supported(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameterError("top_logprobs", "requires logprobs to be true")
-        if self.tools and self.tool_choice != "none":
-            raise InvalidParameterError("tools", "tool calling is not supported yet")
         return self
 
 

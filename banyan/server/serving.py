@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from banyan.config import ServerConfig
 from banyan.engine.client import EngineClient, EngineDeadError, RequestError
-from banyan.engine.tokenizer import encode_chat
+from banyan.engine.tokenizer import encode_chat, resolve_template
 from banyan.errors import BanyanError
 from banyan.sampling_params import SamplingParams
 from banyan.server import protocol
@@ -27,6 +27,7 @@ from banyan.server.errors import APIError, error_body, from_banyan_error
 from banyan.server.generation import Choice, Generation
 from banyan.server.logprobs import chat_logprobs, completion_logprobs
 from banyan.server.metrics import ServerMetrics
+from banyan.tools import ToolCalling, ToolCallParser, detect_format, format_named, marker_token_ids
 
 
 class OpenAIServing:
@@ -62,10 +63,16 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.chat_template is not None and not self.config.allow_request_chat_template:
             raise APIError(400, "request chat templates are disabled on this server", param="chat_template")
-        prompt_ids = await self._offload(self._render_chat, req)
+        calling = self._tool_calling(req)
+        prompt_ids = await self._offload(self._render_chat, req, calling)
         params = protocol.to_sampling_params(req, default_max_tokens=None)
+        tool_spec = calling.spec(self._marker_ids(calling))
+        if tool_spec is not None:
+            params = params.clone(structured_outputs=tool_spec)
         gen = self._start([prompt_ids], params, req, tenant, http)
-        render = _ChatRender(self, gen, req)
+        if tool_spec is not None:
+            gen.structured_param = "tools"
+        render = _ChatRender(self, gen, req, calling)
         if req.stream:
             return self._sse(gen, render.chunks(), http)
         return await self._respond(gen, render.response, http)
@@ -139,14 +146,46 @@ class OpenAIServing:
             return [list(prompt)]
         return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
-    def _render_chat(self, req) -> list[int]:
+    def _tool_calling(self, req) -> ToolCalling:
+        """How the request's tools reach the prompt and its reply (400 for a bad tool or tool_choice)."""
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        tool_choice = getattr(req, "tool_choice", None)
+        if isinstance(tool_choice, protocol.NamedToolChoice):
+            tool_choice = tool_choice.model_dump()
+        try:
+            calling = ToolCalling.from_request(self._tool_format(req), tools, tool_choice,
+                                               getattr(req, "parallel_tool_calls", None))
+        except BanyanError as e:
+            raise from_banyan_error(e) from e
+        if calling.active and getattr(req, "structured_param", None):
+            raise APIError(400, "cannot be combined with tools unless tool_choice is 'none'", param=req.structured_param)
+        if calling.active and self.client.info.structured_output_backend != "llguidance":
+            raise APIError(400, "tool calling needs the llguidance structured-output backend "
+                           f"(this server runs {self.client.info.structured_output_backend})", param="tools")
+        return calling
+
+    def _tool_format(self, req):
+        if self.config.tool_call_parser != "auto":
+            return format_named(self.config.tool_call_parser)
+        try:
+            template = resolve_template(self.tokenizer, getattr(req, "chat_template", None) or self.chat_template, req.tools)
+        except BanyanError as e:
+            raise from_banyan_error(e) from e
+        return detect_format(template)
+
+    def _marker_ids(self, calling: ToolCalling) -> dict[str, int]:
+        return marker_token_ids(self.tokenizer, calling.fmt) if calling.active else {}
+
+    def _render_chat(self, req, calling: ToolCalling | None = None) -> list[int]:
+        calling = calling or self._tool_calling(req)
+        messages, tools = calling.template_inputs(protocol.messages_for_template(req.messages))
         _, ids = encode_chat(
             self.tokenizer,
-            protocol.messages_for_template(req.messages),
+            messages,
             chat_template=getattr(req, "chat_template", None) or self.chat_template,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            tools=[t.model_dump(exclude_none=True) for t in req.tools] if getattr(req, "tools", None) else None,
+            tools=tools,
             documents=getattr(req, "documents", None),
             chat_template_kwargs=req.chat_template_kwargs,
         )
@@ -309,10 +348,10 @@ class _CompletionRender:
 
 
 class _ChatRender:
-    """/v1/chat/completions bodies and chunks."""
+    """/v1/chat/completions bodies and chunks; with tools, each choice's reply is read for tool calls."""
 
-    def __init__(self, serving: OpenAIServing, gen: Generation, req):
-        self.serving, self.gen, self.req = serving, gen, req
+    def __init__(self, serving: OpenAIServing, gen: Generation, req, calling: ToolCalling):
+        self.serving, self.gen, self.req, self.calling = serving, gen, req, calling
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = req.model or serving.model_names[0]
@@ -325,17 +364,24 @@ class _ChatRender:
             return None
         return chat_logprobs(c.seq, self.serving.tokenizer, self.req.top_logprobs or 0, start, end)
 
+    def _message(self, c: Choice) -> tuple[dict, str | None]:
+        """The reply as a message, and its finish reason ("tool_calls" when it ended with calls)."""
+        parser = self.calling.parser()
+        if parser is None:
+            return {"role": "assistant", "content": c.seq.text}, c.seq.finish_reason
+        content, calls = parser.parse(c.seq.text)
+        if not calls:
+            return {"role": "assistant", "content": content}, c.seq.finish_reason
+        message = {"role": "assistant", "content": content if content.strip() else None, "tool_calls": [
+            {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}} for t in calls]}
+        return message, _tool_finish_reason(c.seq.finish_reason, parser)
+
     def response(self) -> dict:
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.seq.text},
-                "logprobs": self._logprobs(c),
-                "finish_reason": c.seq.finish_reason,
-                "stop_reason": c.seq.stop_reason,
-            }
-            for c in self.gen.choices
-        ]
+        choices = []
+        for c in self.gen.choices:
+            message, finish_reason = self._message(c)
+            choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c),
+                            "finish_reason": finish_reason, "stop_reason": c.seq.stop_reason})
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage(self.gen)}
 
@@ -343,18 +389,46 @@ class _ChatRender:
         for c in self.gen.choices:  # OpenAI sends the role first, with empty content
             yield self._head([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
         sent = {c.index: 0 for c in self.gen.choices}  # logprob positions already sent
+        parsers = {c.index: self.calling.parser() for c in self.gen.choices}
         async for event in self.gen.events():
             if event.error is not None:
                 raise event.error
-            c = event.choice
+            c, parser = event.choice, parsers[event.choice.index]
             logprobs = self._logprobs(c, sent[c.index], event.num_tokens)
             sent[c.index] = event.num_tokens
-            if event.text or logprobs:
-                yield self._head([{"index": c.index, "delta": {"content": event.text}, "logprobs": logprobs, "finish_reason": None}])
+            delta = _stream_delta(parser, event.text, done=event.finish_reason is not None)
+            if delta or logprobs:
+                yield self._head([{"index": c.index, "delta": delta or {"content": ""}, "logprobs": logprobs, "finish_reason": None}])
             if event.finish_reason is not None:
-                yield self._head([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}])
+                finish_reason = _tool_finish_reason(event.finish_reason, parser) if parser else event.finish_reason
+                yield self._head([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
         if _include_usage(self.req):
             yield self._head([]) | {"usage": usage(self.gen)}
+
+
+def _stream_delta(parser: ToolCallParser | None, text: str, done: bool) -> dict:
+    """One chunk's delta: new content, and tool-call pieces (id and name first, then arguments)."""
+    if parser is None:
+        return {"content": text} if text else {}
+    content, pieces = parser.feed(text)
+    if done:
+        content += parser.finish()[0]
+    delta: dict = {"content": content} if content else {}
+    if pieces:
+        delta["tool_calls"] = [_tool_call_piece(p) for p in pieces]
+    return delta
+
+
+def _tool_call_piece(piece) -> dict:
+    if piece.id is None:
+        return {"index": piece.index, "function": {"arguments": piece.arguments}}
+    return {"index": piece.index, "id": piece.id, "type": "function",
+            "function": {"name": piece.name, "arguments": piece.arguments}}
+
+
+def _tool_finish_reason(finish_reason: str | None, parser: ToolCallParser) -> str | None:
+    """OpenAI's "tool_calls" when a reply that ended normally holds calls; "length" etc. stay."""
+    return "tool_calls" if parser.calls and finish_reason == "stop" else finish_reason
 
 
 def _include_usage(req) -> bool:

