@@ -7,7 +7,9 @@ the fused projections: q/k/v_proj live in `qkv_proj` and gate/up_proj in `gate_u
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -16,7 +18,7 @@ from banyan.config import ModelArch
 from banyan.errors import ModelLoadError
 from banyan.layers.activation import get_activation
 from banyan.layers.attention import AttentionBackend
-from banyan.layers.linear import MergedLinear
+from banyan.layers.linear import MergedLinear, checkpoint_shards
 from banyan.layers.norm import RMSNorm
 from banyan.layers.rotary import RotaryEmbedding
 from banyan.runner.forward_batch import ForwardBatch
@@ -139,7 +141,9 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named checkpoint tensors in; raise ModelLoadError on unknown, misshapen or missing ones."""
+        """Copy HF-named checkpoint tensors in; raise ModelLoadError on unknown, misshapen or missing ones.
+        A tensor may also come quantized (a compact GGUF tensor): a quantized layer keeps it as it is,
+        a float parameter gets it dequantized."""
         targets = self._load_targets()
         loaded = set()
         for name, tensor in weights:
@@ -147,28 +151,38 @@ class CausalLM(nn.Module):
                 continue
             if name not in targets:
                 raise ModelLoadError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
-            param, rows = targets[name]
-            dest = param.data[rows]
-            if dest.shape != tensor.shape:
-                raise ModelLoadError(
-                    f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
-            loaded.add((id(param), rows.start))
-        missing = [n for n, (p, rows) in targets.items() if (id(p), rows.start) not in loaded]
+            targets[name].load(tensor, name)
+            loaded.add(targets[name].key)
+        missing = [n for n, target in targets.items() if target.key not in loaded]
         if missing:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
 
-    def _load_targets(self) -> dict[str, tuple[nn.Parameter, slice]]:
-        """Checkpoint name -> (parameter, its rows). Tied weights answer to both names."""
+    def _load_targets(self) -> dict[str, _Target]:
+        """Checkpoint name -> where its rows go. Tied weights answer to both names."""
         targets = {}
         for prefix, module in self.named_modules(remove_duplicate=False):
-            for pname, param in module.named_parameters(recurse=False, remove_duplicate=False):
-                name = f"{prefix}.{pname}" if prefix else pname
-                if isinstance(module, MergedLinear):
-                    parent = prefix.rpartition(".")[0]
-                    for shard in module.out_sizes:
-                        targets[f"{parent}.{shard}.{pname}"] = (param, module.shard_rows(shard))
-                else:
-                    targets[name] = (param, slice(0, None))
+            params = dict(module.named_parameters(recurse=False, remove_duplicate=False))
+            for path, rows in checkpoint_shards(prefix, module).items():
+                for pname, param in params.items():
+                    name = f"{path}.{pname}" if path else pname
+                    targets[name] = _Target(functools.partial(_copy_rows, param, rows), (id(param), rows.start))
+                if hasattr(module, "load_weight"):  # a quantized linear layer: it stores the weight itself
+                    load = functools.partial(module.load_weight, rows)
+                    targets[f"{path}.weight"] = _Target(load, (id(module), rows.start))
+        if hasattr(self.lm_head, "load_weight") and self.arch.tie_word_embeddings:
+            targets["model.embed_tokens.weight"] = targets["lm_head.weight"]  # the embeddings read lm_head's rows
         return targets
+
+
+class _Target(NamedTuple):
+    load: Callable[[torch.Tensor, str], None]  # (checkpoint tensor, its name)
+    key: tuple[int, int | None]  # (storage id, first row): what counts as loaded
+
+
+def _copy_rows(param: nn.Parameter, rows: slice, tensor, name: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        tensor = tensor.dequantize(param.dtype)  # a compact GGUF tensor for a layer kept in floats
+    dest = param.data[rows]
+    if dest.shape != tensor.shape:
+        raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}")
+    dest.copy_(tensor)

@@ -29,6 +29,7 @@ import torch
 from banyan.config import ModelArch
 from banyan.errors import ModelLoadError, UnsupportedModelError
 from banyan.models.registry import supported_architectures
+from banyan.quantization.formats import QuantizedWeight, WeightFormat
 from banyan.runner import gguf_loader
 from banyan.runner.gguf_tokenizer import tokenizer_from_gguf
 
@@ -49,13 +50,22 @@ class ModelSource:
     generation_config: dict  # generation_config.json ({} when absent); for GGUF, the eos ids
     _gguf: Any = field(default=None, repr=False, compare=False)  # the open reader, reused
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, tensor) pairs, read lazily; float tensors as stored, GGUF dequantized to fp32."""
+    def iter_weights(self, compact: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """(Hugging Face name, tensor) pairs, read lazily; float tensors as stored, GGUF dequantized to fp32
+        (compact=True: the GGUF tensors named by compact_formats() come as banyan's quantized weights)."""
         if self.path.is_file():
-            if self._gguf is None:
-                self._gguf = gguf_loader.open_reader(self.path)
-            return gguf_loader.iter_tensors(self._gguf, self.arch)
+            return gguf_loader.iter_tensors(self._reader(), self.arch, compact)
         return _iter_safetensors(self.path)
+
+    def compact_formats(self) -> dict[str, WeightFormat] | None:
+        """Hugging Face name -> quantized format, for the tensors iter_weights(compact=True) keeps compact;
+        None for a Hugging Face directory (its tensors are floats)."""
+        return gguf_loader.compact_formats(self._reader()) if self.path.is_file() else None
+
+    def _reader(self):
+        if self._gguf is None:
+            self._gguf = gguf_loader.open_reader(self.path)
+        return self._gguf
 
 
 def resolve_model(model: str) -> Path:

@@ -1,0 +1,110 @@
+"""Weight-only quantization, applied to a built model from outside (its files never change):
+
+    plan = plan_formats(model, "int4", group_size=32)    # module name -> WeightFormat
+    quantize_linears(model, plan)                        # those nn.Linear -> empty QuantizedLinear
+    model.load_weights(source.iter_weights())            # each checkpoint shard quantized as it arrives
+    finish_loading(model)                                # lay weights out for their kernels
+
+Which layers: every decoder projection in the chosen format. lm_head goes to int8 for int8 and
+int4 (llama.cpp likewise keeps its output matrix at 6-8 bits: the logits are the most sensitive
+matmul), and tied token embeddings read their rows from it, so one int8 copy serves both. fp8
+leaves lm_head in the compute dtype, as vLLM does. `gguf` keeps a GGUF file's Q4_0/Q4_1 tensors
+as int4 in groups of 32 (exactly: same values) and its Q8_0 ones as int8 (requantized per row);
+a tied lm_head there is int8 whatever the file has.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from banyan.errors import InvalidParameterError
+from banyan.layers.linear import checkpoint_shards
+from banyan.quantization.formats import INT8, WeightFormat
+from banyan.quantization.linear import QuantizedEmbedding, QuantizedLinear
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_METHODS = ("int8", "int4", "fp8", "gguf")
+INT4_GROUP_SIZES = (32, 64, 128)
+
+__all__ = ["QUANTIZATION_METHODS", "QuantizedLinear", "finish_loading", "model_weight_bytes", "plan_formats",
+           "quantize_linears"]
+
+
+def plan_formats(model: nn.Module, method: str, group_size: int = 32,
+                 file_formats: dict[str, WeightFormat] | None = None) -> dict[str, WeightFormat]:
+    """The format of each linear layer to quantize, by module name. file_formats (for `gguf`): the
+    format of each checkpoint tensor a GGUF file keeps compact, by its Hugging Face name (None: not GGUF)."""
+    if method not in QUANTIZATION_METHODS:
+        raise InvalidParameterError("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}")
+    if method == "gguf" and file_formats is None:
+        raise InvalidParameterError("quantization", "gguf keeps a GGUF file's tensors compact: the model is not a .gguf")
+    if method == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise InvalidParameterError("quantization_group_size", f"must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    tied = model.arch.tie_word_embeddings
+    plan = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            if method == "gguf":
+                fmt = _file_format(name, module, file_formats, tied)
+            else:
+                fmt = _format(name, method, group_size)
+            if fmt is not None:
+                _check_fits(name, module, fmt)
+                plan[name] = fmt
+    return plan
+
+
+def _format(name: str, method: str, group_size: int) -> WeightFormat | None:
+    if name == "lm_head":
+        return INT8 if method != "fp8" else None
+    return WeightFormat(method, group_size if method == "int4" else 0)
+
+
+def _file_format(name: str, module: nn.Linear, file_formats: dict[str, WeightFormat], tied: bool) -> WeightFormat | None:
+    """The file's format when every shard of the layer has it; None (dequantized) when they differ."""
+    paths = ["model.embed_tokens"] if name == "lm_head" and tied else list(checkpoint_shards(name, module))
+    found = {file_formats.get(f"{path}.weight") for path in paths}
+    if len(found) != 1 or None in found:
+        return None
+    return INT8 if name == "lm_head" and tied else found.pop()  # only int8 rows can serve as embeddings too
+
+
+def _check_fits(name: str, module: nn.Linear, fmt: WeightFormat) -> None:
+    if fmt.kind == "int4" and module.in_features % fmt.group_size:
+        raise InvalidParameterError(
+            "quantization_group_size", f"{name} has {module.in_features} inputs, not a multiple of {fmt.group_size}"
+        )
+
+
+def quantize_linears(model: nn.Module, plan: dict[str, WeightFormat]) -> None:
+    """Swap the planned nn.Linear layers for empty QuantizedLinear ones; tie the embeddings to an int8 lm_head."""
+    for name, fmt in plan.items():
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        setattr(owner, child, QuantizedLinear.like(getattr(owner, child), fmt))
+    if model.arch.tie_word_embeddings and plan.get("lm_head") == INT8:
+        model.model.embed_tokens = QuantizedEmbedding(model.lm_head)
+
+
+def finish_loading(model: nn.Module) -> None:
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for layer in layers:
+        layer.finish_loading()
+    slow = [layer for layer in layers if layer.fmt.kind != "fp8" and not layer.packed_kernels]
+    if any(layer.weight_device().type == "cpu" for layer in slow):
+        logger.warning("int8/int4 weights on a CPU without AVX-512: torch's packed kernels are scalar loops here, "
+                       "so each matmul dequantizes instead; this saves memory, and decodes slower than float32")
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every weight, tied ones counted once (buffers such as RoPE tables included)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    return total + sum(m.quantized_bytes() for m in model.modules() if isinstance(m, QuantizedLinear))
+

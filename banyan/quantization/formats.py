@@ -1,0 +1,144 @@
+"""Quantized weight formats: how an [out, in] linear weight is stored, and the math back to floats.
+
+    int8  symmetric, one scale per output row:    w[n, k] = s[n] * q[n, k]                    q in [-127, 127]
+    int4  asymmetric, per group of g inputs:       w[n, k] = s[n, j] * (q[n, k] - 8) + z[n, j]  j = k // g, q in [0, 15]
+    fp8   float8_e4m3fn, one scale per output row: w[n, k] = s[n] * f[n, k]                    |f| <= 448
+
+int4's `(q - 8) * s + z` is the convention of torch's CPU int4 kernel; GGUF's Q4_1 (w = d * q + m
+per block of 32) is the same with s = d, z = m + 8d, and Q4_0 (w = d * (q - 8)) with z = 0.
+
+These are also the compact tensors the GGUF loader hands over: `take_rows` reorders them (Q/K
+un-permuting), `copy_rows` writes one into a merged layer's rows, `dequantize()` turns it back into floats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import torch
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+@dataclass
+class RowScaledWeight:
+    """w[n, k] = scale[n] * q[n, k]: symmetric, one scale per output row (int8 and fp8)."""
+
+    q: torch.Tensor  # [out, in], int8 or float8_e4m3fn
+    scale: torch.Tensor  # [out]
+
+    limit: ClassVar[float]  # the largest |q|
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> RowScaledWeight:
+        scale = w.float().abs().amax(dim=1).clamp(min=1e-12) / cls.limit
+        return cls(cls.encode((w.float() / scale[:, None]).clamp(-cls.limit, cls.limit)), scale)
+
+    @staticmethod
+    def encode(x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.q.to(dtype) * self.scale[:, None].to(dtype)
+
+
+class Int8Weight(RowScaledWeight):
+    limit = 127.0
+
+    @staticmethod
+    def encode(x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x).to(torch.int8)
+
+
+class Fp8Weight(RowScaledWeight):
+    limit = FP8_MAX
+
+    @staticmethod
+    def encode(x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.float8_e4m3fn)
+
+
+@dataclass
+class Int4Weight:
+    q: torch.Tensor  # uint8 [out, in], one value in [0, 15] per byte (packed once loading is done)
+    scale: torch.Tensor  # [out, in // group]
+    zero: torch.Tensor  # [out, in // group]
+
+    @property
+    def group_size(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, group_size: int) -> Int4Weight:
+        """Min/max per group: the group's min maps to q = 0, its max to q = 15."""
+        out, cols = w.shape
+        groups = w.float().reshape(out, cols // group_size, group_size)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scale = ((high - low) / 15).clamp(min=1e-12)
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+        return cls(q.reshape(out, cols), scale, low + 8 * scale)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        out, cols = self.q.shape
+        groups = self.q.reshape(out, -1, self.group_size).to(dtype) - 8
+        return (groups * self.scale[..., None].to(dtype) + self.zero[..., None].to(dtype)).reshape(out, cols)
+
+
+QuantizedWeight = Int8Weight | Int4Weight | Fp8Weight
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """What one linear layer stores: kind int8, int4 (with its group size) or fp8."""
+
+    kind: str
+    group_size: int = 0  # int4 only
+
+    def empty(self, out: int, cols: int, scale_dtype: torch.dtype, device=None) -> QuantizedWeight:
+        """Zeroed storage for an [out, cols] weight, filled row by row while loading."""
+        if self.kind == "int8":
+            return Int8Weight(torch.zeros(out, cols, dtype=torch.int8, device=device),
+                              torch.zeros(out, dtype=scale_dtype, device=device))
+        if self.kind == "fp8":
+            return Fp8Weight(torch.zeros(out, cols, dtype=torch.float8_e4m3fn, device=device),
+                             torch.zeros(out, dtype=torch.float32, device=device))
+        groups = cols // self.group_size
+        return Int4Weight(torch.zeros(out, cols, dtype=torch.uint8, device=device),
+                          torch.zeros(out, groups, dtype=scale_dtype, device=device),
+                          torch.zeros(out, groups, dtype=scale_dtype, device=device))
+
+    def convert(self, weight: torch.Tensor | QuantizedWeight) -> QuantizedWeight:
+        """`weight` in this format: taken as is when it already is, else (de)quantized into it."""
+        if self.holds(weight):
+            return weight
+        if not isinstance(weight, torch.Tensor):
+            weight = weight.dequantize()
+        if self.kind == "int4":
+            return Int4Weight.quantize(weight, self.group_size)
+        return (Int8Weight if self.kind == "int8" else Fp8Weight).quantize(weight)
+
+    def holds(self, weight: torch.Tensor | QuantizedWeight) -> bool:
+        kinds = {"int8": Int8Weight, "int4": Int4Weight, "fp8": Fp8Weight}
+        if not isinstance(weight, kinds[self.kind]):
+            return False
+        return self.kind != "int4" or weight.group_size == self.group_size
+
+
+INT8 = WeightFormat("int8")
+FP8 = WeightFormat("fp8")
+
+
+def shape_of(weight: QuantizedWeight | torch.Tensor) -> tuple[int, ...]:
+    return tuple(weight.shape if isinstance(weight, torch.Tensor) else weight.q.shape)
+
+
+def take_rows(weight: QuantizedWeight, rows: torch.Tensor | slice) -> QuantizedWeight:
+    """The same weight restricted to (or reordered by) output rows: every field is per row."""
+    return type(weight)(*(getattr(weight, f.name)[rows] for f in fields(weight)))
+
+
+def copy_rows(dest: QuantizedWeight, rows: slice, src: QuantizedWeight) -> None:
+    for f in fields(dest):
+        getattr(dest, f.name)[rows].copy_(getattr(src, f.name))
+

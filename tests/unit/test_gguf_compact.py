@@ -1,0 +1,65 @@
+"""GGUF Q4_0/Q4_1/Q8_0 tensors kept compact (`--quantization gguf`) instead of dequantized to fp32."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from banyan import LLM, SamplingParams
+from banyan.config import EngineConfig, ModelConfig
+from banyan.quantization.formats import INT8, Int4Weight, Int8Weight, WeightFormat
+from banyan.runner.weights import open_model
+from tests.unit.test_weights import make_gguf
+
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_q4_blocks_are_int4_groups_with_the_same_values(tmp_path, qtype):
+    """Q/K rows un-permuted with their scales; every value exactly as gguf dequantizes it."""
+    path, _ = make_gguf(tmp_path, qtype=qtype)
+    source = open_model(str(path))
+    floats, compact = dict(source.iter_weights()), dict(source.iter_weights(compact=True))
+    assert set(source.compact_formats().values()) == {WeightFormat("int4", 32)}
+    for name, w in compact.items():
+        if isinstance(w, Int4Weight):
+            assert torch.equal(w.dequantize(), floats[name]), name
+        else:
+            assert w.dim() == 1 and torch.equal(w, floats[name]), name  # norms and biases stay float
+
+
+def test_q4_1_values_through_the_packed_kernel_are_exact(tmp_path):
+    """torch's CPU int4 kernel reads Q4_1's d, m as s = d, z = m + 8d to the last bit: x = I gives W^T."""
+    path, _ = make_gguf(tmp_path, qtype=Q.Q4_1)
+    source = open_model(str(path))
+    name = "model.layers.0.mlp.down_proj.weight"
+    w = dict(source.iter_weights(compact=True))[name]
+    packed = torch._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
+    scale_zeros = torch.stack([w.scale.t(), w.zero.t()], dim=-1).contiguous()
+    identity = torch.eye(w.q.shape[1])
+    assert torch.equal(torch._weight_int4pack_mm_for_cpu(identity, packed, 32, scale_zeros).t(), dict(source.iter_weights())[name])
+
+
+def test_q8_0_is_requantized_per_row_with_a_small_error(tmp_path):
+    path, _ = make_gguf(tmp_path, qtype=Q.Q8_0)
+    source = open_model(str(path))
+    assert set(source.compact_formats().values()) == {INT8}
+    floats = dict(source.iter_weights())
+    for name, w in source.iter_weights(compact=True):
+        if isinstance(w, Int8Weight):
+            error = (w.dequantize() - floats[name]).norm() / floats[name].norm()
+            assert error < 0.01, name  # one scale per row instead of one per 32 values
+
+
+def greedy_tokens(path, quantization, prompts):
+    llm = LLM.from_config(EngineConfig(model=ModelConfig(str(path), num_threads=1, quantization=quantization)))
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_compact_q4_model_generates_what_the_dequantized_one_does(tmp_path, qtype):
+    path, _ = make_gguf(tmp_path, qtype=qtype)  # untied: every matrix, lm_head too, stays int4 with its values
+    prompts = [[5, 9, 17, 33], [40, 41, 42, 43, 44, 45, 46], [100] * 5]
+    assert greedy_tokens(path, "gguf", prompts) == greedy_tokens(path, None, prompts)

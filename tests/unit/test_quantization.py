@@ -1,0 +1,138 @@
+"""Quantized linear layers against the float32 linear they replace, kernel by kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from banyan.errors import InvalidParameterError
+from banyan.quantization import plan_formats, quantize_linears
+from banyan.quantization.formats import FP8, INT8, Int4Weight, Int8Weight, WeightFormat
+from banyan.quantization.linear import QuantizedLinear
+
+INT4_64 = WeightFormat("int4", 64)
+
+
+def make_layer(fmt, w, packed=None, out_sizes=None):
+    layer = QuantizedLinear(w.shape[1], w.shape[0], fmt, packed_kernels=packed, out_sizes=out_sizes)
+    layer.load_weight(slice(0, None), w, "w")
+    layer.finish_loading()
+    return layer
+
+
+def relative_error(got, want):
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.fixture
+def weight_and_input():
+    torch.manual_seed(0)
+    return torch.randn(96, 256) * 0.05, torch.randn(5, 256)
+
+
+@pytest.mark.parametrize(
+    "fmt, packed, tolerance",
+    [
+        (INT8, True, 0.01),  # torch._weight_int8pack_mm
+        (INT8, False, 0.01),  # dequantize, matmul
+        (WeightFormat("int4", 32), True, 0.1),  # torch._weight_int4pack_mm_for_cpu
+        (WeightFormat("int4", 32), False, 0.1),
+        (INT4_64, True, 0.12),
+        (WeightFormat("int4", 128), False, 0.15),
+        (FP8, None, 0.06),  # torch._scaled_mm with per-token fp8 inputs (it runs on CPU in torch 2.13)
+    ],
+)
+def test_quantized_linear_is_close_to_float32(weight_and_input, fmt, packed, tolerance):
+    w, x = weight_and_input
+    assert relative_error(make_layer(fmt, w, packed)(x), F.linear(x, w)) < tolerance
+
+
+@pytest.mark.parametrize("fmt", [INT8, INT4_64])
+def test_packed_kernel_and_dequantize_agree(weight_and_input, fmt):
+    """Same quantized values, two kernels: they differ by float rounding only."""
+    w, x = weight_and_input
+    packed, dequantized = make_layer(fmt, w, packed=True)(x), make_layer(fmt, w, packed=False)(x)
+    torch.testing.assert_close(packed, dequantized, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_scaled_mm_is_close_to_its_dequantized_reference(weight_and_input):
+    w, x = weight_and_input
+    layer = make_layer(FP8, w)
+    assert layer._matmul == layer._fp8_scaled_mm
+    reference = F.linear(x, layer.weight.dequantize())  # fp8 weights, float inputs
+    assert relative_error(layer(x), reference) < 0.05  # the rest is the inputs' fp8 rounding
+
+
+def test_dequantized_matmul_in_chunks_equals_one_matmul(monkeypatch, weight_and_input):
+    w, x = weight_and_input
+    whole = make_layer(INT8, w, packed=False)(x)
+    monkeypatch.setattr("banyan.quantization.linear._CPU_CHUNK_VALUES", 256 * 7)  # 7 rows a block, 14 blocks
+    torch.testing.assert_close(make_layer(INT8, w, packed=False)(x), whole)
+
+
+@pytest.mark.parametrize("fmt", [INT8, INT4_64, FP8])
+def test_shards_quantized_one_by_one_equal_the_whole_matrix(weight_and_input, fmt):
+    """Scales are per row, so q/k/v quantized as they arrive equal the merged matrix quantized at once."""
+    w, x = weight_and_input
+    merged = QuantizedLinear(256, 96, fmt, out_sizes={"q_proj": 64, "k_proj": 16, "v_proj": 16}, packed_kernels=False)
+    merged.load_weight(slice(0, 64), w[:64], "q")
+    merged.load_weight(slice(64, 80), w[64:80], "k")
+    merged.load_weight(slice(80, 96), w[80:], "v")
+    merged.finish_loading()
+    torch.testing.assert_close(merged(x), make_layer(fmt, w, packed=False)(x))
+
+
+def test_int4_round_trip_keeps_values_on_the_grid():
+    """A weight already on an int4 grid (as a dequantized Q4_1 one is) comes back exactly."""
+    torch.manual_seed(1)
+    grid = Int4Weight(torch.randint(0, 16, (16, 64), dtype=torch.uint8), torch.rand(16, 2) + 0.5, torch.randn(16, 2))
+    grid.q[:, 0], grid.q[:, 32], grid.q[:, 1], grid.q[:, 33] = 0, 0, 15, 15  # each group spans the full range
+    again = Int4Weight.quantize(grid.dequantize(), 32)
+    torch.testing.assert_close(again.dequantize(), grid.dequantize())
+
+
+def test_int8_per_channel_scale():
+    w = torch.tensor([[1.0, -0.5, 0.25], [0.0, 0.0, 0.0]])
+    q = Int8Weight.quantize(w)
+    assert q.q[0].tolist() == [127, -64, 32] and q.q[1].tolist() == [0, 0, 0]
+    assert torch.allclose(q.dequantize(), w, atol=1 / 127)
+
+
+def test_a_ragged_int4_layer_falls_back_to_dequantizing():
+    """torch's CPU int4 kernel tiles 16 output rows; 24 rows take the dequantizing path."""
+    w, x = torch.randn(24, 64), torch.randn(3, 64)
+    layer = make_layer(WeightFormat("int4", 32), w, packed=True)
+    assert layer._matmul == layer._int4_dequant
+    assert relative_error(layer(x), F.linear(x, w)) < 0.1
+
+
+def test_plan_rejects_bad_settings():
+    from banyan.config import ModelArch
+    from banyan.layers.attention import get_attention_backend
+    from banyan.models.llama import LlamaForCausalLM
+
+    arch = ModelArch("LlamaForCausalLM", 64, 96, 128, 1, 4, 2, 24, tie_word_embeddings=True)
+    model = LlamaForCausalLM(arch, get_attention_backend("torch"))
+    with pytest.raises(InvalidParameterError, match="quantization"):
+        plan_formats(model, "int3")
+    with pytest.raises(InvalidParameterError, match="quantization_group_size"):
+        plan_formats(model, "int4", group_size=64)  # 96 inputs
+    with pytest.raises(InvalidParameterError, match="not a .gguf"):
+        plan_formats(model, "gguf", file_formats=None)
+    plan = plan_formats(model, "int4", group_size=32)
+    assert plan["lm_head"] == INT8 and plan["model.layers.0.self_attn.qkv_proj"] == WeightFormat("int4", 32)
+    assert "lm_head" not in plan_formats(model, "fp8")  # logits stay in the compute dtype
+    quantize_linears(model, plan)
+    assert model.model.embed_tokens.q is model.lm_head.weight.q  # tied: one int8 copy serves both
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (fp8 _scaled_mm needs sm89+)")
+@pytest.mark.parametrize("fmt, tolerance", [(INT8, 0.01), (INT4_64, 0.12), (FP8, 0.06)])
+def test_quantized_linear_on_cuda_in_bf16(fmt, tolerance):
+    torch.manual_seed(0)
+    w, x = torch.randn(256, 512, device="cuda") * 0.05, torch.randn(8, 512, device="cuda")
+    with torch.device("cuda"):
+        layer = make_layer(fmt, w.bfloat16())
+    assert relative_error(layer(x.bfloat16()).float(), F.linear(x, w)) < tolerance
