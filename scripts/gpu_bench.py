@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""The Python half of scripts/gpu_check.sh: engine greedy equality (triton vs torch), engine
-throughput on a Llama-2-7B-shaped model with random bf16 weights, the transformers baseline, and the
-summary table. Nothing is downloaded: the tiny model is written to a temp dir, the 7B one is built
-from its config with random weights made on the device.
+"""The Python half of scripts/gpu_check.sh: engine greedy equality (triton vs torch, CUDA graphs vs
+eager, fp8 KV), engine throughput on a Llama-2-7B-shaped model with random bf16 weights, the
+transformers baseline, and the summary table. Nothing is downloaded: the tiny model is written to a
+temp dir, the 7B one is built from its config with random weights made on the device.
 
-    python scripts/gpu_bench.py equality                          # tiny model, fp32 and bf16
-    python scripts/gpu_bench.py throughput --backend triton       # 128 in / 128 out at 1, 16, 64, 256
+    python scripts/gpu_bench.py equality                          # tiny model: the cases in EQUALITY
+    python scripts/gpu_bench.py throughput --backend triton       # 128 in / 128 out at 1, 16, 64, 256, CUDA graphs
+    python scripts/gpu_bench.py throughput --enforce-eager        # ... without CUDA graphs
+    python scripts/gpu_bench.py throughput --kv-cache-dtype fp8   # ... with an fp8 KV cache
     python scripts/gpu_bench.py hf                                # transformers generate, same shapes
     python scripts/gpu_bench.py table results.jsonl               # the short table
     ... --device cpu --tiny                                       # a smoke run on CPU (triton interpreted)
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import statistics
@@ -47,7 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,16,64,256", help="comma-separated")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--kv-cache-gib", type=float, default=40.0, help="throughput: KV cache size")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="throughput: KV cache size (default: sized by the profiling forward, 0.9 of the GPU)")
+    p.add_argument("--enforce-eager", action="store_true", help="throughput: no CUDA graphs")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="throughput: KV cache dtype")
     p.add_argument("--json", help="append each result as one JSON line to this file")
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -58,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("banyan.runner").setLevel(logging.INFO)  # the KV pool's size and the CUDA graphs, in log.txt
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything defines a triton kernel
     if args.command == "table":
@@ -74,9 +82,22 @@ def main(argv=None) -> None:
 # -- (2) greedy equality ---------------------------------------------------------------------------
 
 
+EQUALITY = [  # label, dtype, engine A, engine B, must be equal (True, "gpu": on a GPU only; else reported only)
+    ("triton == torch", "float32", dict(attention_backend="torch"), dict(attention_backend="triton"), True),
+    # a different summation order can flip a near-tie in bf16
+    ("triton == torch", "bfloat16", dict(attention_backend="torch"), dict(attention_backend="triton"), False),
+    ("CUDA graphs == eager, triton", "float32", dict(attention_backend="triton", enforce_eager=True),
+     dict(attention_backend="triton"), True),
+    # both backends quantize K/V to the same fp8 values (not the CPU interpreter: see kernels/kv_store.py)
+    ("fp8 KV: triton == torch", "float32", dict(attention_backend="torch", kv_cache_dtype="fp8"),
+     dict(attention_backend="triton", kv_cache_dtype="fp8"), "gpu"),
+    ("fp8 KV == auto KV, triton", "bfloat16", dict(attention_backend="triton"),
+     dict(attention_backend="triton", kv_cache_dtype="fp8"), False),
+]
+
+
 def equality(args) -> list[dict]:
-    """Greedy outputs of the tiny model under both backends: equal in fp32; bf16 is reported only
-    (a different summation order may flip a near-tie)."""
+    """Greedy outputs of the tiny model under the two engines of each EQUALITY case."""
     from banyan import LLM, SamplingParams
     from tests.factories import write_model_dir
 
@@ -87,18 +108,20 @@ def equality(args) -> list[dict]:
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
     prompts[1] = prompts[-1][:8] + prompts[1][8:]  # a shared prefix: the second run hits the cache
     params = SamplingParams(temperature=0.0, max_tokens=6 if args.tiny else 32, ignore_eos=True)
+
+    def run(dtype, engine):
+        llm = LLM(str(path), device=args.device, dtype=dtype, block_size=16, num_pages=256, max_num_seqs=16,
+                  max_num_batched_tokens=64, **engine)  # small budget: mixed prefill + decode steps
+        first = llm.generate([{"prompt_token_ids": prompts[-1]}], params, use_tqdm=False)
+        rest = llm.generate([{"prompt_token_ids": p} for p in prompts[:-1]], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in first + rest]
+
     results = []
-    for dtype in ("float32", "bfloat16"):
-        outputs = {}
-        for backend in ("torch", "triton"):
-            llm = LLM(str(path), device=args.device, dtype=dtype, attention_backend=backend, block_size=16,
-                      num_pages=256, max_num_batched_tokens=64)  # small budget: mixed prefill + decode steps
-            first = llm.generate([{"prompt_token_ids": prompts[-1]}], params, use_tqdm=False)
-            rest = llm.generate([{"prompt_token_ids": p} for p in prompts[:-1]], params, use_tqdm=False)
-            outputs[backend] = [o.outputs[0].token_ids for o in first + rest]
-        equal = sum(a == b for a, b in zip(outputs["torch"], outputs["triton"]))
-        results.append(dict(check="equality", dtype=dtype, equal=equal, sequences=len(prompts),
-                            passed=equal == len(prompts) if dtype == "float32" else None))
+    for label, dtype, a, b, must in EQUALITY:
+        equal = sum(x == y for x, y in zip(run(dtype, a), run(dtype, b)))
+        required = must is True or (must == "gpu" and args.device == "cuda")
+        results.append(dict(check="equality", label=label, dtype=dtype, equal=equal, sequences=len(prompts),
+                            passed=equal == len(prompts) if required else None))
     return results
 
 
@@ -116,9 +139,11 @@ def throughput(args) -> list[dict]:
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     path = write_shell_model_dir(shape)
     use_random_weights(shape, args.device, getattr(torch, dtype))
+    kv_bytes = 8 << 20 if args.tiny else None if args.kv_cache_gib is None else int(args.kv_cache_gib * 2**30)
     config = EngineConfig(
-        model=ModelConfig(model=str(path), device=args.device, dtype=dtype, attention_backend=args.backend, seed=0),
-        cache=CacheConfig(kv_cache_memory=int(args.kv_cache_gib * 2**30) if not args.tiny else 8 << 20),
+        model=ModelConfig(model=str(path), device=args.device, dtype=dtype, attention_backend=args.backend, seed=0,
+                          enforce_eager=args.enforce_eager),
+        cache=CacheConfig(kv_cache_memory=kv_bytes, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=8192),
     )
     t0 = time.perf_counter()
@@ -128,10 +153,17 @@ def throughput(args) -> list[dict]:
     results = []
     for batch in args.batch_sizes:
         stats = run_batch(engine, batch, args.input_len, args.output_len, shape["vocab_size"], SamplingParams)
-        results.append(dict(check="throughput", engine="banyan", backend=args.backend, model=model_name(args),
+        results.append(dict(check="throughput", engine="banyan", backend=variant(args, engine), model=model_name(args),
                             batch=batch, input_len=args.input_len, output_len=args.output_len,
-                            startup_s=round(startup, 1), **stats))
+                            startup_s=round(startup, 1), kv_tokens=engine.runner.capacity.num_tokens, **stats))
     return results
+
+
+def variant(args, engine) -> str:
+    """The column name: backend, CUDA graphs or eager (as the engine ran, after any fallback), KV dtype."""
+    runner = engine.runner
+    mode = "graphs" if runner.decode_graphs is not None else "eager"
+    return f"{runner.attn.name} {mode}" + (" fp8-kv" if args.kv_cache_dtype == "fp8" else "")
 
 
 def run_batch(engine, batch: int, input_len: int, output_len: int, vocab: int, SamplingParams) -> dict:
@@ -187,7 +219,7 @@ def use_random_weights(shape: dict, device: str, dtype) -> None:
         reference = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**shape))
     specs = [(name, t.shape) for name, t in reference.state_dict().items()]
 
-    def iter_random(self):
+    def iter_random(self, **_):  # the loader's options (compact=...) do not apply to random weights
         gen = torch.Generator(device).manual_seed(0)
         for name, size in specs:
             if len(size) == 1:  # norm weights
@@ -246,7 +278,8 @@ def table(results: list[dict]) -> str:
             lines.append(f"| kernel tests (rc {r['rc']}) | {r['summary']} |")
         elif r["check"] == "equality":
             verdict = {True: "PASS", False: "FAIL", None: "info"}[r["passed"]]
-            lines.append(f"| greedy triton == torch, {r['dtype']} | {r['equal']}/{r['sequences']} sequences ({verdict}) |")
+            label = r.get("label", "triton == torch")
+            lines.append(f"| greedy {label}, {r['dtype']} | {r['equal']}/{r['sequences']} sequences ({verdict}) |")
     rows = {}
     for r in results:
         if r["check"] == "throughput":
@@ -264,7 +297,19 @@ def table(results: list[dict]) -> str:
                 extra = f" ({r['ttft_ms']:.0f} / {r['itl_ms']:.1f})" if r and "itl_ms" in r else ""
                 cells.append(f"{r['output_tok_s']:,.0f}{extra}" if r else "-")
             lines.append(f"| {batch} | " + " | ".join(cells) + " |")
+        lines += startup_table(results)
     return "\n".join(lines)
+
+
+def startup_table(results: list[dict]) -> list[str]:
+    """Per banyan column: engine start-up (weights, memory profile, CUDA graph capture) and the KV pool's tokens."""
+    firsts = {}
+    for r in results:
+        if r["check"] == "throughput" and "startup_s" in r:
+            firsts.setdefault(r["backend"], r)
+    lines = ["", "| banyan | start-up s | KV cache tokens |", "|---|---|---|"]
+    return lines + [f"| {c} | {r['startup_s']} | {r['kv_tokens']:,} |" if "kv_tokens" in r else f"| {c} | {r['startup_s']} | - |"
+                    for c, r in sorted(firsts.items())]
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check (docs/gpu.md): one command on an NVIDIA GPU machine, under 8 minutes on an H200.
 #   1. the kernel tests at full size on the device (compiled, not interpreted)
-#   2. engine greedy equality, triton vs torch backend, on a tiny model
-#   3. engine throughput on a Llama-2-7B-shaped model with random bf16 weights, both backends
+#   2. engine greedy equality on a tiny model: triton vs torch backend, CUDA graphs vs eager, fp8 KV
+#   3. engine throughput on a Llama-2-7B-shaped model with random bf16 weights, triton backend: eager, CUDA
+#      graphs, CUDA graphs + fp8 KV cache (VARIANTS; "torch-eager" adds the torch backend)
 #   4. the same shapes through transformers generate, the baseline
 # Full results go to $OUT when set (else a temp dir): log.txt, results.jsonl, table.md. The table is printed last.
-# BATCHES=1,16 or PYTHON=... override the defaults; BENCH_ARGS="--device cpu --tiny --input-len 16
+# BATCHES=1,16, VARIANTS="triton-graphs" or PYTHON=... override the defaults; BENCH_ARGS="--device cpu --tiny --input-len 16
 # --output-len 8" smoke-tests the script on a CPU machine (the kernel tests then run interpreted).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,7 @@ RES=${OUT:-$(mktemp -d)}
 mkdir -p "$RES"
 LOG=$RES/log.txt JSONL=$RES/results.jsonl
 BATCHES=${BATCHES:-1,16,64,256}
+VARIANTS=${VARIANTS:-triton-eager triton-graphs triton-graphs-fp8}
 read -r -a BENCH <<<"${BENCH_ARGS:-}"
 : >"$LOG"
 : >"$JSONL"
@@ -35,16 +37,20 @@ step() {
   $PY -c "import torch, triton, transformers as t; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', t.__version__)"
 } 2>&1 | tee -a "$LOG"
 
-step kernels 130 $PY -m pytest tests/kernels -m "gpu or not gpu" -p no:cacheprovider -W ignore::DeprecationWarning
+step kernels 110 $PY -m pytest tests/kernels -m "gpu or not gpu" -p no:cacheprovider -W ignore::DeprecationWarning
 rc=$?
 summary=$(grep -E "(passed|failed|error)" "$LOG" | tail -1 | tr -d '"=' | sed 's/^ *//')
 printf '{"check": "kernel_tests", "rc": %d, "summary": "%s"}\n' "$rc" "$summary" >>"$JSONL"
 
-step equality 60 $PY scripts/gpu_bench.py equality "${BENCH[@]}" --json "$JSONL"
-for backend in torch triton; do
-    step "throughput-$backend" 100 $PY scripts/gpu_bench.py throughput --backend "$backend" --batch-sizes "$BATCHES" \
+step equality 50 $PY scripts/gpu_bench.py equality "${BENCH[@]}" --json "$JSONL"
+for variant in $VARIANTS; do  # backend-mode[-fp8]
+    IFS=- read -r backend mode kv <<<"$variant"
+    flags=(--backend "$backend")
+    [ "$mode" = eager ] && flags+=(--enforce-eager)
+    [ "$kv" = fp8 ] && flags+=(--kv-cache-dtype fp8)
+    step "throughput-$variant" 85 $PY scripts/gpu_bench.py throughput "${flags[@]}" --batch-sizes "$BATCHES" \
         "${BENCH[@]}" --json "$JSONL"
 done
-step transformers 80 $PY scripts/gpu_bench.py hf --batch-sizes "$BATCHES" "${BENCH[@]}" --json "$JSONL"
+step transformers 60 $PY scripts/gpu_bench.py hf --batch-sizes "$BATCHES" "${BENCH[@]}" --json "$JSONL"
 
 $PY scripts/gpu_bench.py table "$JSONL" | tee "$RES/table.md"

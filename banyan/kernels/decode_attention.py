@@ -37,7 +37,7 @@ MAX_SPLITS = 32
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     part_out_ptr, part_lse_ptr,  # [num_seqs, num_heads, num_splits, BLOCK_D], [num_seqs, num_heads, num_splits] fp32
-    qk_scale,
+    qk_scale, v_scale,  # see prefill_attention: an fp8 cache's scale is folded into both
     stride_qt, stride_qh,
     stride_cp, stride_cs, stride_ch, stride_bt,
     page_size, window, num_splits,
@@ -75,7 +75,7 @@ def _decode_split_kernel(
                                     q_ptr.dtype.element_ty, DOT_DTYPE, PRECISION)
 
     has_keys = l_i > 0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None] * v_scale
     lse = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     part = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [BLOCK_G] flat (seq, head, split)
     tl.store(part_out_ptr + part[:, None] * BLOCK_D + d[None, :], out, mask=(g < GROUP)[:, None])
@@ -111,10 +111,11 @@ def decode_attention(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_seqs, max_pages] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
-    max_seq_len: int,  # host copy, to choose the number of splits without a device sync
+    max_seq_len: int,  # host bound on seq_lens (a block table's width in tokens will do): sizes the split grid
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+    kv_scale: float = 1.0,  # an fp8 cache's scale
     num_splits: int | None = None,
     block_n: int = 64,
 ) -> torch.Tensor:
@@ -134,7 +135,7 @@ def decode_attention(
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
         part_out, part_lse,
-        scale * LOG2E,
+        scale * LOG2E * kv_scale, kv_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k_cache.shape[1], NO_WINDOW if sliding_window is None else sliding_window, num_splits,

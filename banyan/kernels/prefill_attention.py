@@ -12,6 +12,9 @@ One program per (request, query head, tile of BLOCK_M new rows); it walks the vi
 of BLOCK_N with an online softmax (flash attention), so nothing of size [q, c] is ever built.
 Query head h reads KV head h // group (GQA). Rows of a ragged batch are found from query_start_loc.
 
+An fp8 cache holds K/V divided by kv_scale: the scale is folded into qk_scale for the scores and
+multiplied into the output (o = sum p v, linear in v), so tiles are only widened, never rescaled.
+
 Reference: `banyan.layers.attention.torch_backend.paged_attention`.
 """
 
@@ -68,7 +71,8 @@ def attend_tile(
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, query_start_ptr, seq_lens_ptr,
-    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    qk_scale,  # softmax scale * log2(e) * k scale: the softmax runs in base 2
+    v_scale,  # an fp8 cache's scale (1.0 otherwise)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cp, stride_cs, stride_ch, stride_bt,
     page_size, window,
@@ -112,7 +116,7 @@ def _prefill_kernel(
             m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale,
                                         q_ptr.dtype.element_ty, DOT_DTYPE, PRECISION)
 
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
         o_ptrs = out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
@@ -128,6 +132,7 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    kv_scale: float = 1.0,  # an fp8 cache's scale
     block_m: int = 64,
     block_n: int = 64,
 ) -> torch.Tensor:
@@ -143,7 +148,7 @@ def prefill_attention(
     _prefill_kernel[grid](
         q, k_cache, v_cache, out,
         block_tables, query_start_loc, seq_lens,
-        scale * LOG2E,
+        scale * LOG2E * kv_scale, kv_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k_cache.shape[1], NO_WINDOW if sliding_window is None else sliding_window,

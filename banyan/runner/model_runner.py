@@ -10,15 +10,20 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from banyan.config import CacheConfig, ModelConfig, default_num_threads
 from banyan.errors import InvalidParameterError
 from banyan.layers.attention import AttentionBackend, get_attention_backend
+from banyan.layers.attention.base import FP8
 from banyan.layers.sampler import Sampler, compute_prompt_logprobs
 from banyan.models.registry import get_model_class
+from banyan.quantization import finish_loading, model_weight_bytes, plan_formats, quantize_linears
+from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from banyan.runner.forward_batch import ForwardBatch
+from banyan.runner.memory import GiB, KVCapacity, pages_for_budget, profile_batch, profile_cuda_forward
 from banyan.runner.weights import ModelSource
 from banyan.scheduler.batch import Batch, SampledToken, ScheduledRequest, StepResult
 from banyan.structured import GrammarBackend, allocate_bitmask
@@ -31,53 +36,117 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 PageTables = Callable[[str], Sequence[int]]
 
 
+@dataclass(frozen=True)
+class RunnerLimits:
+    """The largest step the scheduler hands the runner: what memory profiling and CUDA graphs are sized for."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, source: ModelSource):
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, source: ModelSource, limits: RunnerLimits):
         self.arch = source.arch
+        self.limits = limits
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, source.arch.torch_dtype, self.device)
+        self.kv_dtype = FP8 if cache_config.kv_cache_dtype == "fp8" else self.dtype
         self.page_size = cache_config.block_size
         if self.device.type == "cpu":
             torch.set_num_threads(model_config.num_threads or default_num_threads())
-        self.model = self._load_model(model_config, source)
-        self.num_pages = self._num_pages(cache_config)
-        shape = (self.num_pages, self.page_size, self.arch.num_key_value_heads, self.arch.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(self.arch.num_hidden_layers)
-        ]
+        self.attn = _attention_backend(model_config.attention_backend, self.device, self.kv_dtype)
+        self.model = self._load_model(source, model_config)
+        self.capacity = self._kv_capacity(cache_config)
+        logger.info("%s", self.capacity.describe())
+        self.num_pages = self.capacity.num_pages
+        self.reserved_page = self.num_pages  # one page past the pool: padding rows of graph batches write there
+        self.kv_caches = [(self._kv_pages(self.num_pages + 1), self._kv_pages(self.num_pages + 1))
+                          for _ in range(self.arch.num_hidden_layers)]
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not model_config.enforce_eager:
+            self.start_decode_graphs(capture=True)
         self.sampler = Sampler(self.arch.vocab_size, default_seed=model_config.seed)
         self._bitmask: torch.Tensor | None = None  # grammar masks, grown on demand
 
-    def _load_model(self, model_config: ModelConfig, source: ModelSource) -> torch.nn.Module:
+    def _load_model(self, source: ModelSource, model_config: ModelConfig) -> torch.nn.Module:
         model_cls = get_model_class(self.arch.architecture)
-        attn = _attention_backend(model_config.attention_backend, self.device)
+        method = model_config.quantization
         with _default_dtype(self.dtype), torch.device(self.device):
-            model = model_cls(self.arch, attn)
-        model.load_weights(source.iter_weights())
+            model = model_cls(self.arch, self.attn)
+            if method is not None:
+                quantize_linears(model, plan_formats(model, method, model_config.quantization_group_size,
+                                                     source.compact_formats()))
+        model.load_weights(source.iter_weights(compact=method == "gguf"))
+        finish_loading(model)
+        logger.info("weights: %.1f MiB (%s)", model_weight_bytes(model) / 2**20, method or self.dtype)
         return model.eval()
 
-    def _num_pages(self, cache_config: CacheConfig) -> int:
+    def _kv_pages(self, num_pages: int) -> torch.Tensor:
+        shape = (num_pages, self.page_size, self.arch.num_key_value_heads, self.arch.head_dim)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+
+    def _kv_capacity(self, cache_config: CacheConfig) -> KVCapacity:
+        per_token = self.arch.kv_bytes_per_token(self.kv_dtype.itemsize)
         if cache_config.num_pages is not None:
-            return cache_config.num_pages
-        per_page = self.page_size * self.arch.kv_bytes_per_token(self.dtype.itemsize)
-        budget = cache_config.kv_cache_memory
-        if budget is None:
-            budget = DEFAULT_CPU_KV_BYTES if self.device.type != "cuda" else _cuda_kv_budget(cache_config)
-        num_pages = budget // per_page
-        if num_pages < 2:
-            raise InvalidParameterError("kv_cache_memory", f"{budget} bytes hold fewer than 2 pages of {per_page} bytes")
-        return num_pages
+            num_pages, basis = cache_config.num_pages, "num_pages"
+        else:
+            budget, basis, param = self._kv_budget(cache_config)
+            num_pages = pages_for_budget(budget, self.page_size, per_token)
+            if num_pages < 2:
+                raise InvalidParameterError(param, f"{basis}: fewer than 2 pages of {self.page_size * per_token} bytes")
+        dtype = str(self.kv_dtype).removeprefix("torch.")
+        return KVCapacity(num_pages, self.page_size, per_token, self.limits.max_model_len, dtype, basis)
+
+    def _kv_budget(self, cache_config: CacheConfig) -> tuple[int, str, str]:
+        """Bytes for the KV pool, where they come from, and the setting that decides them."""
+        if cache_config.kv_cache_memory is not None:
+            budget = cache_config.kv_cache_memory
+            return budget, f"--kv-cache-memory {budget / GiB:.2f} GiB", "kv_cache_memory"
+        if self.device.type == "cuda":
+            util = cache_config.gpu_memory_utilization
+            profile = profile_cuda_forward(self.profile_forward)
+            return profile.kv_budget(util), f"--gpu-memory-utilization {profile.describe(util)}", "gpu_memory_utilization"
+        return DEFAULT_CPU_KV_BYTES, f"the CPU default of --kv-cache-memory, {DEFAULT_CPU_KV_BYTES / GiB:.2f} GiB", "kv_cache_memory"
+
+    @torch.inference_mode()
+    def profile_forward(self) -> torch.Tensor:
+        """The largest step the scheduler can hand out, through the model and the logits projection, over a
+        one-page cache shared by every layer: activations at their peak, no KV pool needed."""
+        limits = self.limits
+        fb = profile_batch(limits.max_num_batched_tokens, limits.max_model_len, limits.max_num_seqs,
+                           self.page_size, self.device)
+        one_page = [(self._kv_pages(1), self._kv_pages(1))] * self.arch.num_hidden_layers
+        hidden = self.model(fb, one_page)
+        return self.model.compute_logits(hidden[fb.logits_indices])
+
+    def start_decode_graphs(self, capture: bool) -> None:
+        """Decode steps through padded static buffers: replayed CUDA graphs, or (capture=False) run eagerly."""
+        if capture and not self.attn.supports_cuda_graphs:
+            logger.info("CUDA graphs off: the %r attention backend is not graph-safe; decode runs eagerly", self.attn.name)
+            return
+        buckets = graph_buckets(self.limits.max_num_seqs)
+        max_pages = -(-self.limits.max_model_len // self.page_size)
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, buckets=buckets, max_pages=max_pages,
+                                          page_size=self.page_size, reserved_page=self.reserved_page,
+                                          device=self.device, capture=capture)
+        if capture:
+            self.decode_graphs.capture_all()
 
     # -- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: Batch, page_tables: PageTables, grammar: GrammarBackend | None = None) -> StepResult:
         """grammar: the backend that fills the masks of requests with a matcher (structured output)."""
         fb, plan = self._prepare(batch, page_tables)
-        hidden = self.model(fb, self.kv_caches)  # [num_tokens, hidden]
+        hidden = self._forward(fb)  # [num_tokens, hidden]
         masks = self._grammar_masks(plan, grammar)  # on a GPU, filled on the CPU while the forward runs
         logits = self.model.compute_logits(hidden[fb.logits_indices])  # [num_logits, vocab] fp32
         return self._sample(logits, plan, masks)
+
+    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+        if self.decode_graphs is not None and self.decode_graphs.fits(fb):
+            return self.decode_graphs.run(fb)
+        return self.model(fb, self.kv_caches)
 
     def _grammar_masks(self, plan: _LogitsPlan, grammar: GrammarBackend | None) -> tuple[torch.Tensor, list[int]] | None:
         """(bitmask, sampler rows): bitmask row j masks sampler row rows[j]. None when no row is constrained."""
@@ -189,23 +258,35 @@ def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device)
     return DTYPES[name]
 
 
-def _attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend asked for; on a GPU without triton installed, `torch` with a warning."""
+TRITON_MIN_CAPABILITY = (8, 0)  # Triton 3 supports NVIDIA GPUs from Ampere on
+FP8_MIN_CAPABILITY = (8, 9)  # Triton converts to float8_e4m3fn only on Ada and Hopper
+
+
+def _attention_backend(name: str, device: torch.device, kv_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """The backend asked for; on a GPU where triton cannot run (not installed, failing to import, too old
+    a GPU), `torch` with a warning."""
     if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise InvalidParameterError("attention_backend", "'triton' needs a CUDA device (on CPU: 'torch')")
-    try:
+    if name != "triton" or device.type != "cuda":
         return get_attention_backend(name)
-    except InvalidParameterError as e:
-        if name != "triton" or device.type != "cuda":
-            raise
-        logger.warning("%s; falling back to the 'torch' attention backend", e)
-        return get_attention_backend("torch")
+    try:
+        backend = get_attention_backend(name)
+        reason = _triton_unsupported(device, kv_dtype)
+    except (InvalidParameterError, ImportError, RuntimeError) as e:
+        reason = str(e)
+    if reason is None:
+        return backend
+    logger.warning("%s; falling back to the 'torch' attention backend", reason)
+    return get_attention_backend("torch")
 
 
-def _cuda_kv_budget(cache_config: CacheConfig) -> int:
-    free, total = torch.cuda.mem_get_info()
-    used = total - free
-    return max(0, int(total * cache_config.gpu_memory_utilization) - used - (512 << 20))
+def _triton_unsupported(device: torch.device, kv_dtype: torch.dtype | None) -> str | None:
+    capability = torch.cuda.get_device_capability(device)
+    if capability < TRITON_MIN_CAPABILITY:
+        return f"triton needs compute capability 8.0 or newer; this GPU has {capability[0]}.{capability[1]}"
+    if kv_dtype == FP8 and capability < FP8_MIN_CAPABILITY:
+        return f"triton's fp8 KV cache needs compute capability 8.9 or newer; this GPU has {capability[0]}.{capability[1]}"
+    return None
 
 
 @contextlib.contextmanager

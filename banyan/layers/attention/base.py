@@ -8,6 +8,9 @@ import torch
 
 from banyan.runner.forward_batch import ForwardBatch
 
+FP8 = torch.float8_e4m3fn  # the fp8 KV cache's dtype (--kv-cache-dtype fp8)
+FP8_MAX = torch.finfo(FP8).max  # 448: e4m3fn has no infinity, so larger values are clamped rather than lost
+
 
 class AttentionBackend(ABC):
     """One stateless instance serves every layer; the layer passes its own cache pages.
@@ -18,10 +21,17 @@ class AttentionBackend(ABC):
          `context_lens[i] - query_lens[i] + j + 1` tokens for its j-th new row, read from the pages
          in batch.block_tables[i] (cached prefix and new tokens alike);
       3. with `sliding_window` w, a row at position p sees only positions > p - w (Mistral).
+      4. an fp8 cache (dtype FP8) holds K/V divided by kv_scale: quantize on write, multiply back on read.
     Any mix of decode rows (query_len 1) and prefill chunks with a cached prefix is allowed.
+    A backend with supports_cuda_graphs reads no host length (context_lens, query_lens) in a decode-only
+    step, so that step can be captured once per batch size and replayed (runner/cuda_graphs.py).
     """
 
     name: str
+    supports_cuda_graphs = False  # a decode step launches the same work whatever the lengths: no host-shaped code
+
+    def __init__(self, kv_scale: float = 1.0):
+        self.kv_scale = kv_scale  # fp8 caches hold K/V divided by this (one scale for the whole cache)
 
     @abstractmethod
     def forward(
@@ -39,9 +49,28 @@ class AttentionBackend(ABC):
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scale: float = 1.0,
 ) -> None:
-    """Store each new row's K/V at its slot (page * page_size + offset)."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Store each new row's K/V at its slot (page * page_size + offset), quantized for an fp8 cache."""
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        rows = to_cache_dtype(new, cache.dtype, kv_scale)
+        if cache.dtype == FP8:  # fp8 has no index_copy_ on CPU: copy the bytes
+            cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+        cache.view(-1, *cache.shape[-2:]).index_copy_(0, slot_mapping, rows)
+
+
+def read_pages(cache: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype, kv_scale: float = 1.0) -> torch.Tensor:
+    """cache[pages] in `dtype`; fp8 pages are gathered as bytes (fp8 indexing is missing on some devices) and scaled."""
+    if cache.dtype != FP8:
+        return cache[pages].to(dtype)
+    rows = cache.view(torch.uint8)[pages].view(FP8)
+    return rows.to(dtype) if kv_scale == 1.0 else (rows.float() * kv_scale).to(dtype)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, kv_scale: float = 1.0) -> torch.Tensor:
+    """K/V rows as a cache of `dtype` stores them: fp8 ones divided by the scale and clamped to its range
+    (rounded to nearest even)."""
+    if dtype != FP8:
+        return x.to(dtype)
+    return (x.float() * (1.0 / kv_scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # as the triton store computes it

@@ -1,0 +1,114 @@
+"""Sizing the KV pool: from a byte budget on CPU, from a profiling forward on a GPU.
+
+On a GPU the pool takes what the model leaves of `gpu_memory_utilization` of the device:
+
+    total * utilization
+      - weights          (allocated once the weights are loaded)
+      - activation peak  (the profiling forward at the largest step, above the weights)
+      - non-torch        (CUDA context, cuBLAS workspaces, other processes: used but not torch's)
+      = KV budget        -> pages of page_size tokens, every layer's K and V
+
+The arithmetic is pure (MemoryProfile, KVCapacity); only `profile_cuda_forward` touches a device.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from banyan.runner.forward_batch import ForwardBatch
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """Device memory in bytes, measured after loading the weights and one forward at the largest step."""
+
+    total: int
+    weights: int
+    activation_peak: int
+    non_torch: int
+
+    def kv_budget(self, utilization: float) -> int:
+        """Bytes left for the KV pool within utilization * total (0 when the model alone exceeds it)."""
+        return max(0, int(self.total * utilization) - self.weights - self.activation_peak - self.non_torch)
+
+    def describe(self, utilization: float) -> str:
+        return (f"{utilization:.2f} x {self.total / GiB:.1f} GiB - weights {self.weights / GiB:.2f} GiB"
+                f" - activation peak {self.activation_peak / GiB:.2f} GiB - non-torch {self.non_torch / GiB:.2f} GiB"
+                f" = {self.kv_budget(utilization) / GiB:.2f} GiB")
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """What a KV pool holds: the facts the start-up log reports on every device."""
+
+    num_pages: int
+    page_size: int
+    bytes_per_token: int  # K and V of one token across all layers
+    max_model_len: int
+    dtype: str
+    budget: str  # where the byte budget came from
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def full_length_requests(self) -> float:
+        return self.num_tokens / self.max_model_len
+
+    def describe(self) -> str:
+        size = self.num_tokens * self.bytes_per_token / GiB
+        return (f"KV cache: {self.num_pages} pages of {self.page_size} tokens = {self.num_tokens} tokens"
+                f" ({self.dtype}, {size:.2f} GiB); {self.full_length_requests:.1f} requests of the full"
+                f" {self.max_model_len}-token context fit; budget: {self.budget}")
+
+
+def pages_for_budget(budget: int, page_size: int, bytes_per_token: int) -> int:
+    return budget // (page_size * bytes_per_token)
+
+
+def profile_batch(num_tokens: int, max_model_len: int, num_logits: int, page_size: int, device) -> ForwardBatch:
+    """The largest step the scheduler can hand out: num_tokens new tokens in prompts of at most
+    max_model_len, every K/V written into page 0 (the profile runs over a one-page cache)."""
+    full, rest = divmod(num_tokens, max_model_len)
+    lens = [max_model_len] * full + ([rest] if rest else [])
+    width = -(-max(lens) // page_size)
+    positions = [p for n in lens for p in range(n)]
+    starts = list(itertools.accumulate(lens, initial=0))
+
+    def tensor(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return ForwardBatch(
+        input_ids=torch.zeros(num_tokens, dtype=torch.long, device=device),
+        positions=tensor(positions, torch.long),
+        slot_mapping=tensor([p % page_size for p in positions], torch.long),
+        query_start_loc=tensor(starts, torch.int32),
+        seq_lens=tensor(lens, torch.int32),
+        block_tables=torch.zeros(len(lens), width, dtype=torch.int32, device=device),
+        logits_indices=torch.arange(num_tokens - min(num_logits, num_tokens), num_tokens, device=device),
+        query_lens=lens,
+        context_lens=list(lens),
+        page_size=page_size,
+    )
+
+
+def profile_cuda_forward(run: Callable[[], object]) -> MemoryProfile:
+    """Run the profiling forward `run` and measure it (call after the weights are loaded, before the KV pool)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    weights = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    free, total = torch.cuda.mem_get_info()
+    non_torch = max(0, total - free - torch.cuda.memory_reserved())
+    torch.cuda.empty_cache()
+    return MemoryProfile(total=total, weights=weights, activation_peak=peak - weights, non_torch=non_torch)
