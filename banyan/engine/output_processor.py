@@ -62,7 +62,7 @@ class SequenceState:
             index=self.index,
             text=self.text,
             token_ids=list(self.token_ids),
-            cumulative_logprob=self.cumulative_logprob,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,  # as vLLM
             logprobs=self.logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,

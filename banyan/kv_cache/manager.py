@@ -110,7 +110,8 @@ class KVCacheManager:
         node = self._prefix_node(prefix_pages)
         need = max(0, self._num_pages_for(num_tokens) - len(held) - len(prefix_pages))
         # Capacity is checked as if the prefix were locked, so a failed call leaves even the LRU order alone.
-        if need > self._pool.num_free + self._tree.evictable_pages_if_locked(node):
+        # (Free pages alone usually suffice: the tree walk is skipped then, a decode step holds hundreds.)
+        if need > self._pool.num_free and need > self._pool.num_free + self._tree.evictable_pages_if_locked(node):
             return False
         if holding is None or prefix_pages:
             holding = self._held[request_id] = self._take_prefix(prefix_pages, node)

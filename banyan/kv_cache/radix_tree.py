@@ -172,12 +172,15 @@ class RadixTree:
         return tuple(tokens[: len(tokens) // self.page_size * self.page_size])
 
     def _common_pages(self, node_key: tuple[int, ...], key: tuple[int, ...], start: int) -> int:
-        """Whole pages on which node_key agrees with key[start:]."""
-        limit = min(len(node_key), len(key) - start)
-        i = 0
-        while i < limit and node_key[i] == key[start + i]:
-            i += 1
-        return i // self.page_size
+        """Whole pages on which node_key agrees with key[start:]: page by page, each one tuple compare."""
+        ps = self.page_size
+        limit = min(len(node_key), len(key) - start) // ps
+        if node_key[: limit * ps] == key[start : start + limit * ps]:
+            return limit  # the usual case: the whole node matches
+        m = 0
+        while node_key[m * ps : (m + 1) * ps] == key[start + m * ps : start + (m + 1) * ps]:
+            m += 1
+        return m
 
     def _new_root(self, namespace: Hashable) -> TreeNode:
         root = self._roots[namespace] = TreeNode((), [], None, namespace)

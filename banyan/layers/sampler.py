@@ -1,16 +1,24 @@
 """Sampler: one batched pass from logits to the next token of every row, with vLLM's semantics.
 
-    raw logits ──► log_softmax ──► logprobs (chosen token, its rank, top-k)   [what the model said]
-        │
-        ├─ logit_bias, grammar bitmask (constrained rows only), min_tokens (mask EOS / stop ids
-        │  unless the grammar allows nothing else), repetition, presence/frequency penalties
-        ├─ ÷ temperature ──► greedy rows: argmax
-        └─ top_k ─► top_p ─► min_p masks ─► softmax ─► argmax(p / Exp(1))  [exponential race]
+    raw logits ──┬─ rows that asked for logprobs: logsumexp ─► the chosen token's logprob, rank, top-k
+                 ├─ only when some row has them, on a copy: logit_bias, grammar bitmask (constrained
+                 │  rows), min_tokens (mask EOS / stop ids unless the grammar allows nothing else),
+                 │  repetition, presence/frequency penalties
+                 ├─ greedy rows: argmax                          [an all-greedy batch stops here]
+                 └─ ÷ temperature ─► top_k ─► top_p ─► min_p ─► exp ─► inverse CDF (a uniform a row)
 
-Every step is one tensor op over the whole batch; a step that no row needs is skipped. The only
-loop over rows draws the exponential noise of seeded rows from their own `request.generator`, so a
-seeded row samples the same token whatever else is in the batch and after preemption.
-Host syncs: one transfer of the results at the end (plus logprobs when some row asks for them).
+Every step is a few tensor ops over many rows; a step that no row needs is skipped. On the CPU the
+rows go through in chunks of about 8 MB, which stay in cache across those ops and below malloc's
+mmap threshold (a 50 MB temporary is page-faulted in anew every step); on a GPU in one chunk.
+
+Sampling is inverse-transform: u ~ U[0, 1) per row picks the token whose slice of the cumulative
+probabilities holds it. The exponential race (argmax p / Exp(1)) needs a random number per token:
+on the CPU drawing them cost at least four times the softmax itself (measured at 256 x 49,152),
+where this needs one per row. Unseeded rows share one batched draw; a seeded row draws from its own
+`request.generator`, so it samples the same tokens whatever else is in the batch and after
+preemption. Like the race it needs no host sync: cumsum, compare, sum and gather on the device.
+Host syncs: one transfer of the results at the end (plus logprobs when some row asks for them,
+and on the CPU only, top_p's check of its candidates).
 """
 
 from __future__ import annotations
@@ -21,11 +29,18 @@ from dataclasses import dataclass
 from itertools import chain
 
 import torch
+import torch.nn.functional as F
 
 from banyan.request import Request, TokenLogprobs
 from banyan.structured import apply_bitmask
 
 _NEG_INF = float("-inf")
+CPU_CHUNK_BYTES = 8 << 20
+"""Logits per chunk of rows on the CPU: small enough to stay in cache through several passes."""
+BLOCK = 128
+"""Tokens per block in the two-level searches (argmax, inverse CDF): one short pass per level."""
+TOP_P_CANDIDATES = 1024
+"""top_p looks at this many most likely tokens first; a full sort only for rows they do not cover."""
 
 
 @dataclass
@@ -34,14 +49,17 @@ class SamplerOutput:
     """One sampled token per row."""
     logprobs: list[TokenLogprobs | None]
     """Per row; set only for requests whose sampling_params.logprobs is not None."""
-    chosen_logprobs: list[float]
-    """The chosen token's raw log-probability for every row (for `cumulative_logprob`)."""
+    chosen_logprobs: list[float | None]
+    """The chosen token's raw log-probability for rows that asked for logprobs, None for the others:
+    `cumulative_logprob` is reported only with logprobs, as in vLLM (a logsumexp over the vocabulary
+    cost more than everything else of a greedy step)."""
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, default_seed: int = 0):
+    def __init__(self, vocab_size: int, default_seed: int = 0, cpu_chunk_bytes: int = CPU_CHUNK_BYTES):
         self.vocab_size = vocab_size
         self.default_seed = default_seed
+        self.cpu_chunk_bytes = cpu_chunk_bytes
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(
@@ -50,53 +68,33 @@ class Sampler:
         """logits: [len(requests), vocab] fp32, row i belongs to requests[i] (whose output so far is
         request.output_token_ids, prompt request.prompt_token_ids). grammar: (bitmask, rows), the
         bitmask's row j masks logits row rows[j] (structured output); None when no row is constrained."""
-        logits = logits[:, : self.vocab_size].float()  # drop padded vocabulary columns
+        raw = logits[:, : self.vocab_size].float()  # drop padded vocabulary columns
+        uniforms = self._uniforms(requests, raw.device)  # drawn for the whole batch: chunking changes nothing
+        token_ids, logprobs = [], []
+        for rows in self._chunks(raw):
+            tokens = _sample_rows(raw[rows], requests[rows], _grammar_rows(grammar, rows), _rows(uniforms, rows))
+            token_ids.append(tokens)
+            logprobs += _token_logprobs(raw[rows], [r.sampling_params for r in requests[rows]], tokens)
+        chosen = [None if entry is None else entry.logprob for entry in logprobs]
+        return SamplerOutput(torch.cat(token_ids).tolist(), logprobs, chosen)
+
+    def _chunks(self, logits: torch.Tensor) -> list[slice]:
+        rows, vocab = logits.shape
+        step = rows if logits.device.type != "cpu" else max(1, self.cpu_chunk_bytes // (4 * vocab))
+        return [slice(start, start + step) for start in range(0, rows, step)]
+
+    def _uniforms(self, requests: Sequence[Request], device: torch.device) -> torch.Tensor | None:
+        """One U[0, 1) per row (float64); None when every row is greedy. Unseeded rows share one
+        draw from the sampler's generator; each seeded row draws from its own."""
+        if all(r.sampling_params.temperature == 0.0 for r in requests):
+            return None
+        uniforms = torch.rand(len(requests), generator=self._generator(device), dtype=torch.float64, device=device)
         params = [r.sampling_params for r in requests]
-        # Raw logprob = logit - logsumexp: one reduction here, a full log-softmax only for rows that
-        # asked for top logprobs (a [B, V] log_softmax per step was a large share of the sampler's time).
-        raw, lse = logits, torch.logsumexp(logits, dim=-1, keepdim=True)  # lse: [B, 1]
-
-        logits = logits.clone()
-        _apply_logit_bias(logits, params)
-        if grammar is not None:
-            apply_bitmask(logits, *grammar)
-        _apply_min_tokens(logits, requests)
-        _apply_penalties(logits, requests)
-
-        greedy = [p.temperature == 0.0 for p in params]
-        token_ids = logits.argmax(dim=-1)  # [B]
-        if not all(greedy):
-            temperature = _column([1.0 if g else p.temperature for g, p in zip(greedy, params)], logits)
-            logits.div_(temperature)
-            _apply_top_k_top_p(logits, params)
-            _apply_min_p(logits, params)
-            sampled = self._sample(torch.softmax(logits, dim=-1), requests)
-            token_ids = torch.where(torch.tensor(greedy, device=logits.device), token_ids, sampled)
-
-        chosen = (raw.gather(1, token_ids[:, None]) - lse).squeeze(1)  # [B]
-        token_list, chosen_list = token_ids.tolist(), chosen.tolist()
-        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
-        if wanted:
-            rows = torch.tensor(wanted, device=logits.device)
-            k = max(params[i].logprobs for i in wanted)
-            entries = _logprob_entries(raw[rows] - lse[rows], token_ids[rows], k)
-            for i, entry in zip(wanted, entries):
-                entry.top = dict(list(entry.top.items())[: params[i].logprobs])
-                logprobs[i] = entry
-        return SamplerOutput(token_list, logprobs, chosen_list)
-
-    def _sample(self, probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        """Exponential race: argmax(p / q) with q ~ Exp(1) picks token i with probability p_i."""
-        q = torch.empty_like(probs).exponential_(generator=self._generator(probs.device))
-        for i, request in enumerate(requests):
-            seed = request.sampling_params.seed
-            if seed is None or request.sampling_params.temperature == 0.0:
-                continue
-            if request.generator is None or request.generator.device != probs.device:
-                request.generator = torch.Generator(probs.device).manual_seed(seed)
-            q[i].exponential_(generator=request.generator)
-        return probs.div_(q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+        seeded = [i for i, p in enumerate(params) if p.seed is not None and p.temperature != 0.0]
+        if seeded:
+            draws = [_draw(requests[i], device) for i in seeded]
+            uniforms[torch.tensor(seeded, device=device)] = torch.cat(draws)
+        return uniforms
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -104,22 +102,166 @@ class Sampler:
         return self._generators[device]
 
 
+def _rows(x: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if x is None else x[rows]
+
+
+def _draw(request: Request, device: torch.device) -> torch.Tensor:
+    """One U[0, 1) from the request's own generator, made from its seed on first use."""
+    if request.generator is None or request.generator.device != device:
+        request.generator = torch.Generator(device).manual_seed(request.sampling_params.seed)
+    return torch.rand(1, generator=request.generator, dtype=torch.float64, device=device)
+
+
+def _sample_rows(raw: torch.Tensor, requests: Sequence[Request], grammar, uniforms: torch.Tensor | None):
+    """The token ids [N] (a tensor) of one chunk of rows."""
+    params = [r.sampling_params for r in requests]
+    logits = _processed(raw, requests, grammar)
+    greedy = [p.temperature == 0.0 for p in params]
+    if all(greedy):
+        return _argmax(logits)
+    token_ids = _inverse_cdf(_exp_shifted(_scaled(logits, params)), uniforms)
+    if any(greedy):
+        token_ids = torch.where(torch.tensor(greedy, device=raw.device), _argmax(logits), token_ids)
+    return token_ids
+
+
+def _grammar_rows(grammar: tuple[torch.Tensor, list[int]] | None, rows: slice):
+    """The grammar's (bitmask, rows) for the logits rows in `rows`, numbered from rows.start."""
+    if grammar is None:
+        return None
+    bitmask, masked = grammar
+    picked = [j for j, row in enumerate(masked) if rows.start <= row < rows.stop]
+    if len(picked) == len(masked) and rows.start == 0:
+        return grammar
+    if not picked:
+        return None
+    return bitmask[picked], [masked[j] - rows.start for j in picked]
+
+
+def _processed(raw: torch.Tensor, requests: Sequence[Request], grammar) -> torch.Tensor:
+    """raw with bias, grammar, min_tokens and penalties applied: a copy, or raw itself when no row has any."""
+    if grammar is None and not any(_has_processors(r) for r in requests):
+        return raw
+    params = [r.sampling_params for r in requests]
+    logits = raw.clone()
+    _apply_logit_bias(logits, params)
+    if grammar is not None:
+        apply_bitmask(logits, *grammar)
+    _apply_min_tokens(logits, requests)
+    _apply_penalties(logits, requests)
+    return logits
+
+
+def _has_processors(request: Request) -> bool:
+    p = request.sampling_params
+    return bool(
+        p.logit_bias
+        or request.num_output_tokens < p.min_tokens
+        or p.repetition_penalty != 1.0
+        or p.presence_penalty != 0.0
+        or p.frequency_penalty != 0.0
+    )
+
+
+def _scaled(logits: torch.Tensor, params) -> torch.Tensor:
+    """logits / temperature after top_k, top_p and min_p (greedy rows: temperature 1); logits
+    itself when no row has any of these."""
+    temperature = [p.temperature if p.temperature > 0.0 else 1.0 for p in params]
+    masks = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+    if not masks and all(t == 1.0 for t in temperature):
+        return logits
+    logits = logits / _column(temperature, logits)  # a new tensor: the masks write in place
+    _apply_top_k_top_p(logits, params)
+    _apply_min_p(logits, params)
+    return logits
+
+
+def _exp_shifted(x: torch.Tensor) -> torch.Tensor:
+    """exp(x - row max): unnormalised probabilities (a row whose max is infinite gets exp(x))."""
+    shift = x.amax(dim=-1, keepdim=True)
+    return (x - torch.where(shift.isinf(), 0.0, shift)).exp_()
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1), first index of the max (NaN counts as the max), in two short passes on the CPU:
+    the max of each block of BLOCK tokens, then argmax over the blocks and inside the winning one.
+    torch's CPU argmax is several times slower than its vectorised max."""
+    rows, vocab = x.shape
+    if x.device.type != "cpu" or vocab % BLOCK:
+        return x.argmax(dim=-1)
+    blocks = x.unflatten(1, (vocab // BLOCK, BLOCK))  # [N, vocab / BLOCK, BLOCK]
+    block = blocks.amax(dim=-1).argmax(dim=-1)  # [N]
+    inside = blocks[torch.arange(rows, device=x.device), block].argmax(dim=-1)
+    return block * BLOCK + inside
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Token i with probability probs[i] / sum(probs), from one u ~ U[0, 1) per row, in two levels:
+
+        block:  pick block b of BLOCK tokens by its mass; where u fell inside b's slice is a new
+                uniform u' (independent of b), which picks the token inside b the same way.
+        level:  slices  [0, c_0) [c_0, c_1) ... [c_{M-2}, c_{M-1}),  c_j = w_0 + ... + w_j
+                pick the first j with u * c_{M-1} < c_j; a zero-width slice is never picked.
+    """
+    rows, vocab = probs.shape
+    if vocab % BLOCK:
+        probs = F.pad(probs, (0, -vocab % BLOCK))  # zero-probability tokens up to whole blocks
+    blocks = probs.unflatten(1, (-1, BLOCK))  # [N, num_blocks, BLOCK]
+    block, uniforms = _pick(blocks.sum(dim=-1).double(), uniforms)
+    token, _ = _pick(blocks[torch.arange(rows, device=probs.device), block].double(), uniforms)
+    return block * BLOCK + token
+
+
+def _pick(widths: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """widths [N, M] >= 0, uniforms [N] in [0, 1) -> (index of the slice u falls in [N], where in that
+    slice it fell, scaled to [0, 1) [N])."""
+    ends = widths.cumsum(dim=-1)  # c_j
+    target = uniforms[:, None] * ends[:, -1:]  # [N, 1]
+    index = (ends <= target).sum(dim=-1, keepdim=True)
+    # Rounding can put the target at the very end; then take the last slice that has any width.
+    positions = torch.arange(widths.shape[1], device=widths.device)
+    last = torch.where(widths > 0, positions, 0).amax(dim=-1, keepdim=True)
+    index = torch.minimum(index, last)
+    width = widths.gather(1, index)
+    inside = (target - (ends.gather(1, index) - width)) / width
+    return index[:, 0], inside[:, 0].clamp(0.0, 1.0 - 2**-53)
+
+
+def _token_logprobs(raw: torch.Tensor, params, token_ids: torch.Tensor) -> list[TokenLogprobs | None]:
+    """Logprob, rank and top-k of the raw logits for the rows whose request asked for logprobs."""
+    logprobs: list[TokenLogprobs | None] = [None] * len(params)
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not wanted:
+        return logprobs
+    if len(wanted) < len(params):
+        rows = torch.tensor(wanted, device=raw.device)
+        raw, token_ids = raw[rows], token_ids[rows]
+    entries = _logprob_entries(raw, torch.logsumexp(raw, dim=-1), token_ids, max(params[i].logprobs for i in wanted))
+    for i, entry in zip(wanted, entries):
+        entry.top = dict(list(entry.top.items())[: params[i].logprobs])
+        logprobs[i] = entry
+    return logprobs
+
+
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:
     """Row j's logits predict target_ids[j]: its logprob, rank and top-k."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return _logprob_entries(logprobs, target_ids.to(logits.device), k)
+    logits = logits.float()
+    return _logprob_entries(logits, torch.logsumexp(logits, dim=-1), target_ids.to(logits.device), k)
 
 
-def _logprob_entries(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:
-    """logprobs: [N, V]; token_ids: [N]. Rank is 1 + the number of tokens strictly more likely."""
-    k = min(k, logprobs.shape[-1])
-    chosen = logprobs.gather(1, token_ids[:, None])  # [N, 1]
-    ranks = (logprobs > chosen).sum(dim=-1) + 1
+def _logprob_entries(logits: torch.Tensor, lse: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    """logits: [N, V] raw, lse: [N] their logsumexp (logprob = logit - lse), token_ids: [N].
+    Rank is 1 + the number of tokens strictly more likely. No [N, V] log_softmax is built."""
+    k = min(k, logits.shape[-1])
+    chosen = logits.gather(1, token_ids[:, None])  # [N, 1]
+    ranks = torch.count_nonzero(logits > chosen, dim=-1) + 1
     tops: list[dict[int, float]] = [{} for _ in range(len(token_ids))]
     if k > 0:
-        top_values, top_ids = logprobs.topk(k, dim=-1)  # [N, k], most likely first
+        top_values, top_ids = logits.topk(k, dim=-1)  # [N, k], most likely first
+        top_values -= lse[:, None]
         tops = [dict(zip(ids, values)) for ids, values in zip(top_ids.tolist(), top_values.tolist())]
-    rows = zip(token_ids.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(), tops)
+    rows = zip(token_ids.tolist(), (chosen[:, 0] - lse).tolist(), ranks.tolist(), tops)
     return [TokenLogprobs(t, lp, rank, top) for t, lp, rank, top in rows]
 
 
@@ -153,28 +295,36 @@ def _apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None
         logits.copy_(torch.where(banned.isneginf().all(dim=-1, keepdim=True), logits, banned))
 
 
+def _occurrences(token_lists: list[Sequence[int]], vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token id) of every token in every row's list, out-of-vocabulary ids left out."""
+    rows = torch.arange(len(token_lists)).repeat_interleave(torch.tensor([len(t) for t in token_lists]))
+    flat = list(chain.from_iterable(token_lists))
+    cols = torch.tensor(flat, dtype=torch.long)
+    if flat and (min(flat) < 0 or max(flat) >= vocab):
+        keep = (cols >= 0) & (cols < vocab)
+        rows, cols = rows[keep], cols[keep]
+    return rows.to(device), cols.to(device)
+
+
 def _token_counts(logits: torch.Tensor, token_lists: list[Sequence[int]]) -> torch.Tensor:
     """[B, V] count of each token in each row's list: one scatter_add over the flattened batch."""
     batch, vocab = logits.shape
-    device = logits.device
-    lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
-    rows = torch.repeat_interleave(torch.arange(batch, device=device), lengths)
-    cols = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long, device=device)
-    cols = torch.where((cols >= 0) & (cols < vocab), cols, vocab)  # out-of-vocabulary ids go to a spare column
-    counts = torch.zeros(batch * (vocab + 1), dtype=logits.dtype, device=device)
-    counts.scatter_add_(0, rows * (vocab + 1) + cols, torch.ones_like(cols, dtype=logits.dtype))
-    return counts.view(batch, vocab + 1)[:, :vocab]
+    rows, cols = _occurrences(token_lists, vocab, logits.device)
+    counts = torch.zeros(batch * vocab, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(0, rows * vocab + cols, torch.ones_like(cols, dtype=logits.dtype))
+    return counts.view(batch, vocab)
 
 
 def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
     params = [r.sampling_params for r in requests]
     if any(p.repetition_penalty != 1.0 for p in params):
-        # HF/vLLM: over prompt + output tokens, divide positive logits and multiply negative ones
+        # HF/vLLM: over prompt + output tokens, divide positive logits and multiply negative ones.
+        # Only the seen tokens' logits are read and written (a token seen twice gets the same value twice).
         tokens = [r.all_token_ids if p.repetition_penalty != 1.0 else () for r, p in zip(requests, params)]
-        seen = _token_counts(logits, tokens) > 0
-        penalty = _column([p.repetition_penalty for p in params], logits).expand_as(logits)
-        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits.copy_(torch.where(seen, scaled, logits))
+        rows, cols = _occurrences(tokens, logits.shape[1], logits.device)
+        penalty = _column([p.repetition_penalty for p in params], logits)[rows, 0]
+        seen = logits[rows, cols]
+        logits[rows, cols] = torch.where(seen > 0, seen / penalty, seen * penalty)
     if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
         # OpenAI: over output tokens, logits -= frequency * count + presence * (count > 0)
         counts = _token_counts(logits, [r.output_token_ids for r in requests])
@@ -190,23 +340,41 @@ def _apply_top_k_top_p(logits: torch.Tensor, params) -> None:
         sorted:     l_0 >= l_1 >= ... >= l_{V-1}
         top_k:      drop positions j >= k
         top_p:      p = softmax(kept), drop j when p_0 + ... + p_{j-1} >= top_p  (position 0 always stays)
+    Only rows with a mask take part, and only their leading candidates are sorted (topk): k of them,
+    or TOP_P_CANDIDATES for top_p alone; rows whose candidates hold less than top_p are redone in full.
     """
-    use_k = any(p.top_k > 0 for p in params)
-    use_p = any(p.top_p < 1.0 for p in params)
-    if not (use_k or use_p):
-        return
     vocab = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    if use_k:
-        k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
-        position = torch.arange(vocab, device=logits.device)[None, :]
-        sorted_logits.masked_fill_(position >= k[:, None], _NEG_INF)
-    if use_p:
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        top_p = _column([p.top_p if p.top_p < 1.0 else float("inf") for p in params], logits)
-        sorted_logits.masked_fill_(mass_before >= top_p, _NEG_INF)
-    logits.scatter_(1, order, sorted_logits)
+    k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    rows = [i for i, p in enumerate(params) if k[i] < vocab or p.top_p < 1.0]
+    if not rows:
+        return
+    # A GPU sorts whole rows fast, and checking the candidates' cover would cost it a host sync.
+    candidates = TOP_P_CANDIDATES if logits.device.type == "cpu" else vocab
+    width = min(vocab, max(k[i] if k[i] < vocab else candidates for i in rows))
+    index = torch.tensor(rows, device=logits.device)
+    top_p = _column([params[i].top_p if params[i].top_p < 1.0 else float("inf") for i in rows], logits)  # inf: off
+    kept, covered = _top_k_top_p_rows(logits[index], _column([k[i] for i in rows], logits), top_p, width)
+    if width < vocab and vocab in k and not bool(covered.all()):  # only top_p alone can be uncovered
+        full, _ = _top_k_top_p_rows(logits[index], _column([k[i] for i in rows], logits), top_p, vocab)
+        kept = torch.where(covered[:, None], kept, full)
+    logits[index] = kept
+
+
+def _top_k_top_p_rows(logits: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, width: int):
+    """(the rows with everything past their top_k / top_p set to -inf, whether the `width` leading
+    candidates decided each row's top_p). logits: [R, V]; k, top_p: [R, 1]."""
+    sorted_logits, order = logits.topk(width, dim=-1)  # [R, width], most likely first
+    position = torch.arange(width, device=logits.device)[None, :]
+    sorted_logits.masked_fill_(position >= k, _NEG_INF)
+    # Probabilities over everything top_k keeps: the candidates, or the whole row when k = vocab.
+    kept_all = k >= logits.shape[1]
+    total = torch.where(kept_all, logits.logsumexp(-1, keepdim=True), sorted_logits.logsumexp(-1, keepdim=True))
+    probs = (sorted_logits - total).exp()
+    mass = probs.cumsum(dim=-1)
+    sorted_logits.masked_fill_(mass - probs >= top_p, _NEG_INF)
+    covered = (mass[:, -1:] >= top_p) | (k <= width)
+    kept = torch.full_like(logits, _NEG_INF).scatter_(1, order, sorted_logits)
+    return kept, covered[:, 0]
 
 
 def _apply_min_p(logits: torch.Tensor, params) -> None:

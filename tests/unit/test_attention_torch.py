@@ -132,3 +132,21 @@ def test_registry():
     assert get_attention_backend("torch").name == "torch"
     with pytest.raises(InvalidParameterError):
         get_attention_backend("no-such-backend")
+
+
+def test_one_plan_per_forward_serves_every_layer():
+    """The first layer's gather indices and masks serve the next layers; a new batch gets its own."""
+    backend = get_attention_backend("torch")
+    rng, gen = random.Random(5), torch.Generator().manual_seed(5)
+    for specs in ([(3, 1), (0, 6), (9, 4)], [(4, 1), (7, 1)]):
+        batch, k_cache, v_cache, q, k, v, _ = make_paged_batch(
+            specs, page_size=4, num_kv_heads=2, num_heads=4, rng=rng, gen=gen
+        )
+        plans = []
+        for layer in range(3):  # each layer: its own cache and queries, the same batch
+            k_layer, v_layer, q_layer = k_cache.clone(), v_cache.clone(), q * (layer + 1)
+            out = backend.forward(q_layer, k, v, k_layer, v_layer, batch, 0.5)
+            plans.append(backend._plan)
+            alone = get_attention_backend("torch").forward(q_layer, k, v, k_layer, v_layer, batch, 0.5)
+            assert torch.equal(out, alone)
+        assert plans[0] is plans[1] is plans[2]

@@ -7,14 +7,18 @@ import pytest
 import torch
 
 from banyan.layers.sampler import (
+    BLOCK,
     Sampler,
     _apply_min_p,
     _apply_penalties,
     _apply_top_k_top_p,
+    _argmax,
+    _pick,
     compute_prompt_logprobs,
 )
 from banyan.request import Request
 from banyan.sampling_params import SamplingParams
+from banyan.structured import allocate_bitmask
 
 V = 8
 
@@ -38,7 +42,9 @@ def test_greedy_takes_argmax():
     out = Sampler(V)(logits, [make_request(temperature=0.0) for _ in range(5)])
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.logprobs == [None] * 5
-    assert out.chosen_logprobs == pytest.approx(torch.log_softmax(logits, -1).max(-1).values.tolist())
+    assert out.chosen_logprobs == [None] * 5  # as in vLLM: no logprobs asked, none computed
+    with_logprobs = Sampler(V)(logits, [make_request(temperature=0.0, logprobs=0) for _ in range(5)])
+    assert with_logprobs.chosen_logprobs == pytest.approx(torch.log_softmax(logits, -1).max(-1).values.tolist())
 
 
 def test_padded_vocabulary_columns_are_never_sampled():
@@ -129,7 +135,8 @@ def test_all_penalties_together():
 
 def test_logit_bias_changes_the_greedy_choice():
     logits = LOGITS.repeat(2, 1)
-    requests = [make_request(temperature=0.0, logit_bias={5: 10.0, 0: -100.0}), make_request(temperature=0.0)]
+    biased = make_request(temperature=0.0, logit_bias={5: 10.0, 0: -100.0}, logprobs=0)
+    requests = [biased, make_request(temperature=0.0)]
     out = Sampler(V)(logits, requests)
     assert out.token_ids == [5, 0]
     # logprobs and chosen_logprobs still describe the raw logits
@@ -237,7 +244,8 @@ def test_logprobs_are_raw_log_softmax_with_ranks_and_top_k():
     assert second.top == {} and second.logprob == pytest.approx(raw[second.token_id].item())
     assert second.rank == 1 + int((raw > raw[second.token_id]).sum())
     assert out.logprobs[2] is None
-    assert out.chosen_logprobs == pytest.approx([raw[t].item() for t in out.token_ids])
+    assert out.chosen_logprobs[:2] == pytest.approx([raw[t].item() for t in out.token_ids[:2]])
+    assert out.chosen_logprobs[2] is None
 
 
 def test_compute_prompt_logprobs():
@@ -251,3 +259,119 @@ def test_compute_prompt_logprobs():
         assert entry.rank == 1 + int((raw[j] > raw[j, t]).sum())
         assert list(entry.top) == raw[j].topk(2).indices.tolist()
     assert compute_prompt_logprobs(logits, targets, k=0)[0].top == {}
+
+
+# -- fast paths against the general path --------------------------------------------------------
+def _reference_top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
+    """The definition, with a full sort of every row."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+    sorted_logits.masked_fill_(torch.arange(vocab)[None, :] >= k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    top_p = torch.tensor([p.top_p for p in params])[:, None]
+    sorted_logits.masked_fill_((probs.cumsum(dim=-1) - probs >= top_p) & (top_p < 1.0), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+
+
+@pytest.mark.parametrize("scale", [0.1, 8.0])  # flat rows: top_p's candidates fall short; peaked rows: they cover it
+def test_top_k_top_p_from_candidates_equal_a_full_sort(scale):
+    vocab = 3000  # more than TOP_P_CANDIDATES
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(1)) * scale
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_k=40), SamplingParams(top_k=2000, top_p=0.5),
+              SamplingParams(), SamplingParams(top_p=0.99), SamplingParams(top_k=5, top_p=0.7)]
+    fast = logits.clone()
+    _apply_top_k_top_p(fast, params)
+    assert finite_support(fast) == finite_support(_reference_top_k_top_p(logits, params))
+    kept = fast.isfinite()
+    assert torch.equal(fast[kept], logits[kept])
+
+
+@pytest.mark.parametrize("vocab", [BLOCK * 3, 1000])  # whole blocks, and a padded last block
+def test_argmax_in_blocks_equals_torch_argmax(vocab):
+    x = torch.randn(7, vocab, generator=torch.Generator().manual_seed(2))
+    x[1] = 1.0  # all tied: the first index
+    x[2, [5, vocab - 3]] = 100.0  # tie across blocks
+    x[3] = float("-inf")
+    x[4, [BLOCK + 1, 2]] = float("nan")  # NaN counts as the max, first one wins
+    x[5, -1] = 50.0
+    assert torch.equal(_argmax(x), x.argmax(dim=-1))
+
+
+def _batch(n_greedy, n_sampled, **params):
+    return [make_request(rid=f"g{i}", temperature=0.0, **params) for i in range(n_greedy)] + [
+        make_request(rid=f"s{i}", temperature=0.9, **params) for i in range(n_sampled)
+    ]
+
+
+@pytest.mark.parametrize("params", [{}, dict(repetition_penalty=1.3, output=(5, 9)), dict(logprobs=2)])
+def test_greedy_rows_take_the_same_tokens_on_every_path(params):
+    """All-greedy batch (argmax only), greedy rows among sampled ones, many chunks or one: same tokens."""
+    logits = torch.randn(40, 1000, generator=torch.Generator().manual_seed(3))
+    alone = Sampler(1000)(logits[:20], _batch(20, 0, **params))
+    mixed = Sampler(1000)(logits, _batch(20, 20, **params))
+    chunked = Sampler(1000, cpu_chunk_bytes=1)(logits, _batch(20, 20, **params))  # one row per chunk
+    expected = logits[:20].clone()
+    if "repetition_penalty" in params:
+        _apply_penalties(expected, _batch(20, 0, **params))
+    assert alone.token_ids == mixed.token_ids[:20] == chunked.token_ids[:20] == expected.argmax(-1).tolist()
+    assert mixed.token_ids == chunked.token_ids  # the same uniforms, whatever the chunking
+    if "logprobs" in params:
+        raw = torch.log_softmax(logits, -1)
+        chosen = [raw[i, t].item() for i, t in enumerate(mixed.token_ids)]
+        assert mixed.chosen_logprobs == pytest.approx(chosen, abs=1e-5)
+        assert alone.logprobs == mixed.logprobs[:20] == chunked.logprobs[:20]
+
+
+def test_grammar_rows_follow_their_chunk():
+    vocab = 64
+    bitmask = allocate_bitmask(4, vocab)
+    bitmask[:2] = 0
+    bitmask[0, 0] = 1 << 3  # row 1 of the batch may only emit token 3
+    bitmask[1, 1] = 1 << 7  # row 4 only token 39
+    requests = [make_request(rid=str(i), temperature=0.0) for i in range(6)]
+    logits = torch.randn(6, vocab)
+    for chunk_bytes in (1, 3 * 4 * vocab, 1 << 20):
+        out = Sampler(vocab, cpu_chunk_bytes=chunk_bytes)(logits, requests, (bitmask, [1, 4]))
+        assert out.token_ids[1] == 3 and out.token_ids[4] == 39
+        assert [out.token_ids[i] for i in (0, 2, 3, 5)] == logits[[0, 2, 3, 5]].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("vocab, temperature", [(BLOCK * 4, 1.0), (300, 0.6)])
+def test_inverse_cdf_samples_the_softmax_distribution(vocab, temperature):
+    """Unscaled rows and scaled ones; a padded last block when vocab % BLOCK."""
+    n = 20000
+    row = torch.randn(vocab, generator=torch.Generator().manual_seed(4)) * 2
+    row[BLOCK : 2 * BLOCK] = float("-inf")  # a whole block that can never win
+    out = Sampler(vocab, default_seed=5)(row.repeat(n, 1), [make_request(temperature=temperature)] * n)
+    expected = torch.softmax(row / temperature, -1)
+    assert _total_variation(out.token_ids, expected) < 0.06  # noise at n=20000 over these supports: ~0.03
+    assert not set(out.token_ids) & set(range(BLOCK, 2 * BLOCK))
+
+
+def test_inverse_cdf_never_picks_an_empty_slice():
+    widths = torch.tensor([[0.0, 0.5, 0.5, 0.0, 0.0], [0.3, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0]]).double()
+    for u in (0.0, 0.5, 1 - 2**-53):
+        index, inside = _pick(widths, torch.full((3,), u, dtype=torch.float64))
+        assert widths[torch.arange(3), index].gt(0).all()
+        assert ((0 <= inside) & (inside < 1)).all()
+    index, _ = _pick(widths, torch.tensor([0.49, 0.99, 0.0], dtype=torch.float64))
+    assert index.tolist() == [1, 0, 4]
+
+
+def test_repetition_penalty_touches_exactly_the_seen_tokens():
+    """The sparse update equals the dense definition: repeats, ids past the vocabulary, unpenalised rows."""
+    vocab = 50
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(6)) * 3
+    requests = [
+        make_request(prompt=(4, 4, 9, 49), output=(9, 60, 0), repetition_penalty=1.7),  # 60: past the vocabulary
+        make_request(prompt=(1, 2), output=(3,)),
+        make_request(prompt=(7,), output=(7, 7, 8), repetition_penalty=0.8),
+    ]
+    expected = logits.clone()
+    for i, r in enumerate(requests):
+        p = r.sampling_params.repetition_penalty
+        for t in set(r.all_token_ids) & set(range(vocab)):
+            expected[i, t] = expected[i, t] / p if expected[i, t] > 0 else expected[i, t] * p
+    _apply_penalties(logits, requests)
+    assert torch.equal(logits, expected)

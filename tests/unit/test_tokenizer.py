@@ -1,6 +1,7 @@
 """Tokenizer helpers: incremental detokenizing on byte-level BPE and SentencePiece-style tokenizers
 (built here with `tokenizers`), stop strings, and sandboxed chat templates."""
 
+import functools
 import json
 
 import pytest
@@ -159,6 +160,16 @@ def test_special_tokens_skipped_or_kept(name, request):
     kept = "".join(stream(IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False), ids))
     assert kept == tokenizer.decode(ids, skip_special_tokens=False)
     assert kept.count(tokenizer.eos_token) == 2
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_fast_tokenizers_decode_without_the_transformers_wrapper(name, request):
+    tokenizer = request.getfixturevalue(name)
+    ids = tokenizer.encode("hello 東京", add_special_tokens=False) + [tokenizer.eos_token_id]
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip)
+        assert isinstance(detok._decode, functools.partial)  # the Rust decode itself
+        assert detok._decode(ids) == tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)

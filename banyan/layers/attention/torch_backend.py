@@ -6,46 +6,93 @@ own (a step holds few). Both gather the request's K/V from its pages and call SD
     request i, context of c tokens, q new rows (the last q positions of the context):
     key position:     0  1  2  ...  c-q  ...  c-1   (c .. max_ctx-1: padding, masked)
     new row j sees:   [0, c-q+j]  (and only (c-q+j-w, c-q+j] with a sliding window w)
+
+The rows of each group, the pages to gather and the masks depend only on the batch: the first layer
+of a forward builds them (a `_Plan`) and every other layer reuses them.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from banyan.layers.attention.base import AttentionBackend, write_kv_cache
+from banyan.layers.attention.base import AttentionBackend, read_pages, write_kv_cache
 from banyan.runner.forward_batch import ForwardBatch
+
+
+@dataclass
+class _Group:
+    """Requests whose new rows attend over their pages as one padded batch."""
+
+    rows: torch.Tensor | slice | None  # their rows of q, in request order; None: every row
+    max_query_len: int
+    pages: torch.Tensor  # [num_seqs, num_pages] int64
+    mask: torch.Tensor  # [num_seqs, 1, max_query_len, max_ctx] bool
+
+
+@dataclass
+class _Plan:
+    """One forward's groups, the same in every layer."""
+
+    batch: ForwardBatch
+    sliding_window: int | None
+    context_lens: list[int]  # copies: the plan serves only a batch with these very lengths
+    query_lens: list[int]
+    groups: list[_Group]
+
+    def fits(self, batch: ForwardBatch, sliding_window: int | None) -> bool:
+        return (batch is self.batch and sliding_window == self.sliding_window
+                and batch.context_lens == self.context_lens and batch.query_lens == self.query_lens)
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, kv_scale: float = 1.0):
+        super().__init__(kv_scale)
+        self._plan: _Plan | None = None  # the forward in progress, built by its first layer
+
     def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float, sliding_window=None):
-        write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
-        starts = [0, *itertools.accumulate(batch.query_lens)]
-        decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
-        if len(decode) == batch.num_seqs:  # decode-only step: every row is its request's only row
-            out = paged_attention(q[:, None], k_cache, v_cache, batch.block_tables,
-                                  batch.context_lens, batch.query_lens, scale, sliding_window)
-            return out[:, 0]
+        write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping, self.kv_scale)
+        plan = self._plan
+        if plan is None or not plan.fits(batch, sliding_window):
+            plan = self._plan = make_plan(batch, sliding_window, k_cache.shape[1])
+        if len(plan.groups) == 1 and plan.groups[0].rows is None:  # decode-only step
+            return self._attend(plan.groups[0], q, k_cache, v_cache, scale)
         out = torch.empty_like(q)
-        if decode:
-            rows = torch.tensor([starts[i] for i in decode], device=q.device)
-            seqs = torch.tensor(decode, device=q.device)
-            out[rows] = paged_attention(
-                q[rows][:, None], k_cache, v_cache, batch.block_tables[seqs],
-                [batch.context_lens[i] for i in decode], [1] * len(decode), scale, sliding_window,
-            )[:, 0]
-        for i, n in enumerate(batch.query_lens):
-            if n > 1:
-                rows = slice(starts[i], starts[i + 1])
-                out[rows] = paged_attention(
-                    q[None, rows], k_cache, v_cache, batch.block_tables[i : i + 1],
-                    [batch.context_lens[i]], [n], scale, sliding_window,
-                )[0]
+        for group in plan.groups:
+            out[group.rows] = self._attend(group, q, k_cache, v_cache, scale)
         return out
+
+    def _attend(self, group: _Group, q, k_cache, v_cache, scale: float) -> torch.Tensor:
+        """The group's output rows: [rows, num_heads, head_dim]."""
+        rows = q if group.rows is None else q[group.rows]
+        padded = rows.unflatten(0, (-1, group.max_query_len))  # [num_seqs, max_query_len, heads, dim]
+        return attend_pages(padded, k_cache, v_cache, group.pages, group.mask, scale, self.kv_scale).flatten(0, 1)
+
+
+def make_plan(batch: ForwardBatch, sliding_window: int | None, page_size: int) -> _Plan:
+    """Decode rows in one padded group, each prefill chunk in its own."""
+    device = batch.block_tables.device
+    starts = [0, *itertools.accumulate(batch.query_lens)]
+    decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
+    groups = []
+    if decode:
+        every = len(decode) == batch.num_seqs
+        rows = None if every else torch.tensor([starts[i] for i in decode], device=device)
+        tables = batch.block_tables if every else batch.block_tables[torch.tensor(decode, device=device)]
+        context_lens = [batch.context_lens[i] for i in decode]
+        layout = paged_layout(tables, context_lens, [1] * len(decode), page_size, sliding_window)
+        groups.append(_Group(rows, 1, *layout))
+    for i, n in enumerate(batch.query_lens):
+        if n > 1:
+            table, context_lens = batch.block_tables[i : i + 1], [batch.context_lens[i]]
+            layout = paged_layout(table, context_lens, [n], page_size, sliding_window)
+            groups.append(_Group(slice(starts[i], starts[i + 1]), n, *layout))
+    return _Plan(batch, sliding_window, list(batch.context_lens), list(batch.query_lens), groups)
 
 
 def paged_attention(
@@ -57,25 +104,37 @@ def paged_attention(
     query_lens: list[int],
     scale: float,
     sliding_window: int | None = None,
+    kv_scale: float = 1.0,  # an fp8 cache's scale
 ) -> torch.Tensor:  # [num_seqs, max_query_len, num_heads, head_dim]
     """Causal attention of each sequence's new rows over its whole paged context."""
-    device, page_size = q.device, k_cache.shape[1]
-    max_ctx = max(context_lens)
-    num_pages = -(-max_ctx // page_size)
-    pages = block_tables[:, :num_pages].long()
-    k = k_cache[pages].flatten(1, 2)[:, :max_ctx]  # [num_seqs, max_ctx, num_kv_heads, head_dim]
-    v = v_cache[pages].flatten(1, 2)[:, :max_ctx]
+    pages, mask = paged_layout(block_tables, context_lens, query_lens, k_cache.shape[1], sliding_window)
+    return attend_pages(q, k_cache, v_cache, pages, mask, scale, kv_scale)
 
+
+def paged_layout(
+    block_tables: torch.Tensor, context_lens: list[int], query_lens: list[int], page_size: int,
+    sliding_window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pages to gather [num_seqs, num_pages] int64, mask [num_seqs, 1, max_query_len, max_ctx] bool)."""
+    device, max_ctx = block_tables.device, max(context_lens)
+    pages = block_tables[:, : -(-max_ctx // page_size)].long()
     ctx = torch.tensor(context_lens, device=device)[:, None, None]  # [num_seqs, 1, 1]
     first = ctx - torch.tensor(query_lens, device=device)[:, None, None]  # position of row 0
-    q_pos = first + torch.arange(q.shape[1], device=device)[None, :, None]  # [num_seqs, max_q, 1]
+    q_pos = first + torch.arange(max(query_lens), device=device)[None, :, None]  # [num_seqs, max_q, 1]
     kv_pos = torch.arange(max_ctx, device=device)[None, None, :]  # [1, 1, max_ctx]
     mask = (kv_pos <= q_pos) & (kv_pos < ctx)  # [num_seqs, max_q, max_ctx]
     if sliding_window is not None:
         mask &= kv_pos > q_pos - sliding_window
+    return pages, mask[:, None]
 
+
+def attend_pages(q, k_cache, v_cache, pages, mask, scale: float, kv_scale: float = 1.0) -> torch.Tensor:
+    """q [num_seqs, max_q, num_heads, head_dim] over the K/V in `pages`, masked (paged_layout's) -> like q."""
+    max_ctx = mask.shape[-1]
+    k = read_pages(k_cache, pages, q.dtype, kv_scale).flatten(1, 2)[:, :max_ctx]  # [num_seqs, max_ctx, kv_heads, dim]
+    v = read_pages(v_cache, pages, q.dtype, kv_scale).flatten(1, 2)[:, :max_ctx]
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-        attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[2] != k.shape[2],
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2],
     )  # [num_seqs, num_heads, max_q, head_dim]
     return out.transpose(1, 2)
