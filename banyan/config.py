@@ -13,6 +13,7 @@ from typing import Any
 from banyan.errors import InvalidParameterError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -119,10 +120,22 @@ class ModelConfig:
     """Attention implementation by name."""
     num_threads: int | None = None
     """CPU threads for torch (default: the cores available)."""
+    enforce_eager: bool = False
+    """Run every step eagerly: no CUDA graphs for decode steps (GPU only; the CPU always runs eagerly)."""
     trust_remote_code: bool = False
     """Never used to import code; recorded so that configs asking for it fail loudly."""
     structured_output_backend: str = "llguidance"
     """Grammar library for structured output: llguidance or xgrammar (loaded on the first constrained request)."""
+    structured_output_cache_size: int = 512
+    """Compiled grammars kept for reuse (least recently used dropped first; 512 MiB at most)."""
+    quantization: str | None = None
+    """Weight-only quantization, done while loading: int8 (one scale per output channel), int4 (groups of
+    --quantization-group-size inputs), fp8 (e4m3, per channel; torch._scaled_mm), or gguf (keep a GGUF file's
+    Q4_0/Q4_1/Q8_0 tensors compact instead of dequantizing them). Default: none. On CPUs without AVX-512, torch's
+    int8/int4 kernels are slow and these save memory, not time (see docs/quantization.md)."""
+    quantization_group_size: int = 32
+    """Inputs per int4 scale and zero: 32 (as GGUF's Q4 blocks), 64 or 128 (it must divide every layer's input
+    size)."""
 
 
 @dataclass(frozen=True)
@@ -137,8 +150,14 @@ class CacheConfig:
     """Exact number of KV pages (overrides the memory budget; for tests)."""
     enable_prefix_caching: bool = True
     """Reuse cached KV pages of any shared prompt prefix."""
+    kv_cache_dtype: str = "auto"
+    """KV cache storage: auto (the model's dtype) or fp8 (float8_e4m3fn with a per-tensor scale of 1.0: half the
+    memory of bf16, values beyond +-448 are clamped)."""
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidParameterError("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                                        f"got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise InvalidParameterError("block_size", f"must be a power of two, got {self.block_size}")
         if self.num_pages is not None and self.num_pages < 2:
@@ -157,6 +176,8 @@ class SchedulerConfig:
     """Split long prompts across steps to fit the token budget."""
     policy: str = "fcfs"
     """fcfs (arrival order) or priority (lower value first, then arrival)."""
+    enable_jump_forward: bool = True
+    """Structured output: append the tokens a grammar forces (JSON keys, punctuation) without a forward pass each."""
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -233,6 +254,8 @@ class ServerConfig:
     """A chat template (file path or inline Jinja) replacing the model's."""
     allow_request_chat_template: bool = False
     """Accept a `chat_template` field in requests (rendered sandboxed, with time and size caps)."""
+    tool_call_parser: str = "auto"
+    """How the model writes tool calls: auto (read from the chat template), hermes, llama3_json or json_list."""
     wedge_timeout: float = 30.0
     """Seconds without engine progress (while requests wait) after which /health reports 503."""
     render_timeout: float = 5.0
@@ -248,6 +271,9 @@ class ServerConfig:
     is aborted."""
 
     def __post_init__(self):
+        if self.tool_call_parser not in ("auto", "hermes", "llama3_json", "json_list"):
+            raise InvalidParameterError("tool_call_parser", f"must be auto, hermes, llama3_json or json_list, "
+                                        f"got {self.tool_call_parser!r}")
         for name in ("request_read_timeout", "response_write_timeout", "max_buffered_events"):
             if not getattr(self, name) > 0:
                 raise InvalidParameterError(name, f"must be positive, got {getattr(self, name)}")

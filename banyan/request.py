@@ -93,6 +93,7 @@ class Request:
         self.num_prompt_tokens = len(self._all_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first schedule
+        self.num_reported_tokens = 0  # output tokens already sent in a RequestDelta
         constrained = sampling_params.structured_outputs is not None
         self.status = RequestStatus.WAITING_FOR_GRAMMAR if constrained else RequestStatus.WAITING
         self.stop_reason: int | str | None = None

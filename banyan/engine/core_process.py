@@ -49,10 +49,12 @@ class Orphaned(Exception):
 
 @dataclass(frozen=True)
 class Fault:
-    """Fault injection for tests: `raise-after-steps=N` or `sleep-after-steps=N:SECONDS` (the N-th step)."""
+    """Fault injection for tests: `raise-after-steps=N` or `sleep-after-steps=N:SECONDS` (the N-th step),
+    `grammar-raise-after-tokens=N` (the grammar library of every constrained request with N output tokens
+    raises on its next token)."""
 
-    kind: str  # "raise" | "sleep"
-    step: int
+    kind: str  # "raise" | "sleep" | "grammar"
+    step: int  # grammar: output tokens
     seconds: float = 0.0
 
     @classmethod
@@ -63,15 +65,30 @@ class Fault:
         if name == "sleep-after-steps":
             step, _, seconds = value.partition(":")
             return cls("sleep", int(step), float(seconds))
+        if name == "grammar-raise-after-tokens":
+            return cls("grammar", int(value))
         raise ValueError(f"unknown fault {spec!r}")
 
-    def before_step(self, step: int) -> None:
+    def before_step(self, step: int, engine: Engine) -> None:
+        if self.kind == "grammar":
+            _break_grammars(engine, self.step)
+            return
         if step != self.step:
             return
         if self.kind == "raise":
             raise RuntimeError(f"injected fault at step {step}")
         logger.warning("injected fault: sleeping %.1f s in step %d", self.seconds, step)
         time.sleep(self.seconds)
+
+
+def _break_grammars(engine: Engine, num_tokens: int) -> None:
+    for request in engine.scheduler.running:
+        if request.matcher is not None and request.num_output_tokens >= num_tokens:
+            request.matcher.accept_token = _library_crash  # this request's matcher only
+
+
+def _library_crash(token_id: int) -> bool:
+    raise RuntimeError("injected grammar library fault")
 
 
 class EngineCore:
@@ -90,16 +107,19 @@ class EngineCore:
     def run(self) -> int:
         """Serve until Shutdown (returns 0); raises on a fatal error, Orphaned if the parent died."""
         self.send(ready_message(self.engine))
-        while not self.stopping:
-            self._check_parent()
-            busy = self.engine.has_unfinished_requests()
-            for raw in self._receive(0 if busy else IDLE_WAIT_MS):
-                self._handle(raw)
-            if self.engine.has_unfinished_requests() and not self.stopping:
-                self._step()
-            if time.monotonic() >= self._next_stats:
-                self._send_stats()
-        self._abort(list(self.engine.scheduler.requests))
+        try:
+            while not self.stopping:
+                self._check_parent()
+                busy = self.engine.has_unfinished_requests()
+                for raw in self._receive(0 if busy else IDLE_WAIT_MS):
+                    self._handle(raw)
+                if self.engine.has_unfinished_requests() and not self.stopping:
+                    self._step()
+                if time.monotonic() >= self._next_stats:
+                    self._send_stats()
+            self._abort(list(self.engine.scheduler.requests))
+        finally:
+            self.engine.close()
         return 0
 
     # -- input --------------------------------------------------------------------------------
@@ -163,7 +183,7 @@ class EngineCore:
     # -- the loop -----------------------------------------------------------------------------
     def _step(self) -> None:
         if self.fault is not None:
-            self.fault.before_step(self.num_steps + 1)
+            self.fault.before_step(self.num_steps + 1, self.engine)
         deltas = self.engine.step()
         self.num_steps += 1
         for failed in [d for d in deltas if d.finish_reason == "error"]:  # e.g. a grammar that did not compile
@@ -175,6 +195,7 @@ class EngineCore:
     def _send_stats(self) -> None:
         kv = self.engine.kv.stats()
         sched = self.engine.scheduler
+        grammars = self.engine.grammars.stats()
         self.send(
             m.EngineStats(
                 time=time.time(),
@@ -187,6 +208,9 @@ class EngineCore:
                 prefix_query_tokens=sched.stats.prefix_query_tokens,
                 prefix_hit_tokens=sched.stats.prefix_hit_tokens,
                 num_preemptions=sched.stats.num_preemptions,
+                grammar_cache_entries=grammars.get("entries", 0),
+                grammar_cache_bytes=grammars.get("bytes", 0),
+                grammar_cache_evictions=grammars.get("evictions", 0),
             )
         )
         self._next_stats = time.monotonic() + STATS_INTERVAL
@@ -216,6 +240,7 @@ def ready_message(engine: Engine) -> m.Ready:
         page_size=engine.config.cache.block_size,
         eos_token_ids=list(engine.eos_token_ids),
         device=str(engine.runner.device),
+        structured_output_backend=engine.config.model.structured_output_backend,
         dtype=str(engine.runner.dtype).removeprefix("torch."),
     )
 

@@ -18,7 +18,7 @@ from banyan.errors import ContextLengthExceededError, InvalidParameterError
 from banyan.kv_cache import KVCacheManager
 from banyan.models.registry import get_model_class
 from banyan.request import Request, RequestStatus, TokenLogprobs
-from banyan.runner.model_runner import ModelRunner
+from banyan.runner.model_runner import ModelRunner, RunnerLimits
 from banyan.runner.weights import open_model
 from banyan.sampling_params import SamplingParams
 from banyan.scheduler import Scheduler
@@ -44,20 +44,23 @@ class RequestDelta:
 
 class Engine:
     def __init__(self, config: EngineConfig, runner_factory: Callable[..., ModelRunner] = ModelRunner):
-        """runner_factory(model_config, cache_config, source): the model runner (benchmarks swap in a double)."""
+        """runner_factory(model_config, cache_config, source, limits): the model runner (benchmarks swap in a
+        double). The runner sizes the KV pool and logs what it holds."""
         self.config = config
         source = open_model(config.model.model, trust_remote_code=config.model.trust_remote_code)
         self.arch = source.arch
         self.tokenizer = source.tokenizer
         self.max_model_len = resolve_max_model_len(config, source.arch)
         self.eos_token_ids = eos_token_ids(source)
-        self.runner = runner_factory(config.model, config.cache, source)
+        sched = config.scheduler
+        limits = RunnerLimits(sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len)
+        self.runner = runner_factory(config.model, config.cache, source, limits)
         self.kv = KVCacheManager(self.runner.num_pages, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.grammars = Grammars(
-            config.model.structured_output_backend, self.tokenizer, self.arch.vocab_size, self.eos_token_ids
+            config.model.structured_output_backend, self.tokenizer, self.arch.vocab_size, self.eos_token_ids,
+            cache_size=config.model.structured_output_cache_size,
         )
-        self._log_capacity()
         gc.collect()
         gc.freeze()  # start-up objects never need collecting: keeps GC pauses out of the step loop
 
@@ -90,9 +93,9 @@ class Engine:
             cache_salt=cache_salt,
             group_id=group_id,
         )
-        self.scheduler.add_request(request)
-        if sampling_params.structured_outputs is not None:
+        if sampling_params.structured_outputs is not None:  # first: a backend that fails to load queues nothing
             self.grammars.start(request)
+        self.scheduler.add_request(request)
         return request
 
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
@@ -116,46 +119,41 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def close(self) -> None:
+        """Stop the grammar compile threads (queued compiles are cancelled). Idempotent."""
+        self.grammars.close()
+
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         batch = self.scheduler.schedule()
-        failed = [make_delta(request) for request in batch.failed]
+        ended = [make_delta(request) for request in batch.finished]  # never ran
         if batch.is_empty:
-            if not failed:  # only grammars compiling: wait for one rather than spin
+            if not ended:  # only grammars compiling: wait for one rather than spin
                 self.grammars.wait(self.scheduler.waiting_for_grammar, timeout=0.01)
-            return failed
+            return ended
         result = self.runner.execute(batch, self.kv.page_table, self.grammars.backend)
         advanced = self.scheduler.update(batch, result)
-        return failed + [make_delta(request) for request in advanced]
-
-    def _log_capacity(self) -> None:
-        tokens = self.runner.num_pages * self.config.cache.block_size
-        logger.info(
-            "KV cache: %d pages of %d tokens = %d tokens (%s); %.1f requests of the full %d-token context fit",
-            self.runner.num_pages,
-            self.config.cache.block_size,
-            tokens,
-            self.runner.dtype,
-            tokens / self.max_model_len,
-            self.max_model_len,
-        )
+        return ended + [make_delta(request) for request in advanced]
 
 
 def make_delta(request: Request) -> RequestDelta:
-    """The request's newest token (one per step without speculative decoding). A request that
-    failed (finish_reason "error") sends no token; stop_reason carries the message."""
+    """The request's output tokens not yet reported: one per step, more where the grammar forced
+    some (jump-forward). A request that failed (finish_reason "error") sends no token; stop_reason
+    carries the message. Marks the tokens as reported."""
     failed = request.status == RequestStatus.FINISHED_ERROR
-    first = request.num_output_tokens == 1
+    start, request.num_reported_tokens = request.num_reported_tokens, request.num_output_tokens
+    first = start == 0 and not failed
+    scheduled = request.metrics.first_scheduled_time  # None: the grammar forced the whole output
     return RequestDelta(
         request_id=request.request_id,
-        new_token_ids=[] if failed else [request.all_token_ids[-1]],
-        new_logprobs=request.logprobs[-1:] if request.logprobs is not None else None,
+        new_token_ids=[] if failed else list(request.all_token_ids[request.num_prompt_tokens + start :]),
+        new_logprobs=None if request.logprobs is None else [] if failed else request.logprobs[start:],
         cumulative_logprob=request.cumulative_logprob,
         finish_reason=request.finish_reason,
         stop_reason=request.error if failed else request.stop_reason,
         num_cached_tokens=request.num_cached_tokens,
         prompt_logprobs=list(request.prompt_logprobs) if first and request.prompt_logprobs is not None else None,
-        queue_time=request.metrics.first_scheduled_time - request.metrics.arrival_time if first else None,
+        queue_time=scheduled - request.metrics.arrival_time if first and scheduled is not None else None,
         error_param=request.error_param if failed else None,
     )
 

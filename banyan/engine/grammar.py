@@ -18,11 +18,12 @@ from banyan.structured import GrammarBackend, GrammarCache, make_backend
 
 
 class Grammars:
-    def __init__(self, backend_name: str, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+    def __init__(self, backend_name: str, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 512):
         self.backend_name = backend_name
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids) or None
+        self.cache_size = cache_size
         self.backend: GrammarBackend | None = None
         self.cache: GrammarCache | None = None
 
@@ -48,6 +49,10 @@ class Grammars:
         if pending:
             wait(pending, timeout, FIRST_COMPLETED)
 
+    def stats(self) -> dict[str, int]:
+        """The compile cache's counters (GrammarCache.stats); empty before the first constrained request."""
+        return self.cache.stats() if self.cache is not None else {}
+
     def close(self) -> None:
         if self.cache is not None:
             self.cache.close()
@@ -57,4 +62,4 @@ class Grammars:
             self.backend = make_backend(self.backend_name, self.tokenizer, self.vocab_size, self.eos_token_ids)
         except ValueError as e:
             raise InvalidParameterError("structured_outputs", str(e)) from None
-        self.cache = GrammarCache(self.backend)
+        self.cache = GrammarCache(self.backend, max_entries=self.cache_size)

@@ -48,6 +48,7 @@ class Ready(msgspec.Struct, tag=True):
     eos_token_ids: list[int]
     device: str
     dtype: str
+    structured_output_backend: str = "llguidance"
 
 
 class StepOutputs(msgspec.Struct, tag=True):
@@ -80,6 +81,9 @@ class EngineStats(msgspec.Struct, tag=True):
     prefix_query_tokens: int
     prefix_hit_tokens: int
     num_preemptions: int
+    grammar_cache_entries: int = 0  # compiled grammars held (bounded: RELIABILITY C4 G5)
+    grammar_cache_bytes: int = 0
+    grammar_cache_evictions: int = 0
 
 
 class EngineDead(msgspec.Struct, tag=True):

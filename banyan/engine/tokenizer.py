@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -173,7 +173,7 @@ def render_chat_template(
         raise InvalidParameterError(
             "continue_final_message", "cannot be combined with add_generation_prompt (start or continue a message)"
         )
-    template = _compile_or_raise(_resolve_template(tokenizer, chat_template, tools))
+    template = _compile_or_raise(resolve_template(tokenizer, chat_template, tools))
     messages = [{k: v for k, v in _plain(m).items() if v is not None} for m in _check_messages(messages)]
     final_text = _tag_final_message(messages) if continue_final_message else None
     context = {
@@ -188,7 +188,9 @@ def render_chat_template(
     return text if final_text is None else _cut_at_final_message(text, final_text)
 
 
-def _resolve_template(tokenizer, chat_template: str | None, tools) -> str:
+def resolve_template(tokenizer, chat_template: str | None, tools) -> str:
+    """The template source a chat renders with: the one given (or one of the tokenizer's named
+    templates), else the tokenizer's own ("tool_use" when there are tools and it has one)."""
     own = getattr(tokenizer, "chat_template", None)
     if isinstance(own, Mapping):  # named templates, e.g. {"default": ..., "tool_use": ...}
         if chat_template in own:
@@ -371,6 +373,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self._skip = special_token_ids(tokenizer) if skip_special_tokens else frozenset()
+        self._decode = _plain_decode(tokenizer, skip_special_tokens) or self._decode
         tail = [t for t in prompt_token_ids[-4 * self.PROMPT_WINDOW:] if t not in self._skip]
         self._ids: list[int] = tail[-self.PROMPT_WINDOW:]
         self._read_offset = len(self._ids)  # the prefix window is self._ids[:read_offset]
@@ -403,6 +406,32 @@ class IncrementalDetokenizer:
             ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
+
+
+def _plain_decode(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str] | None:
+    """The Rust tokenizer's own decode when `tokenizer.decode(ids, clean_up_tokenization_spaces=False)`
+    is exactly that call (a fast tokenizer that overrides nothing); None otherwise. transformers'
+    wrapper costs three times the decode itself, and the detokenizer decodes twice per token."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    base = _fast_tokenizer_class()
+    if backend is None or base is None or not isinstance(tokenizer, base):
+        return None
+    cls = type(tokenizer)
+    if cls.decode is not base.decode or cls._decode is not base._decode:
+        return None
+    return partial(backend.decode, skip_special_tokens=skip_special_tokens)
+
+
+@lru_cache(maxsize=None)
+def _fast_tokenizer_class() -> type | None:
+    try:  # transformers >= 5
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend as fast
+    except ImportError:
+        try:
+            from transformers import PreTrainedTokenizerFast as fast
+        except ImportError:
+            return None
+    return fast
 
 
 # -- stop strings ---------------------------------------------------------------------------------

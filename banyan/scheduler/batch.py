@@ -33,8 +33,8 @@ class ScheduledRequest:
 class Batch:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    failed: list[Request] = field(default_factory=list)
-    """Ended before running (a grammar that failed to compile): reported, never run."""
+    finished: list[Request] = field(default_factory=list)
+    """Ended before running (a grammar that failed to compile, or forced the whole output): reported, never run."""
 
     @property
     def is_empty(self) -> bool:
@@ -50,7 +50,7 @@ class SampledToken:
     """The runner's result for one sampling request (logprobs only when it asked for them)."""
 
     token_id: int
-    logprob: float
+    logprob: float | None  # None unless the request asked for logprobs
     logprobs: object | None = None  # TokenLogprobs
 
 

@@ -14,6 +14,14 @@ that would be served last is preempted (its pages freed, recomputed later).
 A structured-output request first waits for its grammar (WAITING_FOR_GRAMMAR, compiled off this
 thread) and joins the waiting queue when it is ready; a failed compile ends it alone. After each
 sampled token its matcher advances; a preempted request keeps its tokens and so its matcher.
+
+Jump-forward: where the grammar forces the next tokens (a JSON key, a closing brace), they are
+appended at once, right after the sampled token (or before the prompt's first step). They are
+then just more tokens to catch up on: the next step computes them together as one extend and
+samples from the last position, so k forced tokens cost one forward pass instead of k.
+
+    all_token_ids:  [ ... computed | sampled | forced ... forced ]
+                                   ^ the next step runs these k + 1 positions, samples after the last
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from banyan.kv_cache import KVCacheManager, PrefixMatch
 from banyan.request import Request, RequestStatus, TokenLogprobs
 from banyan.scheduler.batch import Batch, ScheduledRequest, StepResult
 from banyan.scheduler.policy import SchedulingPolicy
+from banyan.structured.backend import guarded
 
 
 class SchedulerStats:
@@ -138,15 +147,22 @@ class Scheduler:
         """Requests whose grammar is ready join the waiting queue; a failed compile ends its request."""
         for request in [r for r in self.waiting_for_grammar if r.grammar is not None and r.grammar.done()]:
             self.waiting_for_grammar.remove(request)
-            try:
-                request.matcher = request.grammar.result()
-            except Exception as e:  # StructuredOutputError, or a library failure: this request only
-                request.fail(getattr(e, "message", str(e)), getattr(e, "param", None))
+            self._take_matcher(request)
+            if request.is_finished:  # a failed compile, or a grammar that forced the whole output
                 self._release(request)
-                batch.failed.append(request)
-                continue
-            request.status = RequestStatus.WAITING
-            self._enqueue(request)
+                batch.finished.append(request)
+            else:
+                self._enqueue(request)
+
+    def _take_matcher(self, request: Request) -> None:
+        """The compiled grammar's matcher, and the tokens it forces first (they join the first step)."""
+        try:
+            request.matcher = request.grammar.result()
+        except Exception as e:  # StructuredOutputError, or a library failure: this request only
+            request.fail(getattr(e, "message", str(e)), getattr(e, "param", None))
+            return
+        request.status = RequestStatus.WAITING
+        self._jump_forward(request)
 
     def _admit_waiting(self, batch: Batch, budget: int) -> None:
         prefilling_groups = {r.group_id for r in self.running if r.group_id and not r.is_prefill_done}
@@ -213,24 +229,43 @@ class Scheduler:
         bisect.insort(self.waiting, request, key=self.policy.key)
 
     def _append_sampled(self, request: Request, sampled, now: float) -> None:
-        request.append_token(sampled.token_id)
-        request.cumulative_logprob += sampled.logprob
-        if request.logprobs is not None:
-            request.logprobs.append(sampled.logprobs or TokenLogprobs(sampled.token_id, sampled.logprob, 0))
+        if sampled.logprob is not None:  # None unless the request asked for logprobs
+            request.cumulative_logprob += sampled.logprob
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         request.metrics.last_token_time = now
+        self._append(request, sampled.token_id, sampled.logprobs or TokenLogprobs(sampled.token_id, sampled.logprob, 0))
+        self._jump_forward(request)
+
+    def _append(self, request: Request, token_id: int, logprobs: TokenLogprobs) -> None:
+        """One output token, then whatever it ends: the grammar, a stop token, EOS or the length."""
+        request.append_token(token_id)
+        if request.logprobs is not None:
+            request.logprobs.append(logprobs)
         if request.matcher is not None and self._check_grammar(request):
             return
         self._check_stop(request)
 
+    def _jump_forward(self, request: Request) -> None:
+        """Append the tokens the grammar forces next, each checked like a sampled one (so max_tokens,
+        stop tokens and the grammar's end still apply). A forced token's logprob is 0.0: under the
+        grammar it was the only choice (its raw logit is never computed)."""
+        if request.matcher is None or request.is_finished or not self.config.enable_jump_forward:
+            return
+        for token_id in guarded(request.matcher, request.matcher.forced_tokens, []):
+            self._append(request, token_id, TokenLogprobs(token_id, 0.0, 1))
+            if request.is_finished:
+                return
+
     def _check_grammar(self, request: Request) -> bool:
-        """Advance the matcher with the new token; True when that ended the request."""
-        matcher = request.matcher
-        if not matcher.accept_token(request.all_token_ids[-1]):
-            request.fail(f"the grammar rejected the output: {matcher.error}", "structured_outputs")
-        elif matcher.is_terminated():  # EOS accepted, or the grammar allows nothing else (wins over min_tokens)
+        """Advance the matcher with the new token; True when that ended the request. A matcher that
+        failed (a library limit or exception, here or while filling its mask) ends its request only."""
+        matcher, token_id = request.matcher, request.all_token_ids[-1]
+        accepted = not matcher.error and guarded(matcher, lambda: matcher.accept_token(token_id), False)
+        if accepted and guarded(matcher, matcher.is_terminated, False):  # EOS, or nothing else allowed (wins over min_tokens)
             request.status = RequestStatus.FINISHED_STOPPED
+        if not accepted or matcher.error:
+            request.fail(f"the grammar rejected the output: {matcher.error}", "structured_outputs")
         return request.is_finished
 
     def _check_stop(self, request: Request) -> None:

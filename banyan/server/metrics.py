@@ -44,12 +44,15 @@ class ServerMetrics:
         self.num_requests_running = gauge("num_requests_running", "Requests in model execution.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent.")
+        self.grammar_cache_entries = gauge("grammar_cache_entries", "Compiled grammars held for reuse.")
+        self.grammar_cache_bytes = gauge("grammar_cache_bytes", "Memory held by compiled grammars (estimate).")
 
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        self.grammar_cache_evictions = counter("grammar_cache_evictions", "Compiled grammars dropped from the cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Generation tokens processed.")
 
@@ -80,11 +83,14 @@ class ServerMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_usage)
+        self.grammar_cache_entries.set(stats.grammar_cache_entries)
+        self.grammar_cache_bytes.set(stats.grammar_cache_bytes)
         last = self._last_stats
         for counter, field in [
             (self.prefix_cache_queries, "prefix_query_tokens"),
             (self.prefix_cache_hits, "prefix_hit_tokens"),
             (self.num_preemptions, "num_preemptions"),
+            (self.grammar_cache_evictions, "grammar_cache_evictions"),
         ]:
             now = getattr(stats, field)
             before = getattr(last, field) if last is not None else 0

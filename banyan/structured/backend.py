@@ -22,9 +22,9 @@ from __future__ import annotations
 import importlib
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
@@ -42,6 +42,7 @@ MAX_WHITESPACE = 16
 """Longest whitespace run between JSON tokens (unless compact): enough for pretty-printing, and a
 model cannot loop on whitespace forever."""
 MAX_ERROR_CHARS = 500
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -125,9 +126,36 @@ class GrammarBackend(ABC):
         """A fresh matcher at the start of the grammar (microseconds)."""
 
     def fill_bitmasks(self, bitmask: torch.Tensor, matchers: Sequence[tuple[int, GrammarMatcher]]) -> None:
-        """Fill the rows of many matchers: [(row, matcher), ...]. Backends may do it in parallel."""
+        """Fill the rows of many matchers: [(row, matcher), ...]. Never raises: a matcher whose library
+        call fails gets `error` set and a row that allows nothing, and the others are filled all the
+        same, so a grammar failure ends its own request only (RELIABILITY C4 G7)."""
+        try:
+            self._fill_batch(bitmask, matchers)
+        except Exception:  # find the culprit one by one
+            for row, matcher in matchers:
+                try:
+                    matcher.fill_bitmask(bitmask, row)
+                except Exception as e:
+                    _library_failed(matcher, e)
+                    bitmask[row].zero_()
+
+    def _fill_batch(self, bitmask: torch.Tensor, matchers: Sequence[tuple[int, GrammarMatcher]]) -> None:
+        """Backends may fill the rows in parallel."""
         for row, matcher in matchers:
             matcher.fill_bitmask(bitmask, row)
+
+
+def guarded(matcher: GrammarMatcher, call: Callable[[], T], failed: T) -> T:
+    """call(), or `failed` with matcher.error set if the grammar library raised (its request ends)."""
+    try:
+        return call()
+    except Exception as e:
+        _library_failed(matcher, e)
+        return failed
+
+
+def _library_failed(matcher: GrammarMatcher, e: Exception) -> None:
+    matcher.error = matcher.error or f"the grammar library failed: {library_message(e)}"
 
 
 def make_backend(

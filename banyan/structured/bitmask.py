@@ -31,7 +31,7 @@ def allocate_bitmask(max_rows: int, vocab_size: int) -> torch.Tensor:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | torch.Tensor | None = None) -> None:
-    """Set disallowed logits to -inf, in place. logits: [batch, V] on any device.
+    """Set disallowed logits to -inf, in place. logits: [batch, V] on any device, finite.
 
     rows None: bitmask[i] masks logits[i] for every row. Otherwise bitmask[j] masks logits[rows[j]].
     Columns past 32 * words (a padded lm_head) are disallowed too. One host-to-device copy of the
@@ -40,22 +40,45 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     num_rows = logits.shape[0] if rows is None else len(rows)
     if num_rows == 0:
         return
-    device, vocab = logits.device, logits.shape[1]
-    words = bitmask[:num_rows].to(device, non_blocking=True)  # [R, W]
-    blocked = (words.unsqueeze(-1) & _bits(device)).eq(0).flatten(1)  # [R, 32W], token order
-    if blocked.shape[1] < vocab:  # a padded lm_head: its extra columns are never allowed
-        blocked = torch.nn.functional.pad(blocked, (0, vocab - blocked.shape[1]), value=True)
-    blocked = blocked[:, :vocab]
-    if rows is None:
-        logits.masked_fill_(blocked, _NEG_INF)
+    words = bitmask[:num_rows].to(logits.device, non_blocking=True)
+    penalty = _penalty(words, logits.shape[1], logits.dtype)
+    span = slice(0, num_rows) if rows is None else _consecutive(rows)
+    if span is not None:  # the usual batch, every row constrained: no copy of the logits
+        logits[span].add_(penalty)
         return
-    index = torch.as_tensor(rows, dtype=torch.long).to(device, non_blocking=True)
-    logits[index] = logits[index].masked_fill(blocked, _NEG_INF)
+    index = torch.as_tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+    logits.index_copy_(0, index, logits.index_select(0, index).add_(penalty))
+
+
+def _penalty(words: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """[R, W] int32 words -> [R, vocab]: 0 where a token is allowed, -inf where it is not.
+
+    Each byte of a word covers 8 tokens: a [256, 8] table gives the 8 penalties of every byte value,
+    so one row gather builds the whole mask, and adding it costs one pass over the logits. (On CPU,
+    for [32, 49152]: ~1.5 ms, against ~20 ms for unpacking bits into a bool mask and masked_fill_.)
+    Little-endian byte order, as on x86, ARM and CUDA.
+    """
+    table = _byte_penalties(words.device, dtype)
+    penalty = table.index_select(0, words.view(torch.uint8).flatten().long())  # [R * 4W, 8]
+    penalty = penalty.view(words.shape[0], -1)  # [R, 32W], token order
+    if penalty.shape[1] < vocab:  # a padded lm_head: its extra columns are never allowed
+        penalty = torch.nn.functional.pad(penalty, (0, vocab - penalty.shape[1]), value=_NEG_INF)
+    return penalty[:, :vocab]
 
 
 @functools.cache
-def _bits(device: torch.device) -> torch.Tensor:
-    return _BITS.to(device)
+def _byte_penalties(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8]: entry [b, k] is 0 where bit k of b is set, -inf where it is not."""
+    bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+    return torch.where(bits.bool(), 0.0, _NEG_INF).to(device=device, dtype=dtype)
+
+
+def _consecutive(rows: Sequence[int] | torch.Tensor) -> slice | None:
+    """rows as a slice when they are consecutive ascending host ints, else None."""
+    if isinstance(rows, torch.Tensor):
+        return None
+    first = rows[0]
+    return slice(first, first + len(rows)) if list(rows) == list(range(first, first + len(rows))) else None
 
 
 def allowed_tokens(bitmask: torch.Tensor, row: int, vocab_size: int) -> torch.Tensor:

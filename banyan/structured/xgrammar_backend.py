@@ -69,9 +69,9 @@ class XGrammarBackend(GrammarBackend):
     def matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled.handle))
 
-    def fill_bitmasks(self, bitmask: torch.Tensor, matchers: Sequence[tuple[int, GrammarMatcher]]) -> None:
+    def _fill_batch(self, bitmask: torch.Tensor, matchers: Sequence[tuple[int, GrammarMatcher]]) -> None:
         if len(matchers) < 2:
-            return super().fill_bitmasks(bitmask, matchers)
+            return super()._fill_batch(bitmask, matchers)
         if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher()
         handles = [m._matcher for _, m in matchers]  # type: ignore[attr-defined]

@@ -1,4 +1,5 @@
-"""Shared by the test_structured_* files: tokenizers, backends (built once), and random-logit sampling."""
+"""Shared by the structured-output tests: tokenizers, backends (built once), random-logit sampling, and
+schemas with every common kind of constraint (nested objects, arrays, enums, bounded numbers, patterns)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,51 @@ from banyan.errors import ModelLoadError
 from banyan.structured import GrammarBackend, StructuredOutputSpec, allocate_bitmask, apply_bitmask, make_backend
 from tests.factories import make_tokenizer
 
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "score": {"type": "number", "minimum": -1.5, "exclusiveMaximum": 2},
+        "active": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "minLength": 1, "maxLength": 10},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "address"],
+    "additionalProperties": False,
+}
+CATALOG = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 3,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "exclusiveMinimum": 0, "maximum": 999},
+                    "kind": {"const": "book"},
+                    "stock": {"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 100},
+                    "note": {"anyOf": [{"type": "string", "maxLength": 6}, {"type": "null"}]},
+                },
+                "required": ["id", "kind", "note"],
+                "additionalProperties": False,
+            },
+        },
+        "pair": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "boolean"}], "items": False},
+    },
+    "required": ["items", "pair"],
+    "additionalProperties": False,
+}
 BACKEND_NAMES = ["llguidance", "xgrammar"]
 EXTRA_VOCAB = 37
 """The model's vocabulary exceeds the tokenizer's by this much (not a multiple of 32)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import pytest
 
 from banyan.config import SchedulerConfig
@@ -10,13 +12,15 @@ from banyan.kv_cache import KVCacheManager
 from banyan.request import Request, RequestStatus
 from banyan.sampling_params import SamplingParams
 from banyan.scheduler import SampledToken, Scheduler, StepResult
+from banyan.structured import GrammarMatcher
 
 NEXT_TOKEN = 7
 
 
-def make_scheduler(page_size=4, num_pages=64, max_num_batched_tokens=64, max_num_seqs=16, policy="fcfs", max_model_len=256, prefix_caching=True):
+def make_scheduler(page_size=4, num_pages=64, max_num_batched_tokens=64, max_num_seqs=16, policy="fcfs", max_model_len=256, prefix_caching=True, jump_forward=True):
     kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=prefix_caching)
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, policy=policy)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, policy=policy,
+                             enable_jump_forward=jump_forward)
     return Scheduler(config, kv, max_model_len)
 
 
@@ -209,3 +213,85 @@ def test_siblings_share_the_prompt_pages():
     second = step(s)
     assert second[kids[1].request_id] == 1 and second[kids[2].request_id] == 1
     assert kids[1].num_cached_tokens == 12
+
+
+# -- jump-forward: tokens a grammar forces are appended at once and computed as one extend ----------
+FORCED = [8, 9, 10]
+
+
+class ForcingMatcher(GrammarMatcher):
+    """A grammar that forces FORCED at the start and after every NEXT_TOKEN, and allows anything else."""
+
+    def __init__(self):
+        self.accepted: list[int] = []
+
+    def forced_tokens(self) -> list[int]:
+        return list(FORCED) if self.accepted[-1:] in ([], [NEXT_TOKEN]) else []
+
+    def accept_token(self, token_id: int) -> bool:
+        self.accepted.append(token_id)
+        return True
+
+    def fill_bitmask(self, bitmask, row): ...
+    def is_terminated(self): return False  # fmt: skip
+    def rollback(self, num_tokens): ...
+    def reset(self): ...
+
+
+def make_constrained(scheduler, **kw):
+    request = make_request(structured_outputs={"regex": "[0-9]+"}, **kw)
+    request.grammar = Future()
+    request.grammar.set_result(ForcingMatcher())
+    scheduler.add_request(request)
+    return request
+
+
+def test_forced_tokens_are_appended_and_computed_in_one_extend():
+    s = make_scheduler()
+    r = make_constrained(s, prompt_len=10, max_tokens=20)
+    assert step(s) == {r.request_id: 13}  # the opening forced tokens join the prompt's step
+    assert list(r.output_token_ids) == FORCED + [NEXT_TOKEN] + FORCED
+    assert step(s) == {r.request_id: 4}  # sampled + forced: one extend, sampling after the last
+    assert list(r.output_token_ids) == (FORCED + [NEXT_TOKEN]) * 2 + FORCED
+    assert r.matcher.accepted == list(r.output_token_ids)
+    assert r.logprobs is None  # forced tokens add logprobs only where they were asked for
+
+
+def test_forced_tokens_count_towards_max_tokens():
+    s = make_scheduler()
+    cut = make_constrained(s, prompt_len=4, max_tokens=5)
+    all_forced = make_constrained(s, prompt_len=4, max_tokens=2)
+    assert step(s) == {cut.request_id: 7}  # all_forced never runs: its output was all forced
+    assert (all_forced.finish_reason, list(all_forced.output_token_ids)) == ("length", FORCED[:2])
+    assert (cut.finish_reason, list(cut.output_token_ids)) == ("length", FORCED + [NEXT_TOKEN] + FORCED[:1])
+    assert not s.has_unfinished_requests()
+
+
+def test_a_forced_stop_token_ends_the_request_there():
+    s = make_scheduler()
+    r = make_constrained(s, prompt_len=4, max_tokens=20, stop_token_ids=[FORCED[1]], logprobs=0)
+    run_to_end(s)
+    assert (r.finish_reason, r.stop_reason, list(r.output_token_ids)) == ("stop", FORCED[1], FORCED[:2])
+    assert [(lp.token_id, lp.logprob, lp.rank) for lp in r.logprobs] == [(t, 0.0, 1) for t in FORCED[:2]]
+
+
+def test_without_jump_forward_every_token_is_a_step():
+    s = make_scheduler(jump_forward=False)
+    r = make_constrained(s, prompt_len=10, max_tokens=3)
+    assert [step(s) for _ in range(3)] == [{r.request_id: 10}, {r.request_id: 1}, {r.request_id: 1}]
+    assert r.finish_reason == "length" and list(r.output_token_ids) == [NEXT_TOKEN] * 3
+
+
+def test_a_grammar_library_that_raises_ends_its_request_only():
+    s = make_scheduler()
+    broken, plain = make_constrained(s, prompt_len=4, max_tokens=20), make_request(prompt_len=4, max_tokens=20)
+    s.add_request(plain)
+    step(s)
+
+    def crash(token_id):
+        raise RuntimeError("library panic")
+
+    broken.matcher.accept_token = crash
+    step(s)
+    assert broken.finish_reason == "error" and "library panic" in broken.error
+    assert plain.status == RequestStatus.RUNNING and plain.num_output_tokens == 2

@@ -36,6 +36,10 @@ def test_apply_bitmask_matches_the_bit_by_bit_reference(vocab):
     assert torch.equal(compact, _reference(logits, bitmask, [4, 0, 2]))
     assert torch.equal(compact[[1, 3]], logits[[1, 3]])  # unconstrained rows untouched
 
+    consecutive = logits.clone()
+    apply_bitmask(consecutive, bitmask, rows=[1, 2, 3])  # filled in place
+    assert torch.equal(consecutive, _reference(logits, bitmask, [1, 2, 3]))
+
     untouched = logits.clone()
     apply_bitmask(untouched, bitmask, rows=[])
     assert torch.equal(untouched, logits)
@@ -89,6 +93,27 @@ def test_batch_fill_equals_one_by_one(name):
     for row, m in zip(rows, matchers):
         m.fill_bitmask(single, row)
     assert torch.equal(batch, single)
+
+
+class CrashingMatcher:
+    """A matcher whose grammar library raises (RELIABILITY C4 G7)."""
+
+    error = ""
+
+    def fill_bitmask(self, bitmask, row):
+        raise RuntimeError("library panic")
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_a_failing_matcher_gets_an_error_and_an_empty_row_and_the_others_their_masks(name):
+    b = backend(name)
+    compiled = b.compile(StructuredOutputSpec.regex("[0-9]+"))
+    good, crashing, other = b.matcher(compiled), CrashingMatcher(), b.matcher(compiled)
+    batch, single = allocate_bitmask(3, b.vocab_size), allocate_bitmask(3, b.vocab_size)
+    b.fill_bitmasks(batch, [(0, good), (1, crashing), (2, other)])
+    good.fill_bitmask(single, 0)
+    assert "library panic" in crashing.error and not batch[1].any()
+    assert torch.equal(batch[0], single[0]) and torch.equal(batch[2], single[0]) and not good.error
 
 
 def test_make_backend_names_the_choices_and_checks_the_vocabulary():

@@ -15,55 +15,10 @@ import jsonschema
 import pytest
 
 from banyan.structured import StructuredOutputSpec
-from tests.unit.structured_helpers import BACKEND_NAMES, backend, sample, tokenizer
+from tests.unit.structured_helpers import BACKEND_NAMES, CATALOG, PERSON, backend, sample, tokenizer
 
 TOKENIZERS = ["tiny", "default"]
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "score": {"type": "number", "minimum": -1.5, "exclusiveMaximum": 2},
-        "active": {"type": "boolean"},
-        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
-        "address": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "minLength": 1, "maxLength": 10},
-                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-            },
-            "required": ["city", "zip"],
-            "additionalProperties": False,
-        },
-    },
-    "required": ["name", "age", "address"],
-    "additionalProperties": False,
-}
-CATALOG = {
-    "type": "object",
-    "properties": {
-        "items": {
-            "type": "array",
-            "minItems": 1,
-            "maxItems": 3,
-            "items": {
-                "type": "object",
-                "properties": {
-                    "id": {"type": "integer", "exclusiveMinimum": 0, "maximum": 999},
-                    "kind": {"const": "book"},
-                    "stock": {"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 100},
-                    "note": {"anyOf": [{"type": "string", "maxLength": 6}, {"type": "null"}]},
-                },
-                "required": ["id", "kind", "note"],
-                "additionalProperties": False,
-            },
-        },
-        "pair": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "boolean"}], "items": False},
-    },
-    "required": ["items", "pair"],
-    "additionalProperties": False,
-}
 PHONE = r"\+?[0-9]{1,3}-[0-9]{3}-[0-9]{4}"
 CHOICES = ["red", "green", "dark blue", "東京", 'say "hi"']
 GBNF = 'root ::= num (("+" | "-") num)*\nnum ::= [0-9] | [1-9] [0-9]'
