@@ -1,12 +1,15 @@
-"""`banyan bench throughput | latency | overhead | serve`: argument parsing and dispatch."""
+"""`banyan bench throughput | latency | overhead | serve | compare`: argument parsing and dispatch."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 from collections.abc import Callable
 
+from banyan.bench.plan import CompareConfig
 from banyan.bench.results import emit, make_report
+from banyan.bench.workloads import WORKLOADS
 
 
 def add_bench_parser(commands, add_engine_args: Callable, engine_config: Callable) -> None:
@@ -42,20 +45,35 @@ def add_bench_parser(commands, add_engine_args: Callable, engine_config: Callabl
     srv.add_argument("--model", default=None, help="the model name to send (default: the server's)")
     srv.add_argument("--api-key", default=None)
     srv.add_argument("--vocab-size", type=int, default=32000, help="random prompt token ids are drawn below this")
+    srv.add_argument("--tokenizer", default=None, help="sharegpt: the model (alias, directory, .gguf) whose tokenizer to use")
     srv.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
     srv.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: all at once)")
     srv.add_argument("--goodput", nargs="*", default=[], help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000")
     _workload_args(srv, input_len=128, output_len=128, num_prompts=64)
 
+    from banyan.cli import add_config_args  # banyan.cli is loaded by now: it is what calls this function
+
+    cmp = kinds.add_parser("compare", help="banyan and the installed peers on the same workloads, one after the "
+                                           "other; writes JSON, markdown and PNG plots")
+    add_engine_args(cmp)
+    add_config_args(cmp, "compare", CompareConfig)
+    cmp.set_defaults(func=lambda args: _compare(args, engine_config))
+
 
 def _workload_args(parser: argparse.ArgumentParser, input_len: int, output_len: int, num_prompts: int) -> None:
-    parser.add_argument("--workload", default="random", choices=("random", "shared-prefix"))
-    parser.add_argument("--input-len", type=int, default=input_len, help="prompt tokens (shared-prefix: the question)")
+    parser.add_argument("--workload", default="random", choices=WORKLOADS)
+    parser.add_argument("--input-len", type=int, default=input_len,
+                        help="prompt tokens (shared-prefix: the question; multi-turn: each user turn)")
     parser.add_argument("--output-len", type=int, default=output_len, help="generated tokens (ignore_eos)")
-    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--num-prompts", type=int, default=num_prompts, help="requests (multi-turn: of all turns)")
     parser.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths vary by this fraction")
     parser.add_argument("--prompts-per-group", type=int, default=8, help="shared-prefix: requests per system prompt")
-    parser.add_argument("--system-prompt-len", type=int, default=1024, help="shared-prefix: shared tokens")
+    parser.add_argument("--system-prompt-len", type=int, default=1024,
+                        help="shared-prefix: shared tokens; multi-turn: the system prompt all conversations share (0: none)")
+    parser.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
+    parser.add_argument("--sharegpt-path", default=None, help="sharegpt: a ShareGPT-format JSON file (never downloaded)")
+    parser.add_argument("--sharegpt-output-len", type=int, default=None,
+                        help="sharegpt: generate this many tokens instead of each reply's length")
 
 
 def _run(name: str, run, args: argparse.Namespace, engine_config: Callable) -> int:
@@ -89,10 +107,38 @@ def _serve(args, engine_config):
     from banyan.bench.workloads import make_workload
 
     slos = parse_goodput(args.goodput)
-    prompts = make_workload(args.workload, args, args.vocab_size)
+    prompts = make_workload(args.workload, args, args.vocab_size, encode=_encoder(args.tokenizer))
     results = asyncio.run(run_serve(args.base_url, args.model, prompts, concurrency=args.concurrency,
                                     request_rate=args.request_rate, slos=slos, seed=args.workload_seed, api_key=args.api_key,
                                     progress=not args.no_progress))
     config = {"bench": {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}}
     config["bench"]["request_rate"] = str(args.request_rate)  # inf is not JSON
     return config, results
+
+
+def _compare(args, engine_config) -> int:
+    from banyan.bench.compare import run_compare
+    from banyan.bench.compare_report import markdown
+
+    report = run_compare(engine_config(args), compare_config(args))
+    print(markdown(report))
+    return 0
+
+
+def compare_config(args: argparse.Namespace) -> CompareConfig:
+    """CompareConfig from parsed flags; a repeatable flag given no times keeps its default."""
+    values = {}
+    for f in dataclasses.fields(CompareConfig):
+        value = getattr(args, f.name)
+        if isinstance(f.default, tuple):
+            value = tuple(type(f.default[0])(v) for v in value) if value else f.default
+        values[f.name] = value
+    return CompareConfig(**values)
+
+
+def _encoder(model: str | None) -> Callable[[str], list[int]] | None:
+    if model is None:
+        return None
+    from banyan.runner.weights import open_model
+
+    return open_model(model).tokenizer.encode

@@ -102,6 +102,19 @@ def summarize(timings: Sequence[RequestTiming], duration: float, slos: dict[str,
     return summary
 
 
+def samples_ms(timings: Sequence[RequestTiming]) -> dict[str, list[float]]:
+    """Per-request TTFT, TPOT and E2E, and ITL's 0th..100th percentiles (there are too many gaps to
+    keep), in milliseconds: what a latency CDF is drawn from."""
+    done = [t for t in timings if t.success]
+    gaps = [gap for t in done for gap in t.itl]
+    return {
+        "ttft_ms": [round(t.ttft * 1000, 3) for t in done],
+        "tpot_ms": [round(t.tpot * 1000, 3) for t in done if t.tpot is not None],
+        "e2el_ms": [round(t.e2el * 1000, 3) for t in done],
+        "itl_ms_percentiles": [round(percentile(gaps, q) * 1000, 3) for q in range(101)] if gaps else [],
+    }
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set size (Linux reports kilobytes)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

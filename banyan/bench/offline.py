@@ -10,7 +10,7 @@ import statistics
 import time
 
 from banyan.bench.metrics import peak_rss_bytes
-from banyan.bench.workloads import BenchPrompt, make_workload, random_prompts
+from banyan.bench.workloads import BenchPrompt, make_workload, random_prompts, turns
 from banyan.bench.zero_cost_runner import ZeroCostRunner
 from banyan.config import EngineConfig
 from banyan.engine.llm import LLM
@@ -21,8 +21,8 @@ def run_throughput(config: EngineConfig, args) -> tuple[dict, dict]:
     """Offline requests/s and tokens/s, every prompt submitted at once (vLLM's benchmark_throughput)."""
     start_rss = peak_rss_bytes()
     llm = LLM.from_config(config)
-    prompts = make_workload(args.workload, args, llm.engine.arch.vocab_size)
-    results = _generate(llm, prompts, args.temperature, use_tqdm=not args.no_progress)
+    prompts = make_workload(args.workload, args, llm.engine.arch.vocab_size, encode=llm.tokenizer.encode)
+    results = generate_all(llm, prompts, args.temperature, use_tqdm=not args.no_progress)
     results["peak_rss_bytes"] = peak_rss_bytes()
     results["peak_rss_before_load_bytes"] = start_rss
     return _config(config, args), results
@@ -39,10 +39,10 @@ def run_overhead(config: EngineConfig, args) -> tuple[dict, dict]:
     llm = LLM.from_config(config, runner_factory=ZeroCostRunner)
     vocab, seed = llm.engine.arch.vocab_size, args.workload_seed
     warm_up = random_prompts(args.batch_size, args.input_len, 2, vocab, seed=seed + 1)  # no prefix shared with the run
-    _generate(llm, warm_up, args.temperature, use_tqdm=False)
+    generate_all(llm, warm_up, args.temperature, use_tqdm=False)
     runner = llm.engine.runner
     runner.sampler_seconds = 0.0
-    results = _generate(llm, random_prompts(args.batch_size, args.input_len, args.output_len, vocab, seed=seed),
+    results = generate_all(llm, random_prompts(args.batch_size, args.input_len, args.output_len, vocab, seed=seed),
                         args.temperature, use_tqdm=not args.no_progress)
     results["steps_per_s"] = args.output_len / results["elapsed_s"]
     results["sampler_s"] = runner.sampler_seconds
@@ -55,27 +55,36 @@ def run_latency(config: EngineConfig, args) -> tuple[dict, dict]:
     """Batch 1: time to first token and decode tokens/s, over --num-iters runs after one warm-up."""
     llm = LLM.from_config(config)
     engine = llm.engine
-    prompt = random_prompts(1, args.input_len, args.output_len, engine.arch.vocab_size, seed=args.workload_seed)[0]
-    params = SamplingParams(temperature=args.temperature, max_tokens=prompt.output_len, ignore_eos=True)
-    runs = [_one_request(engine, f"latency-{i}", prompt, params) for i in range(args.num_iters + 1)][1:]
-    ttfts, decode_rates, e2es = zip(*runs)
-    results = {
-        "ttft_ms": _stats([t * 1000 for t in ttfts]),
-        "decode_tokens_per_s": _stats(list(decode_rates)),
-        "e2el_ms": _stats([t * 1000 for t in e2es]),
-        "peak_rss_bytes": peak_rss_bytes(),
-    }
+    prompts = random_prompts(args.num_iters + 1, args.input_len, args.output_len, engine.arch.vocab_size,
+                             seed=args.workload_seed)
+    results = latency_runs(engine, prompts, args.temperature)
+    results["peak_rss_bytes"] = peak_rss_bytes()
     return _config(config, args), results
 
 
-def _generate(llm: LLM, prompts: list[BenchPrompt], temperature: float, use_tqdm: bool) -> dict:
-    inputs = [{"prompt_token_ids": p.prompt_token_ids} for p in prompts]
-    params = [SamplingParams(temperature=temperature, top_p=1.0, max_tokens=p.output_len, ignore_eos=True) for p in prompts]
+def latency_runs(engine, prompts: list[BenchPrompt], temperature: float) -> dict:
+    """TTFT, decode tokens/s and E2E of each prompt alone in the engine, the first a warm-up. The
+    prompts differ, so that none finds the one before in the prefix cache."""
+    runs = [_one_request(engine, f"latency-{i}", prompt, temperature) for i, prompt in enumerate(prompts)][1:]
+    ttfts, decode_rates, e2es = zip(*runs)
+    return {
+        "ttft_ms": _stats([t * 1000 for t in ttfts]),
+        "decode_tokens_per_s": _stats(list(decode_rates)),
+        "e2el_ms": _stats([t * 1000 for t in e2es]),
+    }
+
+
+def generate_all(llm: LLM, prompts: list[BenchPrompt], temperature: float, use_tqdm: bool) -> dict:
+    """Submit every prompt at once (multi-turn: every conversation's next turn at once) and time it."""
     start = time.perf_counter()
-    outputs = llm.generate(inputs, params, use_tqdm=use_tqdm)
+    output_tokens = sum(_generate_turn(llm, batch, temperature, use_tqdm) for batch in turns(prompts))
     elapsed = time.perf_counter() - start
+    return throughput(prompts, output_tokens, elapsed)
+
+
+def throughput(prompts: list[BenchPrompt], output_tokens: int, elapsed: float) -> dict:
+    """The offline report of one run: counts and rates."""
     input_tokens = sum(len(p.prompt_token_ids) for p in prompts)
-    output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return {
         "num_requests": len(prompts),
         "elapsed_s": elapsed,
@@ -88,8 +97,17 @@ def _generate(llm: LLM, prompts: list[BenchPrompt], temperature: float, use_tqdm
     }
 
 
-def _one_request(engine, request_id: str, prompt: BenchPrompt, params: SamplingParams) -> tuple[float, float, float]:
+def _generate_turn(llm: LLM, prompts: list[BenchPrompt], temperature: float, use_tqdm: bool) -> int:
+    inputs = [{"prompt_token_ids": p.prompt_token_ids} for p in prompts]
+    params = [SamplingParams(temperature=temperature, top_p=1.0, max_tokens=p.output_len, ignore_eos=True,
+                             structured_outputs=p.structured_outputs) for p in prompts]
+    outputs = llm.generate(inputs, params, use_tqdm=use_tqdm)
+    return sum(len(c.token_ids) for o in outputs for c in o.outputs)
+
+
+def _one_request(engine, request_id: str, prompt: BenchPrompt, temperature: float) -> tuple[float, float, float]:
     """(TTFT s, decode tokens/s after the first token, E2E s) of one request alone in the engine."""
+    params = SamplingParams(temperature=temperature, max_tokens=prompt.output_len, ignore_eos=True)
     start = time.perf_counter()
     engine.add_request(request_id, prompt.prompt_token_ids, params)
     first = None
@@ -114,4 +132,5 @@ def _config(config: EngineConfig, args) -> dict:
 
 
 BENCH_ARGS = ("workload", "input_len", "output_len", "num_prompts", "range_ratio", "prompts_per_group",
-              "system_prompt_len", "workload_seed", "temperature", "batch_size", "num_iters")
+              "system_prompt_len", "num_turns", "sharegpt_path", "sharegpt_output_len", "workload_seed", "temperature",
+              "batch_size", "num_iters")

@@ -15,14 +15,19 @@ import math
 import random
 import time
 
-from banyan.bench.metrics import RequestTiming, summarize
-from banyan.bench.workloads import BenchPrompt
+from banyan.bench.metrics import RequestTiming, samples_ms, summarize
+from banyan.bench.workloads import BenchPrompt, conversations
 
 
 async def run_serve(base_url: str, model: str | None, prompts: list[BenchPrompt], *, concurrency: int | None,
                     request_rate: float, slos: dict[str, float], seed: int = 0, api_key: str | None = None,
-                    timeout: float = 600.0, progress: bool = True) -> dict:
-    """Send every prompt, gather per-request timings, and summarize them."""
+                    timeout: float = 600.0, progress: bool = True, keep_samples: bool = False) -> dict:
+    """Send every prompt, gather per-request timings, and summarize them (keep_samples: with the
+    per-request values, for latency CDFs).
+
+    A conversation's turns go one after the other, each sent when the one before has finished; a
+    concurrency slot is held for a whole conversation, as one user would.
+    """
     import httpx
     from tqdm import tqdm
 
@@ -33,23 +38,27 @@ async def run_serve(base_url: str, model: str | None, prompts: list[BenchPrompt]
     bar = tqdm(total=len(prompts), desc="Requests", unit="req", disable=not progress)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=timeout) as client:
 
-        async def one(prompt: BenchPrompt) -> RequestTiming:
+        async def chain(turns: list[BenchPrompt]) -> list[RequestTiming]:
+            timings = []
             async with gate or contextlib.nullcontext():
-                timing = await send_completion(client, model, prompt)
-            bar.update(1)
-            return timing
+                for prompt in turns:
+                    timings.append(await send_completion(client, model, prompt))
+                    bar.update(1)
+            return timings
 
         start = time.perf_counter()
         tasks = []
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(one(prompt)))
+        for turns in conversations(prompts):
+            tasks.append(asyncio.create_task(chain(turns)))
             if math.isfinite(request_rate):
                 await asyncio.sleep(rng.expovariate(request_rate))
-        timings = await asyncio.gather(*tasks)
+        timings = [t for chained in await asyncio.gather(*tasks) for t in chained]
         duration = time.perf_counter() - start
     bar.close()
     summary = summarize(timings, duration, slos)
     summary["errors"] = sorted({t.error for t in timings if t.error})[:5]
+    if keep_samples:
+        summary["samples"] = samples_ms(timings)
     return summary
 
 
@@ -65,6 +74,8 @@ async def send_completion(client, model: str | None, prompt: BenchPrompt) -> Req
     }
     if model:
         body["model"] = model
+    if prompt.structured_outputs:
+        body["structured_outputs"] = prompt.structured_outputs
     timing = RequestTiming(success=False, prompt_tokens=len(prompt.prompt_token_ids))
     chunks, usage, last = 0, None, None
     start = time.perf_counter()
@@ -79,8 +90,8 @@ async def send_completion(client, model: str | None, prompt: BenchPrompt) -> Req
                     continue
                 event = json.loads(data)
                 usage = event.get("usage") or usage
-                if not event.get("choices"):
-                    continue
+                if not any(_is_token(choice) for choice in event.get("choices") or ()):
+                    continue  # usage only, or a closing chunk (a finish_reason, no text)
                 now = time.perf_counter()
                 if last is None:
                     timing.ttft = now - start
@@ -101,3 +112,8 @@ async def send_completion(client, model: str | None, prompt: BenchPrompt) -> Req
     if not timing.success:
         timing.error = "no tokens streamed"
     return timing
+
+
+def _is_token(choice: dict) -> bool:
+    """A chunk that carries a token: some text, or none yet (a special token) without the finish."""
+    return bool(choice.get("text")) or choice.get("finish_reason") is None

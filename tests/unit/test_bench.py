@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 
+import httpx
 import pytest
 
+from banyan.bench.goals import Goal, judge
+from banyan.bench.launcher import ServerStartError, engine_flags, free_port, launched
 from banyan.bench.metrics import RequestTiming, meets_slos, parse_goodput, percentile, summarize
-from banyan.bench.workloads import random_prompts, shared_prefix_prompts
-from banyan.cli import main
+from banyan.bench.peers.export_hf import export_hf, hf_dir_for
+from banyan.bench.peers.transformers_runner import left_pad
+from banyan.bench.plan import CompareConfig, Run
+from banyan.bench.workloads import (conversations, multi_turn_prompts, random_prompts, shared_prefix_prompts,
+                                    sharegpt_prompts, turns)
+from banyan.cli import build_parser, engine_config, main
+from banyan.errors import InvalidParameterError
 from tests.factories import write_model_dir
 from tests.server_process import start_server
 
@@ -66,6 +76,131 @@ def test_shared_prefix_groups_share_their_system_prompt():
     assert len({tuple(p.prompt_token_ids) for p in random_prompts(4, 8, 2, 100)}) == 4
 
 
+def test_multi_turn_resends_the_growing_history_after_one_shared_system_prompt():
+    prompts = multi_turn_prompts(2, 3, system_len=16, user_len=4, output_len=2, vocab_size=100)
+    assert [(p.conversation, p.turn) for p in prompts] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+    assert len({tuple(p.prompt_token_ids[:16]) for p in prompts}) == 1  # the system prompt
+    for chain in conversations(prompts):
+        lengths = [len(p.prompt_token_ids) for p in chain]
+        assert lengths == [20, 26, 32]  # + the scripted 2-token reply + a 4-token user turn, per turn
+        for before, after in zip(chain, chain[1:]):
+            assert after.prompt_token_ids[: len(before.prompt_token_ids)] == before.prompt_token_ids
+    assert [len(batch) for batch in turns(prompts)] == [2, 2, 2]
+    assert len(conversations(random_prompts(3, 4, 2, 100))) == 3  # lone prompts are chains of one
+
+
+SHAREGPT = [
+    {"id": "long", "conversations": [{"from": "human", "value": "x" * 40}, {"from": "gpt", "value": "y" * 12}]},
+    {"id": "short", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "y" * 12}]},
+    {"id": "toolong", "conversations": [{"from": "human", "value": "x" * 2000}, {"from": "gpt", "value": "y" * 8}]},
+    {"id": "ok", "conversations": [{"from": "human", "value": "x" * 8}, {"from": "gpt", "value": "y" * 6},
+                                   {"from": "human", "value": "more"}]},
+    {"id": "one turn", "conversations": [{"from": "human", "value": "x" * 8}]},
+    "not a conversation",
+]
+
+
+def test_sharegpt_takes_first_exchanges_within_the_length_filters(tmp_path):
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(SHAREGPT))
+    encode = lambda text: [ord(c) for c in text]  # noqa: E731 - one character, one token
+    prompts = sharegpt_prompts(path, 10, encode)
+    assert sorted((len(p.prompt_token_ids), p.output_len) for p in prompts) == [(8, 6), (40, 12)]
+    assert [p.output_len for p in sharegpt_prompts(path, 1, encode, output_len=3)] == [3]
+    assert sharegpt_prompts(path, 2, encode, seed=1) == sharegpt_prompts(path, 2, encode, seed=1)
+    path.write_text("{not json")
+    with pytest.raises(InvalidParameterError, match="sharegpt_path"):
+        sharegpt_prompts(path, 1, encode)
+
+
+def test_left_pad_ends_every_row_at_the_last_column():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_export_hf_writes_weights_transformers_runs_unchanged(model_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = export_hf(str(model_dir), tmp_path / "hf")
+    ids = torch.tensor([[5, 17, 42, 9]])
+    with torch.no_grad():
+        original = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()(ids).logits
+        exported = AutoModelForCausalLM.from_pretrained(str(out)).eval()(ids).logits
+    torch.testing.assert_close(exported, original)
+    assert hf_dir_for(str(model_dir)) == model_dir  # a Hugging Face directory is used as it is
+
+
+def test_engine_flags_rebuild_the_engine_config_through_the_serve_parser():
+    argv = ["serve", "--model", "m", "--num-threads", "2", "--block-size", "4", "--kv-cache-memory", "16MiB",
+            "--no-enable-prefix-caching", "--max-num-seqs", "8"]
+    config = engine_config(build_parser().parse_args(argv))
+    assert engine_config(build_parser().parse_args(["serve", *engine_flags(config)])) == config
+
+
+HEALTHY_SERVER = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_launched_waits_for_health_and_stops_the_server():
+    port = free_port()
+    with launched([sys.executable, "-c", HEALTHY_SERVER, str(port)], port, ready_timeout=30) as url:
+        assert httpx.get(f"{url}/health").status_code == 200
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/health", timeout=1.0)
+
+
+def test_a_server_that_exits_says_why():
+    port = free_port()
+    crash = "import sys; print('starting'); print('ValueError: no such model'); print('bye'); sys.exit(3)"
+    with pytest.raises(ServerStartError) as failure:
+        with launched([sys.executable, "-c", crash], port, ready_timeout=30):
+            pass
+    assert "exited with 3" in failure.value.summary and "ValueError: no such model" in failure.value.summary
+
+
+# -- goals ----------------------------------------------------------------------------------------
+def _run(scenario, engine, concurrency, **metrics):
+    return Run(scenario, engine, concurrency, dict(metrics, failed=0))
+
+
+def test_goals_compare_with_the_best_baseline_measured():
+    runs = [_run("offline", "banyan", 64, output_throughput=500.0),
+            _run("offline", "transformers", 32, output_throughput=50.0),
+            _run("offline", "llama-server", 64, output_throughput=125.0),
+            _run("serve", "banyan", 16, itl_ms={"p99": 50.0}),
+            _run("serve", "llama-server", 16, itl_ms={"p99": 100.0})]
+    goals = [Goal("offline", "offline", None, "output_throughput", ("transformers", "llama-server"), 5.0),
+             Goal("itl", "serve", 16, "itl_ms.p99", ("llama-server",), 1.0, lower_is_better=True),
+             Goal("multi-turn", "multi-turn", 8, "output_throughput", ("llama-server",), 3.0)]
+    offline, itl, missing = judge(goals, runs)
+    assert (offline["baseline"], offline["ratio"], offline["met"]) == ("llama-server", 4.0, False)
+    assert (itl["ratio"], itl["met"]) == (2.0, True)  # half llama-server's p99 ITL
+    assert missing["met"] is None and "not measured" in missing["note"]
+
+
+def test_a_goal_with_a_failed_run_is_not_judged():
+    runs = [_run("serve", "banyan", 1, decode_tokens_per_s=80.0),
+            Run("serve", "llama-server", 1, error="did not start")]
+    [row] = judge([Goal("batch-1", "serve", 1, "decode_tokens_per_s", ("llama-server",), 1.0)], runs)
+    assert row["met"] is None and row["banyan"] is None
+
+
+def test_compare_config_checks_names_and_always_sweeps_one_and_the_judged_streams():
+    cfg = CompareConfig(concurrencies=(4,), streams=16, peers=("none",)).resolved()
+    assert cfg.concurrencies == (1, 4, 16) and cfg.peers == ()
+    assert CompareConfig(quick=True).resolved().num_prompts < CompareConfig().num_prompts
+    with pytest.raises(InvalidParameterError, match="peers"):
+        CompareConfig(peers=("vllm",))
+
+
 # -- the benches, small ---------------------------------------------------------------------------
 def test_overhead_reports_positive_tokens_per_second(model_dir, tmp_path, capsys):
     out = tmp_path / "overhead.json"
@@ -112,3 +247,63 @@ def test_serve_against_a_real_server(model_dir, tmp_path):
     assert results["failed"] == 0 and results["completed"] == 4, results["errors"]
     assert results["total_output_tokens"] == 16  # from the server's usage
     assert results["ttft_ms"]["p99"] > 0 and results["goodput"] > 0
+
+
+def test_throughput_runs_multi_turn_turn_by_turn(model_dir, tmp_path):
+    out = tmp_path / "multi_turn.json"
+    argv = ["bench", "throughput", "--model", str(model_dir), *TINY_ENGINE, "--workload", "multi-turn", "--num-prompts",
+            "6", "--num-turns", "3", "--system-prompt-len", "32", "--input-len", "8", "--output-len", "4", "--no-progress",
+            "--output-json", str(out)]
+    assert main(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    assert results["num_requests"] == 6 and results["total_output_tokens"] == 24
+    assert results["total_input_tokens"] == 2 * (40 + 52 + 64)
+
+
+def test_throughput_on_a_sharegpt_file(model_dir, tmp_path):
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(SHAREGPT))
+    out = tmp_path / "sharegpt_out.json"
+    argv = ["bench", "throughput", "--model", str(model_dir), *TINY_ENGINE, "--workload", "sharegpt", "--sharegpt-path",
+            str(path), "--sharegpt-output-len", "4", "--no-progress", "--output-json", str(out)]
+    assert main(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    assert results["num_requests"] == 2 and results["total_output_tokens"] == 8
+
+
+@pytest.mark.slow
+def test_compare_end_to_end_quick(model_dir, tmp_path, capsys):
+    """Every scenario on a tiny model: banyan in process, two `banyan serve`s, and transformers (the tiny
+    model is a Hugging Face directory already); llama-server is left out, installed or not."""
+    argv = ["bench", "compare", "--model", str(model_dir), *TINY_ENGINE, "--quick", "--peers", "transformers",
+            "--no-progress", "--out-dir", str(tmp_path), "--name", "quick"]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "quick.json").read_text())
+    assert report["schema_version"] == 1 and report["bench"] == "compare"
+    runs = {(r["scenario"], r["engine"], r["concurrency"]): r for r in report["results"]["runs"]}
+    assert not [r["error"] for r in runs.values() if r["error"]]
+    assert set(runs) == {("offline", "banyan", 4), ("offline", "transformers", 2), ("batch-1", "banyan", 1),
+                         ("serve", "banyan", 1), ("serve", "banyan", 2), ("multi-turn", "banyan", 2),
+                         ("multi-turn", "banyan-no-prefix-cache", 2)}
+    assert runs[("offline", "transformers", 2)]["metrics"]["total_output_tokens"] == 16
+    assert runs[("multi-turn", "banyan", 2)]["metrics"]["completed"] == 4  # 2 conversations x 2 turns
+    goals = {g["goal"].split(":")[0]: g for g in report["results"]["goals"]}
+    assert goals["offline 8/4, 4 prompts"]["baseline"] == "transformers"
+    assert goals["offline 8/4, 4 prompts"]["met"] in (True, False)
+    assert goals["batch-1 decode (1 stream)"]["met"] is None  # no llama-server
+    assert "## Goals" in (tmp_path / "quick.md").read_text() and "| offline | transformers |" in capsys.readouterr().out
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "quick-throughput.png").stat().st_size > 0 and (tmp_path / "quick-latency.png").is_file()
+
+
+def test_the_json_schema_workload_constrains_the_random_prompts(model_dir, tmp_path):
+    from banyan.bench.workloads import RECORDS, json_schema_prompts
+
+    constrained, plain = json_schema_prompts(4, 8, 12, 300, seed=3), random_prompts(4, 8, 12, 300, seed=3)
+    assert [p.prompt_token_ids for p in constrained] == [p.prompt_token_ids for p in plain]
+    assert all(p.structured_outputs == {"json": RECORDS} for p in constrained)
+    out = tmp_path / "json_schema.json"
+    argv = ["bench", "throughput", "--model", str(model_dir), *TINY_ENGINE, "--workload", "json-schema", "--input-len", "8",
+            "--output-len", "12", "--num-prompts", "4", "--no-progress", "--output-json", str(out)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["results"]["total_output_tokens"] == 48  # every output runs to its length

@@ -1,0 +1,80 @@
+"""Issue 5's performance goals, judged on the runs of one `banyan bench compare`.
+
+Each goal is a ratio of banyan to the best of its baselines measured in the same run, on one metric:
+higher-is-better metrics divide banyan by the baseline, lower-is-better ones the baseline by banyan,
+so that a ratio >= target always means met. A goal whose runs are missing or had failures is not
+judged (met: null) and says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from banyan.bench.plan import CompareConfig, Run
+
+
+@dataclass(frozen=True)
+class Goal:
+    name: str
+    scenario: str
+    concurrency: int | None
+    """The runs' concurrency (None: whatever each engine ran at)."""
+    metric: str
+    """A key of the runs' metrics; dotted for a distribution's field (itl_ms.p99)."""
+    baselines: tuple[str, ...]
+    target: float
+    lower_is_better: bool = False
+
+
+def goals_for(cfg: CompareConfig) -> list[Goal]:
+    peers = ("transformers", "llama-server")
+    streams, convs = cfg.streams, cfg.conversations
+    return [
+        Goal(f"offline {cfg.input_len}/{cfg.output_len}, {cfg.num_prompts} prompts: output tok/s >= 5x the best peer",
+             "offline", None, "output_throughput", peers, 5.0),
+        Goal(f"serving {streams} streams: output tok/s >= 3x llama-server", "serve", streams, "output_throughput",
+             ("llama-server",), 3.0),
+        Goal(f"serving {streams} streams: p99 ITL no worse than llama-server", "serve", streams, "itl_ms.p99",
+             ("llama-server",), 1.0, lower_is_better=True),
+        Goal(f"multi-turn, {cfg.system_prompt_len}-token shared system prompt: output tok/s >= 5x prefix cache off",
+             "multi-turn", convs, "output_throughput", ("banyan-no-prefix-cache",), 5.0),
+        Goal("multi-turn: output tok/s >= 3x llama-server", "multi-turn", convs, "output_throughput", ("llama-server",), 3.0),
+        Goal("batch-1 decode (1 stream): tok/s >= llama.cpp", "serve", 1, "decode_tokens_per_s", ("llama-server",), 1.0),
+    ]  # fmt: skip
+
+
+def judge(goals: list[Goal], runs: list[Run]) -> list[dict]:
+    return [_judge(goal, runs) for goal in goals]
+
+
+def _judge(goal: Goal, runs: list[Run]) -> dict:
+    row = {"goal": goal.name, "scenario": goal.scenario, "concurrency": goal.concurrency, "metric": goal.metric,
+           "target": goal.target, "banyan": None, "baseline": None, "baseline_value": None, "ratio": None,
+           "met": None, "note": ""}
+    banyan, why = _value(runs, goal, "banyan")
+    measured = {name: v for name in goal.baselines if (v := _value(runs, goal, name)[0]) is not None}
+    if banyan is None or not measured:
+        row["note"] = why or f"not measured: {', '.join(goal.baselines)}"
+        return row
+    pick = min if goal.lower_is_better else max
+    baseline = pick(measured, key=measured.get)
+    base = measured[baseline]
+    ratio = (base / banyan if goal.lower_is_better else banyan / base) if banyan and base else 0.0
+    row.update(banyan=banyan, baseline=baseline, baseline_value=base, ratio=ratio, met=ratio >= goal.target)
+    return row
+
+
+def _value(runs: list[Run], goal: Goal, engine: str) -> tuple[float | None, str]:
+    """The goal's metric in `engine`'s run, or None and why not."""
+    for run in runs:
+        if (run.scenario, run.engine) != (goal.scenario, engine):
+            continue
+        if goal.concurrency is not None and run.concurrency != goal.concurrency:
+            continue
+        if run.error or run.metrics.get("failed"):
+            return None, f"{engine}'s run failed: {run.error or run.metrics.get('errors')}"
+        value = run.metrics
+        for key in goal.metric.split("."):
+            value = value[key]
+        return float(value), ""
+    return None, f"not measured: {engine}"

@@ -1,0 +1,108 @@
+"""Servers `banyan bench compare` starts and stops itself: `banyan serve` and llama-server, each a
+subprocess on a free local port, ready once GET /health answers 200, stopped with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from banyan.config import EngineConfig
+
+SKIPPED_FIELDS = ("trust_remote_code", "num_pages")  # not flags of `banyan serve`
+
+
+class ServerStartError(RuntimeError):
+    """The server exited, or did not answer /health in time; `log` is the end of what it printed."""
+
+    def __init__(self, message: str, log: str):
+        super().__init__(message)
+        self.log = log
+
+    @property
+    def summary(self) -> str:
+        """One line: what happened and the log's last line that names an error (else its last line)."""
+        lines = [line.strip() for line in self.log.splitlines() if line.strip()]
+        errors = [line for line in lines if "error" in line.lower()]
+        last = (errors or lines)[-1:]
+        return f"{self}: {last[0]}" if last else str(self)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def launched(cmd: list[str], port: int, *, ready_timeout: float) -> Iterator[str]:
+    """Run `cmd` (listening on `port`) for the duration of the block; yields its base URL."""
+    base_url = f"http://127.0.0.1:{port}"
+    with tempfile.NamedTemporaryFile("w+", prefix="banyan-bench-server-", suffix=".log") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            wait_ready(proc, base_url, ready_timeout, Path(log.name))
+            yield base_url
+        finally:
+            _stop(proc)
+
+
+def banyan_serve_cmd(config: EngineConfig, port: int) -> list[str]:
+    """`banyan serve` with this engine config (the fields that differ from their defaults)."""
+    return [sys.executable, "-m", "banyan.cli", "serve", "--port", str(port), *engine_flags(config)]
+
+
+def engine_flags(config: EngineConfig) -> list[str]:
+    """Command-line flags that rebuild `config` through `banyan serve`'s parser."""
+    flags = []
+    for section in (config.model, config.cache, config.scheduler):
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if f.name in SKIPPED_FIELDS or value == f.default:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                flags.append(flag if value else "--no-" + flag[2:])
+            elif isinstance(value, tuple):
+                flags += [part for item in value for part in (flag, str(item))]
+            else:
+                flags += [flag, str(value)]
+    return flags
+
+
+def wait_ready(proc: subprocess.Popen, base_url: str, timeout: float, log: Path) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServerStartError(f"{proc.args[0]} exited with {proc.returncode}", _tail(log))
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise ServerStartError(f"{proc.args[0]} did not answer {base_url}/health within {timeout:.0f} s", _tail(log))
+
+
+def _stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _tail(log: Path, chars: int = 4000) -> str:
+    return log.read_text(encoding="utf-8", errors="replace")[-chars:]

@@ -1,0 +1,174 @@
+"""The stages of `banyan bench compare`, one per engine: each takes the Plan and returns its Runs.
+
+A peer that cannot run here (not installed, another model format) is left out with the reason; a
+server that fails to start is recorded as Runs with an error, and the comparison goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+from collections.abc import Callable
+from typing import NamedTuple
+
+from banyan.bench.launcher import ServerStartError, banyan_serve_cmd, free_port, launched
+from banyan.bench.plan import Plan, Run
+from banyan.bench.serve import run_serve
+from banyan.bench.workloads import BenchPrompt
+
+Stage = Callable[[Plan], list[Run]]
+
+
+class Job(NamedTuple):
+    """One workload for a server: its scenario, the streams it runs at, its prompts."""
+
+    scenario: str
+    concurrency: int
+    prompts: list[BenchPrompt]
+
+
+def stages_for(plan: Plan) -> tuple[list[tuple[str, Stage]], dict[str, str]]:
+    """(label, stage) to run in order, banyan first, and the peers skipped (name -> why)."""
+    todo: list[tuple[str, Stage]] = [("banyan in process", banyan_offline), ("banyan serve", banyan_served)]
+    skipped = {}
+    peers = {"transformers": (transformers_unavailable, transformers_offline),
+             "llama-server": (llama_unavailable, llama_served)}
+    for name in plan.cfg.peers:
+        unavailable, stage = peers[name]
+        why = unavailable(plan)
+        if why:
+            skipped[name] = why
+        else:
+            todo.append((name, stage))
+    return todo, skipped
+
+
+def banyan_offline(plan: Plan) -> list[Run]:
+    """Offline throughput through LLM.generate and batch-1 latency through the Engine, one model load."""
+    from banyan.bench.offline import generate_all, latency_runs
+    from banyan.engine.llm import LLM
+
+    cfg, runs = plan.cfg, []
+    if not {"offline", "batch-1"} & set(cfg.scenarios):
+        return runs
+    llm = LLM.from_config(plan.engine)
+    try:
+        if "offline" in cfg.scenarios:
+            generate_all(llm, plan.work.warm_up, 0.0, use_tqdm=False)
+            results = generate_all(llm, plan.work.offline, 0.0, use_tqdm=cfg.progress)
+            runs.append(Run("offline", "banyan", len(plan.work.offline), results))
+        if "batch-1" in cfg.scenarios:
+            runs.append(Run("batch-1", "banyan", 1, latency_runs(llm.engine, plan.work.latency, 0.0)))
+    finally:
+        llm.engine.close()
+        del llm
+        gc.collect()
+    return runs
+
+
+def banyan_served(plan: Plan) -> list[Run]:
+    """Serve sweep and multi-turn on one `banyan serve`, then multi-turn on one without prefix cache."""
+    runs = served_runs(plan, "banyan", lambda port, _: banyan_serve_cmd(plan.engine, port),
+                       server_jobs(plan, ("serve", "multi-turn")), one_server=True)
+    off = plan.engine.replace(cache=dataclasses.replace(plan.engine.cache, enable_prefix_caching=False))
+    return runs + served_runs(plan, "banyan-no-prefix-cache", lambda port, _: banyan_serve_cmd(off, port),
+                              server_jobs(plan, ("multi-turn",)), one_server=True)
+
+
+def transformers_unavailable(plan: Plan) -> str:
+    from banyan.bench.peers.export_hf import hf_dir_for
+
+    if "offline" not in plan.cfg.scenarios:
+        return "it runs only the offline scenario, which is not selected"
+    hf_dir = hf_dir_for(plan.engine.model.model)
+    if not (hf_dir / "config.json").is_file():
+        return f"no fp32 Hugging Face copy of the model at {hf_dir}: run benchmarks/install_peers.sh transformers"
+    return ""
+
+
+def transformers_offline(plan: Plan) -> list[Run]:
+    from banyan.bench.offline import throughput
+    from banyan.bench.peers.export_hf import hf_dir_for
+    from banyan.bench.peers.transformers_runner import run_transformers
+
+    cfg, prompts = plan.cfg, plan.work.offline
+    tokens, elapsed = run_transformers(hf_dir_for(plan.engine.model.model), prompts, temperature=0.0,
+                                       batch_size=cfg.transformers_batch_size, num_threads=plan.num_threads,
+                                       progress=cfg.progress)
+    gc.collect()
+    return [Run("offline", "transformers", cfg.transformers_batch_size, throughput(prompts, tokens, elapsed))]
+
+
+def llama_unavailable(plan: Plan) -> str:
+    from banyan.bench.peers.llama_server import INSTALL_HINT, find_llama_server
+
+    if find_llama_server() is None:
+        return f"llama-server not found: {INSTALL_HINT}"
+    if plan.model_path.suffix != ".gguf":
+        return f"it serves GGUF files only, and {plan.model_path} is not one"
+    return ""
+
+
+def llama_served(plan: Plan) -> list[Run]:
+    """Offline, serve and multi-turn, each workload on a fresh llama-server with one slot per stream."""
+    from banyan.bench.peers.llama_server import find_llama_server, llama_server_cmd
+
+    binary = find_llama_server()
+
+    def command(port: int, job: Job) -> list[str]:
+        slot_len = max(len(p.prompt_token_ids) + p.output_len for p in job.prompts) + 16
+        return llama_server_cmd(binary, plan.model_path, port, parallel=job.concurrency, slot_len=slot_len,
+                                num_threads=plan.num_threads)
+
+    jobs = server_jobs(plan, ("offline", "serve", "multi-turn"))
+    return served_runs(plan, "llama-server", command, jobs, one_server=False)
+
+
+def server_jobs(plan: Plan, scenarios: tuple[str, ...]) -> list[Job]:
+    """The HTTP workloads of `scenarios` that plan.cfg selected (offline: every prompt at once)."""
+    cfg, work, chosen = plan.cfg, plan.work, set(scenarios) & set(plan.cfg.scenarios)
+    jobs = [Job("offline", len(work.offline), work.offline)] if "offline" in chosen else []
+    if "serve" in chosen:
+        jobs += [Job("serve", c, work.serve[c]) for c in cfg.concurrencies]
+    if "multi-turn" in chosen:
+        jobs.append(Job("multi-turn", cfg.conversations, work.multi_turn))
+    return jobs
+
+
+def served_runs(plan: Plan, engine: str, command: Callable[[int, Job], list[str]], jobs: list[Job], *,
+                one_server: bool) -> list[Run]:
+    """Run `jobs` against servers that command(port, job) starts: one for all of them (one_server;
+    it is given the first job), or a fresh one per job."""
+    if not jobs:
+        return []
+    if one_server:
+        return _on_server(plan, engine, command, jobs)
+    return [run for job in jobs for run in _on_server(plan, engine, command, [job])]
+
+
+def _on_server(plan: Plan, engine: str, command: Callable[[int, Job], list[str]], jobs: list[Job]) -> list[Run]:
+    port = free_port()
+    try:
+        with launched(command(port, jobs[0]), port, ready_timeout=plan.cfg.ready_timeout) as url:
+            _serve(url, plan.work.warm_up, 2, progress=False)  # first requests pay one-time costs
+            runs = []
+            for job in jobs:
+                results = _serve(url, job.prompts, job.concurrency, plan.cfg.progress)
+                runs.append(Run(job.scenario, engine, job.concurrency, served_metrics(results)))
+            return runs
+    except ServerStartError as e:
+        plan.announce(f"{engine} did not start: {e}; its log ends:\n{e.log}")
+        return [Run(job.scenario, engine, job.concurrency, error=e.summary) for job in jobs]
+
+
+def _serve(url: str, prompts: list[BenchPrompt], concurrency: int, progress: bool) -> dict:
+    return asyncio.run(run_serve(url, None, prompts, concurrency=concurrency, request_rate=float("inf"), slos={},
+                                 progress=progress, keep_samples=True))
+
+
+def served_metrics(results: dict) -> dict:
+    """A serving run's summary, plus batch-1's figure of merit: decode tokens/s = 1 / median TPOT."""
+    tpot = results["tpot_ms"]["median"]
+    results["decode_tokens_per_s"] = 1000.0 / tpot if tpot > 0 else 0.0  # NaN (no TPOT) > 0 is False
+    return results
