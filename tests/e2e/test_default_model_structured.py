@@ -52,7 +52,7 @@ CASES = [  # (what to ask for, the schema, the request field that carries it)
 @pytest.fixture(scope="module")
 def server():
     proc = start_server("smollm2-135m-instruct", "--max-model-len", "1024", "--kv-cache-memory", "256MiB",
-                        "--num-threads", "2", "--block-size", "16")
+                        "--block-size", "16")  # start_server's one thread: two are far slower on a busy machine
     yield proc
     assert proc.stop() == 0, proc.log()
 
