@@ -54,7 +54,7 @@ def _latency_cdfs(runs: list[dict], streams: int, path: Path) -> Path:
                 ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=run["engine"])
         suffix = f" ({streams} streams)" if scenario == "serve" else ""
         ax.set(xlabel="ms", ylabel="fraction of requests" if key != "itl_ms_percentiles" else "fraction of gaps",
-               title=title + suffix)
+               title=title + suffix, ylim=(0, 1.02))
         ax.grid(alpha=0.3)
         _legend(ax)
     return _save(fig, path)
