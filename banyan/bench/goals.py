@@ -48,19 +48,20 @@ def judge(goals: list[Goal], runs: list[Run]) -> list[dict]:
 
 
 def _judge(goal: Goal, runs: list[Run]) -> dict:
-    row = {"goal": goal.name, "scenario": goal.scenario, "concurrency": goal.concurrency, "metric": goal.metric,
-           "target": goal.target, "banyan": None, "baseline": None, "baseline_value": None, "ratio": None,
-           "met": None, "note": ""}
     banyan, why = _value(runs, goal, "banyan")
-    measured = {name: v for name in goal.baselines if (v := _value(runs, goal, name)[0]) is not None}
+    row = {"goal": goal.name, "scenario": goal.scenario, "concurrency": goal.concurrency, "metric": goal.metric,
+           "target": goal.target, "banyan": banyan, "baseline": None, "baseline_value": None, "ratio": None,
+           "met": None, "note": ""}
+    baselines = {name: _value(runs, goal, name) for name in goal.baselines}
+    measured = {name: value for name, (value, _) in baselines.items() if value is not None}
     if banyan is None or not measured:
-        row["note"] = why or f"not measured: {', '.join(goal.baselines)}"
+        row["note"] = why or "; ".join(reason for _, reason in baselines.values())
         return row
     pick = min if goal.lower_is_better else max
     baseline = pick(measured, key=measured.get)
     base = measured[baseline]
     ratio = (base / banyan if goal.lower_is_better else banyan / base) if banyan and base else 0.0
-    row.update(banyan=banyan, baseline=baseline, baseline_value=base, ratio=ratio, met=ratio >= goal.target)
+    row.update(baseline=baseline, baseline_value=base, ratio=ratio, met=ratio >= goal.target)
     return row
 
 
@@ -71,8 +72,10 @@ def _value(runs: list[Run], goal: Goal, engine: str) -> tuple[float | None, str]
             continue
         if goal.concurrency is not None and run.concurrency != goal.concurrency:
             continue
-        if run.error or run.metrics.get("failed"):
-            return None, f"{engine}'s run failed: {run.error or run.metrics.get('errors')}"
+        if run.error:
+            return None, f"{engine} failed: {run.error}"
+        if run.metrics.get("failed"):
+            return None, f"{engine} had {run.metrics['failed']} failed requests ({'; '.join(run.metrics['errors'])})"
         value = run.metrics
         for key in goal.metric.split("."):
             value = value[key]

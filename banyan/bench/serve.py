@@ -32,7 +32,9 @@ async def run_serve(base_url: str, model: str | None, prompts: list[BenchPrompt]
     from tqdm import tqdm
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=concurrency or len(prompts) or 1, max_keepalive_connections=concurrency or 100)
+    # A fresh connection per request (localhost: ~0.1 ms): a kept-alive one may be closed by the server
+    # just as the next request goes out on it (llama-server), failing that request for no fault of its engine.
+    limits = httpx.Limits(max_connections=concurrency or len(prompts) or 1, max_keepalive_connections=0)
     gate = asyncio.Semaphore(concurrency) if concurrency else None
     rng = random.Random(seed)
     bar = tqdm(total=len(prompts), desc="Requests", unit="req", disable=not progress)

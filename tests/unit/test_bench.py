@@ -187,10 +187,13 @@ def test_goals_compare_with_the_best_baseline_measured():
 
 
 def test_a_goal_with_a_failed_run_is_not_judged():
-    runs = [_run("serve", "banyan", 1, decode_tokens_per_s=80.0),
-            Run("serve", "llama-server", 1, error="did not start")]
-    [row] = judge([Goal("batch-1", "serve", 1, "decode_tokens_per_s", ("llama-server",), 1.0)], runs)
-    assert row["met"] is None and row["banyan"] is None
+    goal = Goal("batch-1", "serve", 1, "decode_tokens_per_s", ("llama-server",), 1.0)
+    banyan = _run("serve", "banyan", 1, decode_tokens_per_s=80.0)
+    [row] = judge([goal], [banyan, Run("serve", "llama-server", 1, error="did not start")])
+    assert row["met"] is None and row["banyan"] == 80.0 and "llama-server failed: did not start" in row["note"]
+    flaky = Run("serve", "llama-server", 1, {"failed": 1, "errors": ["HTTP 500"], "decode_tokens_per_s": 90.0})
+    [row] = judge([goal], [banyan, flaky])
+    assert row["met"] is None and "1 failed requests (HTTP 500)" in row["note"]
 
 
 def test_compare_config_checks_names_and_always_sweeps_one_and_the_judged_streams():
