@@ -37,16 +37,29 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq  # [max_position, head_dim / 2]
         self.register_buffer("cos", freqs.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * attention_scaling, persistent=False)
+        # Every layer rotates by the same positions in a forward: the first looks cos/sin up, the rest reuse
+        # them while `positions` is the same tensor object (the runner builds a new one per forward, and a
+        # CUDA graph's replay runs no Python; the reference held here keeps its id from being reused).
+        self._looked_up: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens]; q [num_tokens, num_heads, head_dim]; k [num_tokens, num_kv_heads, head_dim]."""
-        cos = self.cos[positions].to(q.dtype)  # [num_tokens, head_dim / 2]
-        sin = self.sin[positions].to(q.dtype)
+        cos, sin = self._cos_sin(positions, q.dtype)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of each row's angles, [num_tokens, 1, head_dim] in `dtype`."""
+        hit = self._looked_up
+        if hit is not None and hit[0] is positions and hit[1] == dtype:
+            return hit[2], hit[3]
+        cos = self.cos.index_select(0, positions).to(dtype)  # [num_tokens, head_dim / 2]
+        sin = self.sin.index_select(0, positions).to(dtype)
         cos = torch.cat((cos, cos), dim=-1)[:, None, :]  # [num_tokens, 1, head_dim]
         sin = torch.cat((sin, sin), dim=-1)[:, None, :]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        self._looked_up = (positions, dtype, cos, sin)
+        return cos, sin
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
     int8  symmetric, one scale per output row:    w[n, k] = s[n] * q[n, k]                    q in [-127, 127]
     int4  asymmetric, per group of g inputs:       w[n, k] = s[n, j] * (q[n, k] - 8) + z[n, j]  j = k // g, q in [0, 15]
     fp8   float8_e4m3fn, one scale per output row: w[n, k] = s[n] * f[n, k]                    |f| <= 448
+    fp16  float16 weights for a float32 model:     w[n, k] = h[n, k]                            |h| <= 65504
 
 int4's `(q - 8) * s + z` is the convention of torch's CPU int4 kernel; GGUF's Q4_1 (w = d * q + m
 per block of 32) is the same with s = d, z = m + 8d, and Q4_0 (w = d * (q - 8)) with z = 0.
@@ -19,6 +20,7 @@ from typing import ClassVar
 import torch
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP16_MAX = 65504.0  # largest finite float16
 
 
 @dataclass
@@ -85,12 +87,28 @@ class Int4Weight:
         return (groups * self.scale[..., None].to(dtype) + self.zero[..., None].to(dtype)).reshape(out, cols)
 
 
-QuantizedWeight = Int8Weight | Int4Weight | Fp8Weight
+@dataclass
+class Fp16Weight:
+    """Half the bytes of float32 and exact to fp16's 11 bits: a bf16 checkpoint loses nothing but
+    values under 6e-5 (fp16's subnormals), a GGUF Q4/Q8 one is already coarser."""
+
+    q: torch.Tensor  # [out, in], float16
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> Fp16Weight:
+        return cls(w.float().clamp(-FP16_MAX, FP16_MAX).to(torch.float16))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.q.to(dtype)
+
+
+QuantizedWeight = Int8Weight | Int4Weight | Fp8Weight | Fp16Weight
+_KINDS = {"int8": Int8Weight, "int4": Int4Weight, "fp8": Fp8Weight, "fp16": Fp16Weight}
 
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """What one linear layer stores: kind int8, int4 (with its group size) or fp8."""
+    """What one linear layer stores: kind int8, int4 (with its group size), fp8 or fp16."""
 
     kind: str
     group_size: int = 0  # int4 only
@@ -103,6 +121,8 @@ class WeightFormat:
         if self.kind == "fp8":
             return Fp8Weight(torch.zeros(out, cols, dtype=torch.float8_e4m3fn, device=device),
                              torch.zeros(out, dtype=torch.float32, device=device))
+        if self.kind == "fp16":
+            return Fp16Weight(torch.zeros(out, cols, dtype=torch.float16, device=device))
         groups = cols // self.group_size
         return Int4Weight(torch.zeros(out, cols, dtype=torch.uint8, device=device),
                           torch.zeros(out, groups, dtype=scale_dtype, device=device),
@@ -116,17 +136,17 @@ class WeightFormat:
             weight = weight.dequantize()
         if self.kind == "int4":
             return Int4Weight.quantize(weight, self.group_size)
-        return (Int8Weight if self.kind == "int8" else Fp8Weight).quantize(weight)
+        return _KINDS[self.kind].quantize(weight)
 
     def holds(self, weight: torch.Tensor | QuantizedWeight) -> bool:
-        kinds = {"int8": Int8Weight, "int4": Int4Weight, "fp8": Fp8Weight}
-        if not isinstance(weight, kinds[self.kind]):
+        if not isinstance(weight, _KINDS[self.kind]):
             return False
         return self.kind != "int4" or weight.group_size == self.group_size
 
 
 INT8 = WeightFormat("int8")
 FP8 = WeightFormat("fp8")
+FP16 = WeightFormat("fp16")
 
 
 def shape_of(weight: QuantizedWeight | torch.Tensor) -> tuple[int, ...]:

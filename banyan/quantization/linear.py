@@ -7,11 +7,17 @@ merged matrix). `finish_loading()` then picks the kernel and lays the weight out
     int8  torch._weight_int8pack_mm (CPU)       | dequantize, matmul, scale the output columns
     int4  torch._weight_int4pack_mm_for_cpu     | unpack two values a byte, dequantize, matmul
     fp8   torch._scaled_mm, per-token fp8 input  | dequantize, matmul
+    fp16  FBGEMM's fp16 GEMM, fp32 in and out    | dequantize, matmul
 
 The packed integer kernels are taken on CPUs with AVX-512 only: with AVX2 alone PyTorch 2.13 runs
-them as scalar loops, 10-40x slower than a float32 matmul (measured on an AVX2 EPYC), and
-dequantizing per call is faster there. torch._scaled_mm runs on CPU and on CUDA from sm89 (Ada,
-Hopper) for dimensions that are multiples of 16; elsewhere fp8 is dequantized.
+them as scalar loops, 10-40x slower than a float32 matmul (measured on an AVX2 EPYC). There, int8 and
+int4 layers multiply up to 16 rows (decode) with banyan's own AVX2 kernel (banyan/kernels/cpu_gemv.c:
+integer dot products against x quantized to int8 per block of 32, as llama.cpp does), and wider
+batches either dequantize a block of rows at a time or, with `wide_fp16`, use a float16 copy. torch._scaled_mm runs on CPU and on CUDA from sm89 (Ada,
+Hopper) for dimensions that are multiples of 16; elsewhere fp8 is dequantized. FBGEMM's fp16 GEMM
+(`quantized::linear_dynamic_fp16`, in every x86 build of torch) reads half the bytes of a float32
+matmul and converts in registers (F16C): decode, which streams every weight once per step, is
+memory bound, so it runs up to 2x faster there, and no slower at prefill sizes.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from banyan.errors import ModelLoadError
-from banyan.quantization.formats import FP8_MAX, QuantizedWeight, WeightFormat, copy_rows, shape_of
+from banyan.kernels import cpu_gemv
+from banyan.quantization.formats import FP8_MAX, QuantizedWeight, WeightFormat, copy_rows, shape_of, take_rows
 
 _CPU_CHUNK_VALUES = 1 << 19  # weights dequantized at a time on a CPU: 2 MiB of float32
 
@@ -31,6 +38,11 @@ _CPU_CHUNK_VALUES = 1 << 19  # weights dequantized at a time on a CPU: 2 MiB of 
 def packed_int_kernels_fast(device: torch.device) -> bool:
     """Whether torch's packed int8/int4 kernels are vectorized here (CPU with AVX-512)."""
     return device.type == "cpu" and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def fbgemm_fp16_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether FBGEMM's fp16-weight GEMM serves a model computing in `dtype` here (x86 CPU, float32)."""
+    return device.type == "cpu" and dtype == torch.float32 and "fbgemm" in torch.backends.quantized.supported_engines
 
 
 def scaled_mm_works(device: torch.device, out_features: int, in_features: int) -> bool:
@@ -50,8 +62,14 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.dtype = torch.get_default_dtype()  # the compute dtype the model is built in
         self.packed_kernels = packed_kernels  # None: decided from the machine in finish_loading
+        self.keep_rows = False  # True when tied embeddings read the weight's rows
+        self.wide_fp16 = False  # set before finish_loading: keep a float16 copy for wide batches (CPU)
+        self.wide = None  # that copy, FBGEMM-packed
+        self.gemv = self._narrow = None  # banyan's CPU kernel for a few rows (int8/int4 on AVX2), when it serves
+        self.blocked = False  # int4's byte layout (see _finish_int4)
         self.weight = fmt.empty(out_features, in_features, self.dtype, device=torch.get_default_device())
-        self.packed = self.scale_zeros = self.offset = None  # int4, set by finish_loading
+        self.packed = self.scale_zeros = self.offset = None  # int4 and fp16, set by finish_loading
+        self.packed_bytes = 0  # of an FBGEMM-packed weight (an opaque object, not a tensor)
         self._matmul = None  # set by finish_loading
 
     @classmethod
@@ -66,36 +84,52 @@ class QuantizedLinear(nn.Module):
         if shape_of(weight) != expected:
             raise ModelLoadError(f"{name}: checkpoint shape {shape_of(weight)}, model expects {expected}")
         if isinstance(weight, torch.Tensor):
-            weight = weight.to(self.weight.scale.device)  # quantize where the model lives (fast on a GPU)
+            weight = weight.to(self.weight.q.device)  # quantize where the model lives (fast on a GPU)
         copy_rows(self.weight, rows, self.fmt.convert(weight))
 
     def weight_device(self) -> torch.device:
-        return self.packed.device if self.packed is not None else self.weight.q.device
+        return self.device
 
     @torch.no_grad()
     def finish_loading(self) -> None:
         """Lay the loaded weight out for its kernel; the layer is read-only from here on."""
-        device = self.weight.q.device
+        device = self.device = self.weight.q.device
         if self.packed_kernels is None:
             self.packed_kernels = packed_int_kernels_fast(device)
         kind = self.fmt.kind
+        gemv = None
+        if kind in ("int8", "int4") and not self.packed_kernels and cpu_gemv.supported(device, self.dtype, self.in_features):
+            gemv = cpu_gemv.load()
+        if self.wide_fp16 and kind != "fp16" and fbgemm_fp16_works(device, self.dtype):
+            self.wide = torch.ops.quantized.linear_prepack_fp16(self.weight.dequantize(torch.float32), None)
+            self.packed_bytes = self.in_features * self.out_features * 2
         if kind == "int8":
             self._matmul = self._int8_packed if self.packed_kernels else self._int8_dequant
         elif kind == "int4":
-            self._finish_int4(device)
+            self._finish_int4(device, gemv is not None)
+        elif kind == "fp16":
+            self._finish_fp16(device)
         else:
             fast = scaled_mm_works(device, self.out_features, self.in_features)
             self._matmul = self._fp8_scaled_mm if fast else self._fp8_dequant
+        if gemv is not None:
+            self.gemv, self._narrow = gemv, (self._int8_gemv if kind == "int8" else self._int4_gemv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x.reshape(-1, self.in_features))
+        x2 = x.reshape(-1, self.in_features)
+        if self.gemv is not None and x2.shape[0] <= self.gemv.max_rows:  # decode: a few rows
+            y = self._narrow(x2.contiguous())
+        elif self.wide is not None:
+            y = torch.ops.quantized.linear_dynamic_fp16(x2.contiguous(), self.wide)
+        else:
+            y = self._matmul(x2)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def quantized_bytes(self) -> int:
         held = [self.packed, self.scale_zeros, self.offset, *(vars(self.weight).values() if self.weight is not None else ())]
-        return sum(t.numel() * t.element_size() for t in held if t is not None)
+        return self.packed_bytes + sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
@@ -104,40 +138,74 @@ class QuantizedLinear(nn.Module):
     def _int8_packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x.contiguous(), self.weight.q, self.weight.scale)
 
+    def _int8_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemv.int8(x, self.weight.q, self.weight.scale)
+
     def _int8_dequant(self, x: torch.Tensor) -> torch.Tensor:
         q = self.weight.q
         return self._chunked_linear(x, lambda rows: q[rows].to(x.dtype)) * self.weight.scale  # scale after the matmul
 
     # -- int4 ---------------------------------------------------------------------------------
-    def _finish_int4(self, device: torch.device) -> None:
-        """Pack two 4-bit values a byte: torch's kernel layout, or plain pairs for dequantizing.
+    def _finish_int4(self, device: torch.device, blocked: bool) -> None:
+        """Pack two 4-bit values a byte: torch's kernel layout, or blocks of 32 for banyan's CPU kernel and
+        for dequantizing.
 
-        plain: byte j of row n holds q[n, 2j] (low nibble) and q[n, 2j + 1] (high nibble)
+        blocked: bytes 16b..16b+15 of row n hold q[n, 32b + j] (low nibble) and q[n, 32b + 16 + j] (high)
+        plain:   byte j of row n holds q[n, 2j] (low nibble) and q[n, 2j + 1] (high nibble)
         """
         w = self.weight
         if self.packed_kernels and self.out_features % 16 == 0:  # the CPU kernel's tiling needs N % 16 == 0
             self.packed = torch._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
             self.scale_zeros = torch.stack([w.scale.t(), w.zero.t()], dim=-1).contiguous()  # [groups, out, 2]
             self.weight, self._matmul = None, self._int4_packed
+            return
+        if blocked:
+            halves = w.q.view(self.out_features, -1, 2, 16)  # [out, blocks, low/high, 16]
+            self.packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(self.out_features, -1).contiguous()
         else:
             self.packed = w.q[:, 0::2] | (w.q[:, 1::2] << 4)
-            self.offset = w.zero - 8 * w.scale  # w = s * q + (z - 8s): one multiply-add per value
-            w.q = w.zero = None  # the unpacked values take twice the packed size
-            self._matmul = self._int4_dequant
+        self.blocked = blocked
+        self.offset = (w.zero - 8 * w.scale).contiguous()  # w = s * q + (z - 8s): one multiply-add per value
+        w.q = w.zero = None  # the unpacked values take twice the packed size
+        self._matmul = self._int4_dequant
 
     def _int4_packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.fmt.group_size, self.scale_zeros)
 
+    def _int4_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemv.int4(x, self.packed, self.weight.scale, self.offset, self.fmt.group_size)
+
     def _int4_dequant(self, x: torch.Tensor) -> torch.Tensor:
         packed, scale, offset, group = self.packed, self.weight.scale, self.offset, self.fmt.group_size
+        # where a byte's low and high nibbles go (see _finish_int4): blocks of 16 apart, or side by side
+        shape, dim = ((-1, 1, 16), -2) if self.blocked else ((-1, 1), -1)
 
         def dequantize(rows: slice) -> torch.Tensor:
             part = packed[rows]
-            q = torch.stack([part & 15, part >> 4], dim=-1).view(part.shape[0], -1, group)  # [rows, groups, group]
+            nibbles = part.view(part.shape[0], *shape)
+            q = torch.cat([nibbles & 15, nibbles >> 4], dim=dim).view(part.shape[0], -1, group)  # [rows, groups, group]
             w = torch.addcmul(offset[rows, :, None], q.to(x.dtype), scale[rows, :, None])
             return w.view(part.shape[0], self.in_features)
 
         return self._chunked_linear(x, dequantize)
+
+    # -- fp16 --------------------------------------------------------------------------------
+    def _finish_fp16(self, device: torch.device) -> None:
+        if not fbgemm_fp16_works(device, self.dtype):
+            self._matmul = self._fp16_dequant
+            return
+        self.packed = torch.ops.quantized.linear_prepack_fp16(self.weight.q.float(), None)  # bias added in forward
+        self.packed_bytes = self.weight.q.numel() * 2
+        if not self.keep_rows:
+            self.weight = None
+        self._matmul = self._fp16_fbgemm
+
+    def _fp16_fbgemm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
+
+    def _fp16_dequant(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.weight.q
+        return self._chunked_linear(x, lambda rows: q[rows].to(x.dtype))
 
     # -- fp8 ----------------------------------------------------------------------------------
     def _fp8_scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -165,11 +233,12 @@ class QuantizedLinear(nn.Module):
 
 
 class QuantizedEmbedding(nn.Module):
-    """Token embeddings read from an int8 lm_head's rows (tied weights): one copy serves both."""
+    """Token embeddings read from a quantized lm_head's rows (tied weights): one copy serves both."""
 
     def __init__(self, lm_head: QuantizedLinear):
         super().__init__()
-        self.q, self.scale = lm_head.weight.q, lm_head.weight.scale  # the same tensors, filled by loading lm_head
+        lm_head.keep_rows = True  # its kernel may lay the weight out anew; the rows stay for lookups
+        self.weight, self.dtype = lm_head.weight, lm_head.dtype  # the same tensors, filled by loading lm_head
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.q[ids].to(self.scale.dtype) * self.scale[ids, None]  # [num_tokens, hidden]
+        return take_rows(self.weight, ids).dequantize(self.dtype)  # [num_tokens, hidden]

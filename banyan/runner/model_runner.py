@@ -20,7 +20,8 @@ from banyan.layers.attention import AttentionBackend, get_attention_backend
 from banyan.layers.attention.base import FP8
 from banyan.layers.sampler import Sampler, compute_prompt_logprobs
 from banyan.models.registry import get_model_class
-from banyan.quantization import finish_loading, model_weight_bytes, plan_formats, quantize_linears
+from banyan.quantization.formats import FP16
+from banyan.quantization import default_method, finish_loading, model_weight_bytes, plan_formats, quantize_linears
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from banyan.runner.forward_batch import ForwardBatch
 from banyan.runner.memory import GiB, KVCapacity, pages_for_budget, profile_batch, profile_cuda_forward
@@ -71,15 +72,19 @@ class ModelRunner:
 
     def _load_model(self, source: ModelSource, model_config: ModelConfig) -> torch.nn.Module:
         model_cls = get_model_class(self.arch.architecture)
-        method = model_config.quantization
+        choice = default_method(model_config.quantization, self.device, self.dtype, source.arch.torch_dtype,
+                                source.path.is_file())
+        method = choice.method
         with _default_dtype(self.dtype), torch.device(self.device):
             model = model_cls(self.arch, self.attn)
             if method is not None:
-                quantize_linears(model, plan_formats(model, method, model_config.quantization_group_size,
-                                                     source.compact_formats()))
+                plan = plan_formats(model, method, model_config.quantization_group_size, source.compact_formats(),
+                                    fill=FP16 if choice.mix_fp16 else None)
+                quantize_linears(model, plan, wide_fp16=choice.mix_fp16)
         model.load_weights(source.iter_weights(compact=method == "gguf"))
         finish_loading(model)
-        logger.info("weights: %.1f MiB (%s)", model_weight_bytes(model) / 2**20, method or self.dtype)
+        logger.info("weights: %.1f MiB (%s%s)", model_weight_bytes(model) / 2**20, method or self.dtype,
+                    ", float16 for the rest and for wide batches" if choice.mix_fp16 else "")
         return model.eval()
 
     def _kv_pages(self, num_pages: int) -> torch.Tensor:

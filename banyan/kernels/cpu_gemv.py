@@ -1,0 +1,105 @@
+"""Small-batch matmuls over 4- and 8-bit weights on AVX2 CPUs (the C source beside this file).
+
+torch 2.13's packed int4/int8 CPU kernels are vectorized for AVX-512 only; on AVX2 they run scalar
+loops, and dequantizing a block of rows before each matmul costs more than the bytes it saves. These
+kernels keep the weights compact in memory and turn them into floats in registers, which is what a
+decode step (a few rows of activations, every weight read once) needs.
+
+The library is compiled on first use with the system C compiler (`cc -O3 -mavx2 -mfma -fopenmp`, about
+a second) into ~/.cache/banyan/kernels (or $BANYAN_CACHE_DIR/kernels), named by a hash of the source
+and flags, and loaded with ctypes; its OpenMP calls run on the libgomp torch has already loaded.
+Without a compiler, or on a CPU without AVX2, `load()` returns None and callers dequantize instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_gemv.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+
+
+class GemvKernels:
+    """The loaded library: y = x W^T for at most `max_rows` rows of x, W 4-bit blocked or 8-bit per row."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        p, i = ctypes.c_void_p, ctypes.c_int
+        lib.int4_gemv.argtypes = [p, p, p, p, p, p, i, i, i, i, i]
+        lib.int8_gemv.argtypes = [p, p, p, p, p, i, i, i, i]
+        lib.int4_gemv.restype = lib.int8_gemv.restype = None
+        self._lib = lib
+        self.max_rows = lib.gemv_max_rows()
+
+    def int4(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+             group_size: int) -> torch.Tensor:
+        """x [M, K] float32 contiguous; packed [N, K/2] uint8 in blocks of 32 (see cpu_gemv.c); scale, offset
+        [N, K/group_size] float32."""
+        m, k = x.shape
+        n = packed.shape[0]
+        y, scratch = torch.empty(m, n, dtype=torch.float32), _scratch(m, k)  # held through the call
+        self._lib.int4_gemv(x.data_ptr(), scratch.data_ptr(), packed.data_ptr(), scale.data_ptr(), offset.data_ptr(),
+                            y.data_ptr(), m, n, k, group_size, torch.get_num_threads())
+        return y
+
+    def int8(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 contiguous; q [N, K] int8; scale [N] float32."""
+        m, k = x.shape
+        y, scratch = torch.empty(m, q.shape[0], dtype=torch.float32), _scratch(m, k)  # held through the call
+        self._lib.int8_gemv(x.data_ptr(), scratch.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(),
+                            m, q.shape[0], k, torch.get_num_threads())
+        return y
+
+
+def _scratch(m: int, k: int) -> torch.Tensor:
+    """Room for x as int8 blocks: m*k bytes, and a scale and a sum per block of 32 (see cpu_gemv.c)."""
+    return torch.empty(m * k + 8 * m * (k // 32), dtype=torch.uint8)
+
+
+def supported(weight_device: torch.device, dtype: torch.dtype, in_features: int) -> bool:
+    """Whether these kernels can serve a layer: float32 on an AVX2 (or newer) CPU, inputs in blocks of 32."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return (weight_device.type == "cpu" and dtype == torch.float32 and in_features % 32 == 0
+            and capability in ("AVX2", "AVX512")) and load() is not None
+
+
+@functools.cache  # one compiled library per process, like torch's own extension cache
+def load() -> GemvKernels | None:
+    if os.environ.get("BANYAN_DISABLE_CPU_KERNELS") == "1":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        logger.warning("no C compiler (cc) found: 4/8-bit weights are dequantized per matmul, which is slower")
+        return None
+    source = SOURCE.read_bytes()
+    tag = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("BANYAN_CACHE_DIR", Path.home() / ".cache" / "banyan")) / "kernels"
+    library = cache / f"cpu_gemv-{tag}.so"
+    try:
+        if not library.exists():
+            _compile(compiler, cache, library)
+        return GemvKernels(ctypes.CDLL(str(library)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        logger.warning("could not build the CPU kernels (%s): 4/8-bit weights are dequantized per matmul", detail.strip()[-500:])
+        return None
+
+
+def _compile(compiler: str, cache: Path, library: Path) -> None:
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: processes may race
+        out = Path(tmp) / library.name
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out)], check=True, capture_output=True, text=True,
+                       timeout=120)
+        os.replace(out, library)
