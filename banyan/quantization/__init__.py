@@ -51,7 +51,7 @@ def default_method(asked: str | None, device: torch.device, dtype: torch.dtype, 
                    is_gguf: bool) -> Choice:
     """The method asked for ("none": None). Unasked, on an x86 CPU running a float32 model, where the checkpoint
     holds 16 bits or fewer a weight (so nothing the file has is lost): a GGUF file's Q4/Q8 tensors stay compact
-    for decode (banyan's AVX2 kernel, up to 16 rows) with a float16 copy for wider batches (prefill), the rest
+    for decode (banyan's AVX2 kernel, up to 8 rows) with a float16 copy for wider batches (prefill), the rest
     float16; a bf16/fp16 checkpoint goes to float16. Otherwise the model's own dtype."""
     if asked == "none":
         return Choice(None)
@@ -129,10 +129,14 @@ def finish_loading(model: nn.Module) -> None:
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     for layer in layers:
         layer.finish_loading()
-    slow = [layer for layer in layers if layer.fmt.kind in ("int8", "int4") and not layer.packed_kernels]
-    if any(layer.weight_device().type == "cpu" for layer in slow):
-        logger.warning("int8/int4 weights on a CPU without AVX-512: torch's packed kernels are scalar loops here, "
-                       "so each matmul dequantizes instead; this saves memory, and decodes slower than float32")
+    cpu_int = [layer for layer in layers if layer.fmt.kind in ("int8", "int4") and not layer.packed_kernels
+               and layer.weight_device().type == "cpu"]
+    if any(layer.gemv is None for layer in cpu_int):
+        logger.warning("int8/int4 weights on a CPU without AVX-512 nor banyan's AVX2 kernel: each matmul "
+                       "dequantizes; this saves memory, and decodes slower than float32")
+    elif any(layer.wide is None for layer in cpu_int):
+        logger.info("int8/int4 weights: batches of more than %d rows (prefill) dequantize a block of rows at a "
+                    "time, about 0.8x float32's speed", cpu_gemv.load().max_rows)
 
 
 def model_weight_bytes(model: nn.Module) -> int:

@@ -11,7 +11,7 @@ merged matrix). `finish_loading()` then picks the kernel and lays the weight out
 
 The packed integer kernels are taken on CPUs with AVX-512 only: with AVX2 alone PyTorch 2.13 runs
 them as scalar loops, 10-40x slower than a float32 matmul (measured on an AVX2 EPYC). There, int8 and
-int4 layers multiply up to 16 rows (decode) with banyan's own AVX2 kernel (banyan/kernels/cpu_gemv.c:
+int4 layers multiply up to 8 rows (decode) with banyan's own AVX2 kernel (banyan/kernels/cpu_gemv.c:
 integer dot products against x quantized to int8 per block of 32, as llama.cpp does), and wider
 batches either dequantize a block of rows at a time or, with `wide_fp16`, use a float16 copy. torch._scaled_mm runs on CPU and on CUDA from sm89 (Ada,
 Hopper) for dimensions that are multiples of 16; elsewhere fp8 is dequantized. FBGEMM's fp16 GEMM

@@ -95,10 +95,10 @@ def test_shards_quantized_one_by_one_equal_the_whole_matrix(weight_and_input, fm
 
 @needs_gemv
 @pytest.mark.parametrize("fmt", [INT8, WeightFormat("int4", 32), INT4_64, WeightFormat("int4", 128)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 def test_cpu_gemv_is_close_to_the_dequantized_matmul(weight_and_input, fmt, rows):
     """The AVX2 kernel multiplies the same weight values by x rounded to int8 per block of 32 (llama.cpp's
-    way): within 1% of the float matmul by the dequantized weight, every row count up to 16."""
+    way): within 1% of the float matmul by the dequantized weight, every row count it takes (8)."""
     w, _ = weight_and_input
     torch.manual_seed(rows)
     x = torch.randn(rows, 256)
