@@ -184,3 +184,24 @@ def test_quantized_linear_on_cuda_in_bf16(fmt, tolerance):
     with torch.device("cuda"):
         layer = make_layer(fmt, w.bfloat16())
     assert relative_error(layer(x.bfloat16()).float(), F.linear(x, w)) < tolerance
+
+
+def test_the_cpu_default_keeps_what_the_checkpoint_holds_and_no_more():
+    from banyan.quantization import Choice, default_method
+
+    cpu, f32 = torch.device("cpu"), torch.float32
+    assert default_method("none", cpu, f32, "bfloat16", False) == Choice(None)
+    assert default_method("int8", cpu, f32, "float32", False) == Choice("int8")
+    assert default_method(None, cpu, f32, "float32", False) == Choice(None)  # a float32 checkpoint stays float32
+    assert default_method(None, cpu, torch.bfloat16, "bfloat16", False) == Choice(None)  # bf16 math: its own dtype
+    assert default_method(None, cpu, f32, "bfloat16", False) == Choice("fp16")
+    gguf = default_method(None, cpu, f32, None, True)
+    assert gguf == (Choice("gguf", mix_fp16=True) if cpu_gemv.load() is not None else Choice("fp16"))
+
+
+def test_without_a_compiler_the_cpu_kernel_is_not_built(monkeypatch, tmp_path):
+    monkeypatch.setenv("BANYAN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert cpu_gemv.load.__wrapped__() is None
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    assert cpu_gemv.load.__wrapped__() is None and not list(tmp_path.rglob("*.so"))
