@@ -47,11 +47,12 @@ def markdown(report: dict) -> str:
 
 
 def _goal_row(goal: dict) -> str:
+    target = "1x" if goal.get("absolute") else f"{goal['target']:g}x"  # an absolute goal: its value over the target
     if goal["met"] is None:
-        return f"| {goal['goal']} | {_num(goal['banyan'])} | | | | {goal['target']:g}x | not judged: {goal['note']} |"
+        return f"| {goal['goal']} | {_num(goal['banyan'])} | | | | {target} | not judged: {goal['note']} |"
     met = "**met**" if goal["met"] else "not met"
     return (f"| {goal['goal']} | {_num(goal['banyan'])} | {goal['baseline']} | {_num(goal['baseline_value'])} | "
-            f"{goal['ratio']:.2f}x | {goal['target']:g}x | {met} |")
+            f"{goal['ratio']:.2f}x | {target} | {met} |")
 
 
 def _run_row(run: dict) -> str:

@@ -30,25 +30,36 @@ def run_throughput(config: EngineConfig, args) -> tuple[dict, dict]:
 
 def run_overhead(config: EngineConfig, args) -> tuple[dict, dict]:
     """Tokens/s of the machinery around a model that costs nothing (ZeroCostRunner), at batch size."""
+    results = overhead_results(config, args.batch_size, args.input_len, args.output_len, args.temperature,
+                               args.workload_seed, progress=not args.no_progress)
+    return _config(config, args), results
+
+
+def overhead_results(config: EngineConfig, batch_size: int, input_len: int, output_len: int, temperature: float,
+                     seed: int = 0, progress: bool = True) -> dict:
+    """The zero-cost model's run: batch_size prompts at once, after a warm-up at the same size."""
     config = dataclasses.replace(
         config,
-        scheduler=dataclasses.replace(config.scheduler, max_num_seqs=args.batch_size,
+        scheduler=dataclasses.replace(config.scheduler, max_num_seqs=batch_size,
                                       max_num_batched_tokens=max(config.scheduler.max_num_batched_tokens,
-                                                                 args.batch_size * args.input_len)),
+                                                                 batch_size * input_len)),
     )
     llm = LLM.from_config(config, runner_factory=ZeroCostRunner)
-    vocab, seed = llm.engine.arch.vocab_size, args.workload_seed
-    warm_up = random_prompts(args.batch_size, args.input_len, 2, vocab, seed=seed + 1)  # no prefix shared with the run
-    generate_all(llm, warm_up, args.temperature, use_tqdm=False)
-    runner = llm.engine.runner
-    runner.sampler_seconds = 0.0
-    results = generate_all(llm, random_prompts(args.batch_size, args.input_len, args.output_len, vocab, seed=seed),
-                        args.temperature, use_tqdm=not args.no_progress)
-    results["steps_per_s"] = args.output_len / results["elapsed_s"]
+    try:
+        vocab = llm.engine.arch.vocab_size
+        warm_up = random_prompts(batch_size, input_len, 2, vocab, seed=seed + 1)  # no prefix shared with the run
+        generate_all(llm, warm_up, temperature, use_tqdm=False)
+        runner = llm.engine.runner
+        runner.sampler_seconds = 0.0
+        results = generate_all(llm, random_prompts(batch_size, input_len, output_len, vocab, seed=seed),
+                               temperature, use_tqdm=progress)
+    finally:
+        llm.engine.close()
+    results["steps_per_s"] = output_len / results["elapsed_s"]
     results["sampler_s"] = runner.sampler_seconds
     rest = results["elapsed_s"] - runner.sampler_seconds
     results["output_throughput_without_sampler"] = results["total_output_tokens"] / rest if rest > 0 else 0.0
-    return _config(config, args), results
+    return results
 
 
 def run_latency(config: EngineConfig, args) -> tuple[dict, dict]:

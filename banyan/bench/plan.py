@@ -14,7 +14,7 @@ from banyan.config import EngineConfig
 from banyan.errors import InvalidParameterError
 
 PEERS = ("transformers", "llama-server")
-SCENARIOS = ("offline", "serve", "multi-turn", "batch-1")
+SCENARIOS = ("offline", "serve", "multi-turn", "batch-1", "overhead")
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,8 @@ class CompareConfig:
     peers: tuple[str, ...] = PEERS
     """Peers to measure when installed (repeatable; `none` for banyan alone)."""
     scenarios: tuple[str, ...] = SCENARIOS
-    """Scenarios to run (repeatable): offline, serve, multi-turn, batch-1."""
+    """Scenarios to run (repeatable): offline, serve, multi-turn, batch-1, overhead (banyan's machinery
+    around a zero-cost model)."""
     quick: bool = False
     """Tiny sizes everywhere (a smoke test of the whole run, in seconds with a tiny model)."""
     input_len: int = 128
@@ -55,6 +56,8 @@ class CompareConfig:
     """Multi-turn: tokens generated per turn (and of each scripted reply resent)."""
     latency_iters: int = 3
     """Batch-1: timed requests after one warm-up."""
+    overhead_batch_size: int = 256
+    """Overhead: requests at once around the zero-cost model (32-token prompts, 128 output tokens, greedy)."""
     workload_seed: int = 0
     """Seed of the random prompts."""
     progress: bool = True
@@ -79,7 +82,7 @@ class CompareConfig:
 
 QUICK = dict(input_len=8, output_len=4, num_prompts=4, concurrencies=(1, 2), streams=2, requests_per_stream=1,
              transformers_batch_size=2, conversations=2, turns=2, system_prompt_len=32, user_turn_len=8,
-             turn_output_len=4, latency_iters=1)
+             turn_output_len=4, latency_iters=1, overhead_batch_size=8)
 
 
 @dataclass

@@ -50,6 +50,8 @@ def banyan_offline(plan: Plan) -> list[Run]:
     from banyan.engine.llm import LLM
 
     cfg, runs = plan.cfg, []
+    if "overhead" in cfg.scenarios:
+        runs.append(overhead_run(plan))
     if not {"offline", "batch-1"} & set(cfg.scenarios):
         return runs
     llm = LLM.from_config(plan.engine)
@@ -65,6 +67,18 @@ def banyan_offline(plan: Plan) -> list[Run]:
         del llm
         gc.collect()
     return runs
+
+
+def overhead_run(plan: Plan) -> Run:
+    """banyan's scheduler, KV cache, sampler and detokenizer around a model that costs nothing."""
+    from banyan.bench.offline import overhead_results
+
+    cfg = plan.cfg
+    size = cfg.overhead_batch_size
+    output_len = 128 if not cfg.quick else 4
+    results = overhead_results(plan.engine, size, 32 if not cfg.quick else 8, output_len, 0.0, cfg.workload_seed,
+                               progress=cfg.progress)
+    return Run("overhead", "banyan", size, results)
 
 
 def banyan_served(plan: Plan) -> list[Run]:

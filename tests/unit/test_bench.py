@@ -186,6 +186,14 @@ def test_goals_compare_with_the_best_baseline_measured():
     assert missing["met"] is None and "not measured" in missing["note"]
 
 
+def test_an_absolute_goal_is_judged_against_its_target():
+    goal = Goal("machinery", "overhead", 256, "output_throughput", (), 30_000.0)
+    [row] = judge([goal], [_run("overhead", "banyan", 256, output_throughput=45_000.0)])
+    assert (row["baseline"], row["ratio"], row["met"], row["absolute"]) == ("target", 1.5, True, True)
+    [row] = judge([goal], [])
+    assert row["met"] is None and row["note"]
+
+
 def test_a_goal_with_a_failed_run_is_not_judged():
     goal = Goal("batch-1", "serve", 1, "decode_tokens_per_s", ("llama-server",), 1.0)
     banyan = _run("serve", "banyan", 1, decode_tokens_per_s=80.0)
@@ -287,13 +295,16 @@ def test_compare_end_to_end_quick(model_dir, tmp_path, capsys):
     assert not [r["error"] for r in runs.values() if r["error"]]
     assert set(runs) == {("offline", "banyan", 4), ("offline", "transformers", 2), ("batch-1", "banyan", 1),
                          ("serve", "banyan", 1), ("serve", "banyan", 2), ("multi-turn", "banyan", 2),
-                         ("multi-turn", "banyan-no-prefix-cache", 2)}
+                         ("multi-turn", "banyan-no-prefix-cache", 2), ("overhead", "banyan", 8)}
+    assert runs[("overhead", "banyan", 8)]["metrics"]["total_output_tokens"] == 8 * 4
     assert runs[("offline", "transformers", 2)]["metrics"]["total_output_tokens"] == 16
     assert runs[("multi-turn", "banyan", 2)]["metrics"]["completed"] == 4  # 2 conversations x 2 turns
     goals = {g["goal"].split(":")[0]: g for g in report["results"]["goals"]}
     assert goals["offline 8/4, 4 prompts"]["baseline"] == "transformers"
     assert goals["offline 8/4, 4 prompts"]["met"] in (True, False)
     assert goals["batch-1 decode (1 stream)"]["met"] is None  # no llama-server
+    machinery = goals["engine machinery, zero-cost model, batch 8"]
+    assert machinery["baseline"] == "target" and machinery["ratio"] == machinery["banyan"] / 30_000
     assert "## Goals" in (tmp_path / "quick.md").read_text() and "| offline | transformers |" in capsys.readouterr().out
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "quick-throughput.png").stat().st_size > 0 and (tmp_path / "quick-latency.png").is_file()
