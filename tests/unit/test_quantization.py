@@ -205,3 +205,18 @@ def test_without_a_compiler_the_cpu_kernel_is_not_built(monkeypatch, tmp_path):
     assert cpu_gemv.load.__wrapped__() is None
     monkeypatch.setenv("CC", "false")  # a compiler that fails
     assert cpu_gemv.load.__wrapped__() is None and not list(tmp_path.rglob("*.so"))
+
+
+def test_auto_dtype_on_a_cpu_is_bf16_only_with_bf16_hardware_and_a_16_bit_checkpoint(monkeypatch):
+    from banyan.runner import model_runner
+    from banyan.runner.model_runner import resolve_dtype
+
+    cpu = torch.device("cpu")
+    for hardware in (False, True):
+        monkeypatch.setattr(model_runner, "cpu_has_bf16_matmul", lambda hardware=hardware: hardware)
+        want = torch.bfloat16 if hardware else torch.float32
+        assert resolve_dtype("auto", "bfloat16", cpu) == want
+        assert resolve_dtype("auto", None, cpu, is_gguf=True) == want
+        assert resolve_dtype("auto", "float32", cpu) == torch.float32  # never rounds a float32 checkpoint
+        assert resolve_dtype("auto", None, cpu) == torch.float32  # unknown: exact
+        assert resolve_dtype("float32", "bfloat16", cpu) == torch.float32
