@@ -59,7 +59,8 @@ def default_method(asked: str | None, device: torch.device, dtype: torch.dtype, 
         return Choice(asked)
     if not fbgemm_fp16_works(device, dtype) or not (is_gguf or checkpoint_dtype in ("bfloat16", "float16")):
         return Choice(None)
-    if is_gguf and cpu_gemv.load() is not None and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+    # Measured on AVX2 only; with AVX-512 torch's own packed int kernels take the compact layers instead.
+    if is_gguf and torch.backends.cpu.get_cpu_capability() == "AVX2" and cpu_gemv.load() is not None:
         return Choice("gguf", mix_fp16=True)
     return Choice("fp16")
 
