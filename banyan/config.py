@@ -132,9 +132,9 @@ class ModelConfig:
     """Weight-only quantization, done while loading: int8 (one scale per output channel), int4 (groups of
     --quantization-group-size inputs), fp8 (e4m3, per channel; torch._scaled_mm), fp16 (float16 weights, float32
     math: FBGEMM on x86 CPUs), gguf (keep a GGUF file's Q4_0/Q4_1/Q8_0 tensors compact instead of dequantizing
-    them), or none. Default: fp16 for a float32 model on an x86 CPU from a bf16/fp16 or GGUF checkpoint (nothing
-    the file holds is lost; decoding is up to 2x faster), else none. On CPUs without AVX-512, torch's int8/int4
-    kernels are slow and these save memory, not time (see docs/quantization.md)."""
+    them), or none. Default, for a float32 model on an x86 CPU: a GGUF file's tensors compact for decode (banyan's
+    AVX2 kernel) with float16 copies for prefill, a bf16/fp16 checkpoint in fp16 (nothing the file holds is lost);
+    otherwise none. See docs/quantization.md."""
     quantization_group_size: int = 32
     """Inputs per int4 scale and zero: 32 (as GGUF's Q4 blocks), 64 or 128 (it must divide every layer's input
     size)."""

@@ -57,7 +57,11 @@ class CompareConfig:
     latency_iters: int = 3
     """Batch-1: timed requests after one warm-up."""
     overhead_batch_size: int = 256
-    """Overhead: requests at once around the zero-cost model (32-token prompts, 128 output tokens, greedy)."""
+    """Overhead: requests at once around the zero-cost model (greedy)."""
+    overhead_input_len: int = 32
+    """Overhead: prompt tokens per request."""
+    overhead_output_len: int = 128
+    """Overhead: generated tokens per request."""
     workload_seed: int = 0
     """Seed of the random prompts."""
     progress: bool = True
@@ -82,7 +86,8 @@ class CompareConfig:
 
 QUICK = dict(input_len=8, output_len=4, num_prompts=4, concurrencies=(1, 2), streams=2, requests_per_stream=1,
              transformers_batch_size=2, conversations=2, turns=2, system_prompt_len=32, user_turn_len=8,
-             turn_output_len=4, latency_iters=1, overhead_batch_size=8)
+             turn_output_len=4, latency_iters=1, overhead_batch_size=8,
+             overhead_input_len=8, overhead_output_len=4)
 
 
 @dataclass

@@ -74,11 +74,9 @@ def overhead_run(plan: Plan) -> Run:
     from banyan.bench.offline import overhead_results
 
     cfg = plan.cfg
-    size = cfg.overhead_batch_size
-    output_len = 128 if not cfg.quick else 4
-    results = overhead_results(plan.engine, size, 32 if not cfg.quick else 8, output_len, 0.0, cfg.workload_seed,
-                               progress=cfg.progress)
-    return Run("overhead", "banyan", size, results)
+    results = overhead_results(plan.engine, cfg.overhead_batch_size, cfg.overhead_input_len, cfg.overhead_output_len,
+                               0.0, cfg.workload_seed, progress=cfg.progress)
+    return Run("overhead", "banyan", cfg.overhead_batch_size, results)
 
 
 def banyan_served(plan: Plan) -> list[Run]:

@@ -2,8 +2,8 @@
 
 torch 2.13's packed int4/int8 CPU kernels are vectorized for AVX-512 only; on AVX2 they run scalar
 loops, and dequantizing a block of rows before each matmul costs more than the bytes it saves. These
-kernels keep the weights compact in memory and turn them into floats in registers, which is what a
-decode step (a few rows of activations, every weight read once) needs.
+kernels keep the weights compact in memory and take integer dot products against x rounded to int8
+per block of 32, which is what a decode step (a few rows of activations, every weight read once) needs.
 
 The library is compiled on first use with the system C compiler (`cc -O3 -mavx2 -mfma -fopenmp`, about
 a second) into ~/.cache/banyan/kernels (or $BANYAN_CACHE_DIR/kernels), named by a hash of the source

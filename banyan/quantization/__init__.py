@@ -131,7 +131,7 @@ def finish_loading(model: nn.Module) -> None:
     for layer in layers:
         layer.finish_loading()
     cpu_int = [layer for layer in layers if layer.fmt.kind in ("int8", "int4") and not layer.packed_kernels
-               and layer.weight_device().type == "cpu"]
+               and layer.device.type == "cpu"]
     if any(layer.gemv is None for layer in cpu_int):
         logger.warning("int8/int4 weights on a CPU without AVX-512 nor banyan's AVX2 kernel: each matmul "
                        "dequantizes; this saves memory, and decodes slower than float32")

@@ -66,8 +66,8 @@ class QuantizedLinear(nn.Module):
         self.wide_fp16 = False  # set before finish_loading: keep a float16 copy for wide batches (CPU)
         self.wide = None  # that copy, FBGEMM-packed
         self.gemv = self._narrow = None  # banyan's CPU kernel for a few rows (int8/int4 on AVX2), when it serves
-        self.blocked = False  # int4's byte layout (see _finish_int4)
         self.weight = fmt.empty(out_features, in_features, self.dtype, device=torch.get_default_device())
+        self.device = self.weight.q.device
         self.packed = self.scale_zeros = self.offset = None  # int4 and fp16, set by finish_loading
         self.packed_bytes = 0  # of an FBGEMM-packed weight (an opaque object, not a tensor)
         self._matmul = None  # set by finish_loading
@@ -87,13 +87,10 @@ class QuantizedLinear(nn.Module):
             weight = weight.to(self.weight.q.device)  # quantize where the model lives (fast on a GPU)
         copy_rows(self.weight, rows, self.fmt.convert(weight))
 
-    def weight_device(self) -> torch.device:
-        return self.device
-
     @torch.no_grad()
     def finish_loading(self) -> None:
         """Lay the loaded weight out for its kernel; the layer is read-only from here on."""
-        device = self.device = self.weight.q.device
+        device = self.device
         if self.packed_kernels is None:
             self.packed_kernels = packed_int_kernels_fast(device)
         kind = self.fmt.kind
@@ -106,7 +103,7 @@ class QuantizedLinear(nn.Module):
         if kind == "int8":
             self._matmul = self._int8_packed if self.packed_kernels else self._int8_dequant
         elif kind == "int4":
-            self._finish_int4(device, gemv is not None)
+            self._finish_int4()
         elif kind == "fp16":
             self._finish_fp16(device)
         else:
@@ -146,25 +143,18 @@ class QuantizedLinear(nn.Module):
         return self._chunked_linear(x, lambda rows: q[rows].to(x.dtype)) * self.weight.scale  # scale after the matmul
 
     # -- int4 ---------------------------------------------------------------------------------
-    def _finish_int4(self, device: torch.device, blocked: bool) -> None:
-        """Pack two 4-bit values a byte: torch's kernel layout, or blocks of 32 for banyan's CPU kernel and
-        for dequantizing.
-
-        blocked: bytes 16b..16b+15 of row n hold q[n, 32b + j] (low nibble) and q[n, 32b + 16 + j] (high)
-        plain:   byte j of row n holds q[n, 2j] (low nibble) and q[n, 2j + 1] (high nibble)
-        """
+    def _finish_int4(self) -> None:
+        """Pack two 4-bit values a byte: torch's kernel layout, or blocks of 32 (banyan's CPU kernel and
+        dequantizing both read it): bytes 16b..16b+15 of row n hold q[n, 32b + j] (low nibble) and
+        q[n, 32b + 16 + j] (high nibble)."""
         w = self.weight
         if self.packed_kernels and self.out_features % 16 == 0:  # the CPU kernel's tiling needs N % 16 == 0
             self.packed = torch._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
             self.scale_zeros = torch.stack([w.scale.t(), w.zero.t()], dim=-1).contiguous()  # [groups, out, 2]
             self.weight, self._matmul = None, self._int4_packed
             return
-        if blocked:
-            halves = w.q.view(self.out_features, -1, 2, 16)  # [out, blocks, low/high, 16]
-            self.packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(self.out_features, -1).contiguous()
-        else:
-            self.packed = w.q[:, 0::2] | (w.q[:, 1::2] << 4)
-        self.blocked = blocked
+        halves = w.q.view(self.out_features, -1, 2, 16)  # [out, blocks, low/high, 16]
+        self.packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(self.out_features, -1).contiguous()
         self.offset = (w.zero - 8 * w.scale).contiguous()  # w = s * q + (z - 8s): one multiply-add per value
         w.q = w.zero = None  # the unpacked values take twice the packed size
         self._matmul = self._int4_dequant
@@ -177,13 +167,11 @@ class QuantizedLinear(nn.Module):
 
     def _int4_dequant(self, x: torch.Tensor) -> torch.Tensor:
         packed, scale, offset, group = self.packed, self.weight.scale, self.offset, self.fmt.group_size
-        # where a byte's low and high nibbles go (see _finish_int4): blocks of 16 apart, or side by side
-        shape, dim = ((-1, 1, 16), -2) if self.blocked else ((-1, 1), -1)
 
         def dequantize(rows: slice) -> torch.Tensor:
             part = packed[rows]
-            nibbles = part.view(part.shape[0], *shape)
-            q = torch.cat([nibbles & 15, nibbles >> 4], dim=dim).view(part.shape[0], -1, group)  # [rows, groups, group]
+            nibbles = part.view(part.shape[0], -1, 1, 16)  # a block's low nibbles, then its high ones
+            q = torch.cat([nibbles & 15, nibbles >> 4], dim=-2).view(part.shape[0], -1, group)  # [rows, groups, group]
             w = torch.addcmul(offset[rows, :, None], q.to(x.dtype), scale[rows, :, None])
             return w.view(part.shape[0], self.in_features)
 
