@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import sys
 from collections.abc import Callable
 
 from banyan.bench.plan import CompareConfig
@@ -117,12 +118,16 @@ def _serve(args, engine_config):
 
 
 def _compare(args, engine_config) -> int:
+    """Prints the report; exits 1 when a peer asked for was skipped or any run failed."""
     from banyan.bench.compare import run_compare
-    from banyan.bench.compare_report import markdown
+    from banyan.bench.compare_report import markdown, peer_failures
 
     report = run_compare(engine_config(args), compare_config(args))
     print(markdown(report))
-    return 0
+    problems = peer_failures(report)
+    for problem in problems:
+        print(f"banyan bench compare: {problem}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def compare_config(args: argparse.Namespace) -> CompareConfig:

@@ -35,7 +35,8 @@ def markdown(report: dict) -> str:
     lines = [f"# banyan bench compare: {report['config']['compare']['name']}", "",
              f"Machine: {where['cpu']}, {where['num_cpus']} CPUs; {report['created']}.", "",
              "Command: `" + " ".join(report["command"]) + "`", "", "## Goals", "",
-             "| goal | banyan | best baseline | its value | ratio | target | met |", "|---|---|---|---|---|---|---|"]
+             "| goal | banyan | judged against | best baseline | its value | ratio | target | met |",
+             "|---|---|---|---|---|---|---|---|"]
     lines += [_goal_row(goal) for goal in results["goals"]]
     lines += ["", "## Runs", "", "| " + " | ".join(RUN_COLUMNS) + " |", "|" + "---|" * len(RUN_COLUMNS)]
     lines += [_run_row(run) for run in results["runs"]]
@@ -48,11 +49,34 @@ def markdown(report: dict) -> str:
 
 def _goal_row(goal: dict) -> str:
     target = "1x" if goal.get("absolute") else f"{goal['target']:g}x"  # an absolute goal: its value over the target
+    against = _judged_against(goal)
     if goal["met"] is None:
-        return f"| {goal['goal']} | {_num(goal['banyan'])} | | | | {target} | not judged: {goal['note']} |"
+        return f"| {goal['goal']} | {_num(goal['banyan'])} | {against} | | | | {target} | not judged: {goal['note']} |"
     met = "**met**" if goal["met"] else "not met"
-    return (f"| {goal['goal']} | {_num(goal['banyan'])} | {goal['baseline']} | {_num(goal['baseline_value'])} | "
-            f"{goal['ratio']:.2f}x | {target} | {met} |")
+    if goal["note"]:
+        met += f" ({goal['note']})"
+    return (f"| {goal['goal']} | {_num(goal['banyan'])} | {against} | {goal['baseline']} | "
+            f"{_num(goal['baseline_value'])} | {goal['ratio']:.2f}x | {target} | {met} |")
+
+
+def _judged_against(goal: dict) -> str:
+    """The peers the goal names, each marked by whether this run measured it."""
+    if goal.get("absolute"):
+        return "target"
+    measured = set(goal.get("judged_against", ()))
+    return ", ".join(name if name in measured else f"~~{name}~~ (not measured)" for name in goal.get("baselines", ()))
+
+
+def peer_failures(report: dict) -> list[str]:
+    """Why the run is incomplete: each peer asked for that was skipped, each run that failed."""
+    results = report["results"]
+    problems = [f"{peer} skipped: {why}" for peer, why in results["skipped"].items()]
+    for run in results["runs"]:
+        if run["error"]:
+            problems.append(f"{run['engine']} {run['scenario']} failed: {run['error']}")
+        elif run["metrics"].get("failed"):
+            problems.append(f"{run['engine']} {run['scenario']}: {run['metrics']['failed']} failed requests")
+    return problems
 
 
 def _run_row(run: dict) -> str:

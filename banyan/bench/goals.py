@@ -54,7 +54,8 @@ def _judge(goal: Goal, runs: list[Run]) -> dict:
     banyan, why = _value(runs, goal, "banyan")
     row = {"goal": goal.name, "scenario": goal.scenario, "concurrency": goal.concurrency, "metric": goal.metric,
            "target": goal.target, "banyan": banyan, "baseline": None, "baseline_value": None, "ratio": None,
-           "met": None, "note": "", "absolute": not goal.baselines}
+           "met": None, "note": "", "absolute": not goal.baselines, "baselines": list(goal.baselines),
+           "judged_against": []}
     if not goal.baselines:  # an absolute target
         if banyan is None:
             row["note"] = why
@@ -71,7 +72,11 @@ def _judge(goal: Goal, runs: list[Run]) -> dict:
     baseline = pick(measured, key=measured.get)
     base = measured[baseline]
     ratio = (base / banyan if goal.lower_is_better else banyan / base) if banyan and base else 0.0
-    row.update(baseline=baseline, baseline_value=base, ratio=ratio, met=ratio >= goal.target)
+    row.update(baseline=baseline, baseline_value=base, ratio=ratio, met=ratio >= goal.target,
+               judged_against=list(measured))
+    unmeasured = [reason for value, reason in baselines.values() if value is None]
+    if unmeasured:  # judged against fewer peers than the goal names: say which were missing
+        row["note"] = "; ".join(unmeasured)
     return row
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -9,13 +10,14 @@ import sys
 import httpx
 import pytest
 
+from banyan.bench.compare_report import _goal_row, peer_failures
 from banyan.bench.goals import Goal, judge
 from banyan.bench.launcher import ServerStartError, engine_flags, free_port, launched
 from banyan.bench.metrics import RequestTiming, meets_slos, parse_goodput, percentile, summarize
 from banyan.bench.peers.export_hf import export_hf, hf_dir_for
-from banyan.bench.peers.transformers_runner import left_pad
+from banyan.bench.peers.transformers_runner import left_pad, run_transformers
 from banyan.bench.plan import CompareConfig, Run
-from banyan.bench.workloads import (conversations, multi_turn_prompts, random_prompts, shared_prefix_prompts,
+from banyan.bench.workloads import (BenchPrompt, conversations, multi_turn_prompts, random_prompts, shared_prefix_prompts,
                                     sharegpt_prompts, turns)
 from banyan.cli import build_parser, engine_config, main
 from banyan.errors import InvalidParameterError
@@ -132,6 +134,14 @@ def test_export_hf_writes_weights_transformers_runs_unchanged(model_dir, tmp_pat
     assert hf_dir_for(str(model_dir)) == model_dir  # a Hugging Face directory is used as it is
 
 
+def test_the_transformers_peer_counts_the_tokens_it_generated(model_dir):
+    """A static batch runs to its longest output; each prompt counts only the tokens it asked for,
+    and only as many as generate() returned."""
+    prompts = [BenchPrompt([5, 6, 7], 2), BenchPrompt([8, 9], 5), BenchPrompt([10], 3)]
+    tokens, seconds = run_transformers(model_dir, prompts, batch_size=2, temperature=0.0, num_threads=1, progress=False)
+    assert tokens == 2 + 5 + 3 and seconds > 0
+
+
 def test_engine_flags_rebuild_the_engine_config_through_the_serve_parser():
     argv = ["serve", "--model", "m", "--num-threads", "2", "--block-size", "4", "--kv-cache-memory", "16MiB",
             "--no-enable-prefix-caching", "--max-num-seqs", "8"]
@@ -184,6 +194,38 @@ def test_goals_compare_with_the_best_baseline_measured():
     assert (offline["baseline"], offline["ratio"], offline["met"]) == ("llama-server", 4.0, False)
     assert (itl["ratio"], itl["met"]) == (2.0, True)  # half llama-server's p99 ITL
     assert missing["met"] is None and "not measured" in missing["note"]
+
+
+def test_a_goal_row_names_the_peers_it_was_judged_against():
+    goal = Goal("offline", "offline", None, "output_throughput", ("transformers", "llama-server"), 5.0)
+    runs = [_run("offline", "banyan", 8, output_throughput=100.0), _run("offline", "transformers", 4, output_throughput=50.0)]
+    [row] = judge([goal], runs)
+    assert row["baselines"] == ["transformers", "llama-server"] and row["judged_against"] == ["transformers"]
+    assert row["met"] is False and "not measured: llama-server" in row["note"]
+    line = _goal_row(row)
+    assert "transformers, ~~llama-server~~ (not measured)" in line and "not met (not measured: llama-server)" in line
+
+
+def test_a_compare_run_with_a_skipped_peer_or_a_failed_run_is_incomplete():
+    def report(runs, skipped):
+        return {"results": {"runs": [dataclasses.asdict(r) for r in runs], "skipped": skipped}}
+
+    fine = [_run("offline", "banyan", 8, output_throughput=1.0)]
+    assert peer_failures(report(fine, {})) == []
+    assert peer_failures(report(fine, {"llama-server": "not found"})) == ["llama-server skipped: not found"]
+    failed = [*fine, Run("serve", "llama-server", 1, error="did not start"),
+              Run("serve", "transformers", 1, {"failed": 2, "errors": ["x"]})]
+    assert peer_failures(report(failed, {})) == ["llama-server serve failed: did not start",
+                                                 "transformers serve: 2 failed requests"]
+
+
+def test_compare_exits_non_zero_when_a_peer_asked_for_is_skipped(model_dir, tmp_path, capsys):
+    """llama-server serves GGUF files only: asked for on a Hugging Face directory, it is skipped."""
+    argv = ["bench", "compare", "--model", str(model_dir), *TINY_ENGINE, "--quick", "--scenarios", "overhead",
+            "--peers", "llama-server", "--no-progress", "--out-dir", str(tmp_path), "--name", "skipped"]
+    assert main(argv) == 1
+    assert "llama-server skipped:" in capsys.readouterr().err
+    assert "llama-server" in json.loads((tmp_path / "skipped.json").read_text())["results"]["skipped"]
 
 
 def test_an_absolute_goal_is_judged_against_its_target():

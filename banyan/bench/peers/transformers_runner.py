@@ -2,7 +2,8 @@
 
 Prompts go in batches of batch_size, left-padded to the batch's longest; each batch runs until its
 longest output is done (min_new_tokens = max_new_tokens stands in for ignore_eos). Greedy or
-sampled as asked. Only the tokens each prompt asked for count as output.
+sampled as asked. Output is counted from what generate() returned: each row's new tokens, at most
+as many as its prompt asked for (a shorter row's extra tokens are the batch's padding work).
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ def run_transformers(model_dir: Path, prompts: list[BenchPrompt], *, batch_size:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     batches = [turn[i : i + batch_size] for turn in turns(prompts) for i in range(0, len(turn), batch_size)]
     start = time.perf_counter()
+    generated = 0
     for batch in tqdm(batches, desc="transformers batches", unit="batch", disable=not progress):
-        _generate_batch(model, batch, temperature)
+        generated += _generate_batch(model, batch, temperature)
     elapsed = time.perf_counter() - start
-    return sum(p.output_len for p in prompts), elapsed
+    return generated, elapsed
 
 
-def _generate_batch(model, batch: list[BenchPrompt], temperature: float) -> None:
+def _generate_batch(model, batch: list[BenchPrompt], temperature: float) -> int:
+    """Generate one static batch; returns the output tokens counted (see the module docstring)."""
     import torch
 
     input_ids, attention_mask = left_pad([p.prompt_token_ids for p in batch], pad_id=0)
@@ -40,8 +43,10 @@ def _generate_batch(model, batch: list[BenchPrompt], temperature: float) -> None
     if temperature > 0:
         sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
     with torch.inference_mode():
-        model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, pad_token_id=0, **sampling)
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, pad_token_id=0, **sampling)
+    num_new = out.shape[1] - input_ids.shape[1]
+    return sum(min(p.output_len, num_new) for p in batch)
 
 
 def left_pad(rows: list[list[int]], pad_id: int):
