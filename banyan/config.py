@@ -109,7 +109,9 @@ class ModelConfig:
     tokenizer: str | None = None
     """Tokenizer directory when it differs from the model's."""
     dtype: str = "auto"
-    """Weights and activations: auto, float32, bfloat16 or float16 (auto: float32 on CPU, bfloat16 on GPU)."""
+    """Weights and activations: auto, float32, bfloat16 or float16 (auto: on a GPU the checkpoint's 16-bit dtype,
+    bfloat16 for float32 checkpoints; on a CPU with AMX or AVX512-BF16 bfloat16 for 16-bit and GGUF checkpoints;
+    float32 otherwise)."""
     max_model_len: int | None = None
     """Longest prompt plus output, in tokens (default: the model's context length)."""
     seed: int = 0
@@ -123,7 +125,8 @@ class ModelConfig:
     enforce_eager: bool = False
     """Run every step eagerly: no CUDA graphs for decode steps (GPU only; the CPU always runs eagerly)."""
     trust_remote_code: bool = False
-    """Never used to import code; recorded so that configs asking for it fail loudly."""
+    """Passed to transformers' AutoTokenizer for a Hugging Face directory (a tokenizer class the directory ships as
+    code); banyan never imports model code, whatever the value. Hidden from the CLI: off unless set in Python."""
     structured_output_backend: str = "llguidance"
     """Grammar library for structured output: llguidance or xgrammar (loaded on the first constrained request)."""
     structured_output_cache_size: int = 512
