@@ -21,7 +21,7 @@ from banyan.layers.attention import AttentionBackend
 from banyan.layers.linear import MergedLinear, checkpoint_shards
 from banyan.layers.norm import RMSNorm
 from banyan.layers.rotary import RotaryEmbedding
-from banyan.runner.forward_batch import ForwardBatch
+from banyan.forward_batch import ForwardBatch
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_pages, page_size, num_kv_heads, head_dim]
 

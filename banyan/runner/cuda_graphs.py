@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from banyan.runner.forward_batch import ForwardBatch
+from banyan.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from banyan.runner.forward_batch import ForwardBatch
+from banyan.forward_batch import ForwardBatch
 
 GiB = 1 << 30
 

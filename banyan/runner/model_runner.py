@@ -23,7 +23,7 @@ from banyan.models.registry import get_model_class
 from banyan.quantization.formats import FP16
 from banyan.quantization import default_method, finish_loading, model_weight_bytes, plan_formats, quantize_linears
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
-from banyan.runner.forward_batch import ForwardBatch
+from banyan.forward_batch import ForwardBatch
 from banyan.runner.memory import GiB, KVCapacity, pages_for_budget, profile_batch, profile_cuda_forward
 from banyan.runner.weights import ModelSource
 from banyan.scheduler.batch import Batch, SampledToken, ScheduledRequest, StepResult

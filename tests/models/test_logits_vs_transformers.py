@@ -17,7 +17,7 @@ from banyan.config import ModelArch
 from banyan.errors import ModelLoadError, UnsupportedModelError
 from banyan.layers.attention import get_attention_backend
 from banyan.models.registry import get_model_class
-from banyan.runner.forward_batch import ForwardBatch
+from banyan.forward_batch import ForwardBatch
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -9,7 +9,7 @@ import torch
 
 from banyan.errors import InvalidParameterError
 from banyan.layers.attention import get_attention_backend
-from banyan.runner.forward_batch import ForwardBatch
+from banyan.forward_batch import ForwardBatch
 
 HEAD_DIM = 8
 

@@ -10,7 +10,7 @@ import torch
 
 from banyan import LLM, SamplingParams
 from banyan.runner.cuda_graphs import graph_buckets
-from banyan.runner.forward_batch import ForwardBatch
+from banyan.forward_batch import ForwardBatch
 from tests.factories import write_model_dir
 
 MAX_NUM_SEQS = 8  # buckets 1, 2, 4, 8

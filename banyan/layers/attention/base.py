@@ -1,4 +1,4 @@
-"""AttentionBackend: paged causal attention over a ragged batch (see runner/forward_batch.py)."""
+"""AttentionBackend: paged causal attention over a ragged batch (see banyan/forward_batch.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from banyan.runner.forward_batch import ForwardBatch
+from banyan.forward_batch import ForwardBatch
 
 FP8 = torch.float8_e4m3fn  # the fp8 KV cache's dtype (--kv-cache-dtype fp8)
 FP8_MAX = torch.finfo(FP8).max  # 448: e4m3fn has no infinity, so larger values are clamped rather than lost

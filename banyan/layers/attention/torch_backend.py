@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from banyan.layers.attention.base import AttentionBackend, read_pages, write_kv_cache
-from banyan.runner.forward_batch import ForwardBatch
+from banyan.forward_batch import ForwardBatch
 
 
 @dataclass

@@ -13,7 +13,7 @@ from banyan.kernels.decode_attention import decode_attention
 from banyan.kernels.kv_store import store_kv
 from banyan.kernels.prefill_attention import prefill_attention
 from banyan.layers.attention.base import AttentionBackend
-from banyan.runner.forward_batch import ForwardBatch
+from banyan.forward_batch import ForwardBatch
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -1,4 +1,6 @@
-"""ForwardBatch: everything one forward pass needs, passed explicitly to the model and attention.
+"""ForwardBatch: everything one forward pass needs, passed explicitly to the model and attention: the
+contract between the runner (which builds it) and the models and layers (which read it), so it lives
+below all of them.
 
 A step runs several requests as one ragged batch of new tokens, no padding between requests:
 
