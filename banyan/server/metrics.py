@@ -105,9 +105,10 @@ class ServerMetrics:
         ttft: float | None,
         itls: list[float],
         e2e: float,
-        queue_time: float,
+        queue_time: float | None,
     ) -> None:
-        """Record one finished request (ttft is None when it produced no token)."""
+        """Record one finished request (ttft is None when it produced no token; queue_time is None when
+        it was never scheduled: its grammar forced the whole output)."""
         self.prompt_tokens.inc(max(0, prompt_tokens))
         self.generation_tokens.inc(max(0, generation_tokens))
         success = self.request_success.get(finished_reason)
@@ -119,7 +120,8 @@ class ServerMetrics:
         for itl in itls:
             self.itl.observe(itl)
         self.e2e.observe(e2e)
-        self.queue_time.observe(queue_time)
+        if queue_time is not None:
+            self.queue_time.observe(queue_time)
 
     def render(self) -> tuple[bytes, str]:
         """The `/metrics` body and its content type."""

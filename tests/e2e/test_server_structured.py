@@ -183,3 +183,34 @@ def test_g7_a_grammar_library_failing_mid_stream_ends_that_stream_only(server, c
 
 def test_g8_an_unknown_backend_override_is_refused(client):
     assert "backend" in refused(client, "structured_outputs", structured_outputs={"json": {"type": "object"}, "backend": "nope"})
+
+
+# -- a grammar that forces the whole output ---------------------------------------------------------
+FORCED = {"structured_outputs": {"choice": ["yes"]}}
+
+
+def test_a_fully_forced_output_answers_with_the_forced_text(client):
+    """The best case of jump-forward (no forward pass at all) answers like any other request."""
+    free = client.chat.completions.create(model="tiny", messages=USER, max_tokens=8)
+    out = client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, extra_body=FORCED)
+    assert (out.choices[0].message.content, out.choices[0].finish_reason) == ("yes", "stop")
+    usage = out.usage
+    assert usage.prompt_tokens == free.usage.prompt_tokens and 1 <= usage.completion_tokens <= 8
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    stream = client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, extra_body=FORCED, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)  # the client raises if the stream breaks off before [DONE]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "yes"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    assert chunks[-1].usage == usage
+
+
+def test_fully_forced_completions_with_n_choices(server, client):
+    out = client.completions.create(model="tiny", prompt="x", max_tokens=8, n=3, extra_body=FORCED)
+    assert [(c.text, c.finish_reason) for c in out.choices] == [("yes", "stop")] * 3
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", timeout=60,
+                      json={"prompt": "x", "max_tokens": 8, "n": 2, "stream": True, **FORCED}) as response:
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    texts = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]]
+    assert "".join(texts) == "yesyes" and events[-1] == "data: [DONE]"
+    assert httpx.get(f"{server.base_url}/metrics").status_code == 200
