@@ -33,8 +33,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-import banyan
 from banyan.config import EngineConfig
+from banyan.engine import core_launch
 from banyan.engine import messages as m
 from banyan.engine.engine import RequestDelta
 from banyan.errors import BanyanError
@@ -282,15 +282,14 @@ class EngineClient:
 
 
 def _spawn(config: EngineConfig, ipc_dir: str, fault: str | None) -> subprocess.Popen:
-    """Start the core as a plain subprocess (nothing pickled); it can import banyan from where we did."""
-    root = str(Path(banyan.__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "banyan.engine.core_process",
+    """Start the core as a plain subprocess (nothing pickled), by the file path of our own core_launch.py:
+    it imports this very banyan package (never one in the working directory) and dies with us."""
+    cmd = [sys.executable, str(Path(core_launch.__file__).resolve()), "--parent-pid", str(os.getpid()),
            "--config-json", msgspec.json.encode(config).decode(),
            "--input", f"ipc://{ipc_dir}/input", "--output", f"ipc://{ipc_dir}/output"]  # fmt: skip
     if fault:
         cmd += ["--fault", fault]
-    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 def _pump_stderr(proc: subprocess.Popen, tail: collections.deque) -> None:

@@ -1,9 +1,10 @@
 """The engine core in its own process: a busy loop around `Engine.step()`, msgspec over ZeroMQ.
 
-    python -m banyan.engine.core_process --config-json JSON --input ipc://... --output ipc://...
+    python .../banyan/engine/core_launch.py --parent-pid PID --config-json JSON --input ipc://... --output ipc://...
 
-The API server's `EngineClient` starts this process, binds both sockets in a private directory and
-owns the process's life. The loop, one turn:
+The API server's `EngineClient` starts this process (through core_launch.py, which ties it to the
+server before anything slow), binds both sockets in a private directory and owns the process's
+life. The loop, one turn:
 
     1. drain every pending input message (block up to IDLE_WAIT_MS only when there is no work)
     2. AddRequest -> engine.add_request (a bad request fails alone: RequestFailed), AbortRequests, Shutdown
@@ -11,14 +12,17 @@ owns the process's life. The loop, one turn:
     4. EngineStats every STATS_INTERVAL seconds, busy or idle (the client's heartbeat)
 
 Anything that escapes a step is fatal: the core sends EngineDead and exits 1, and the client fails
-every in-flight request. The core also exits when its parent disappears, so none is ever orphaned.
+every in-flight request. The core does not outlive its server: on Linux, from its first moment
+(core_launch.py, before banyan is imported) the server's death by any means sends it a signal, and it
+removes the server's socket files and exits 1 as soon as its main thread next runs Python (at once, or
+when a long native call returns). Elsewhere only the loop compares the parent pid (every turn, and
+while a send blocks), so a core whose server dies before the loop starts lives until it gets there.
 Nothing here unpickles: decoding builds only the structs in messages.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import signal
@@ -31,6 +35,7 @@ import zmq
 
 from banyan.config import EngineConfig
 from banyan.engine import messages as m
+from banyan.engine.core_launch import remove_ipc_files
 from banyan.engine.engine import Engine, RequestDelta
 from banyan.errors import CacheCapacityError, ContextLengthExceededError, InvalidParameterError
 from banyan.request import Request
@@ -51,9 +56,9 @@ class Orphaned(Exception):
 class Fault:
     """Fault injection for tests: `raise-after-steps=N` or `sleep-after-steps=N:SECONDS` (the N-th step),
     `grammar-raise-after-tokens=N` (the grammar library of every constrained request with N output tokens
-    raises on its next token)."""
+    raises on its next token), `sleep-while-loading=SECONDS` (before the model loads)."""
 
-    kind: str  # "raise" | "sleep" | "grammar"
+    kind: str  # "raise" | "sleep" | "grammar" | "load"
     step: int  # grammar: output tokens
     seconds: float = 0.0
 
@@ -67,9 +72,18 @@ class Fault:
             return cls("sleep", int(step), float(seconds))
         if name == "grammar-raise-after-tokens":
             return cls("grammar", int(value))
+        if name == "sleep-while-loading":
+            return cls("load", 0, float(value))
         raise ValueError(f"unknown fault {spec!r}")
 
+    def while_loading(self) -> None:
+        if self.kind == "load":
+            logger.warning("injected fault: sleeping %.1f s while loading", self.seconds)
+            time.sleep(self.seconds)
+
     def before_step(self, step: int, engine: Engine) -> None:
+        if self.kind == "load":
+            return
         if self.kind == "grammar":
             _break_grammars(engine, self.step)
             return
@@ -92,12 +106,13 @@ def _library_crash(token_id: int) -> bool:
 
 
 class EngineCore:
-    def __init__(self, engine: Engine, input_sock: zmq.Socket, output_sock: zmq.Socket, fault: Fault | None = None):
+    def __init__(self, engine: Engine, input_sock: zmq.Socket, output_sock: zmq.Socket, fault: Fault | None = None,
+                 parent_pid: int | None = None):  # fmt: skip
         self.engine = engine
         self.input = input_sock
         self.output = output_sock
         self.fault = fault
-        self.parent_pid = os.getppid()
+        self.parent_pid = os.getppid() if parent_pid is None else parent_pid
         self.num_steps = 0
         self.stopping = False
         self._encoder = m.encoder()
@@ -271,23 +286,13 @@ def aborted_delta(request: Request) -> RequestDelta:
     )
 
 
-def _remove_ipc_files(*addresses: str) -> None:
-    """The server died without cleaning up: remove its socket files and their directory if now empty."""
-    paths = [a.removeprefix("ipc://") for a in addresses if a.startswith("ipc://")]
-    for path in paths:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-    for directory in {os.path.dirname(p) for p in paths}:
-        with contextlib.suppress(OSError):
-            os.rmdir(directory)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="banyan engine core (started by the API server)")
     parser.add_argument("--config-json", required=True, help="EngineConfig as JSON")
     parser.add_argument("--input", required=True, help="address to pull requests from")
     parser.add_argument("--output", required=True, help="address to push outputs to")
-    parser.add_argument("--fault", help="tests only: raise-after-steps=N or sleep-after-steps=N:SECONDS")
+    parser.add_argument("--parent-pid", type=int, help="the server's pid (default: the parent's now)")
+    parser.add_argument("--fault", help="tests only: see Fault")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
     # The server owns shutdown (it drains first, then sends Shutdown). Signals sent to the whole
@@ -305,11 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         fault = Fault.parse(args.fault) if args.fault else None
         config = msgspec.json.decode(args.config_json, type=EngineConfig)
-        core = EngineCore(Engine(config), input_sock, output_sock, fault)
+        if fault is not None:
+            fault.while_loading()
+        core = EngineCore(Engine(config), input_sock, output_sock, fault, args.parent_pid)
         return core.run()
     except Orphaned:
         logger.error("the server process is gone; exiting")
-        _remove_ipc_files(args.input, args.output)
+        remove_ipc_files(args.input, args.output)
         return 1
     except Exception as e:
         logger.exception("engine core failed")

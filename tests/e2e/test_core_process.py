@@ -297,13 +297,32 @@ asyncio.run(main())
 """
 
 
-def test_core_exits_when_its_server_is_killed(model_dir):
+ORPHAN_SERVER_WHILE_LOADING = """
+import asyncio, sys, tempfile
+import msgspec
+from banyan.config import EngineConfig
+from banyan.engine.client import EngineClient
+
+async def main():
+    client = EngineClient(msgspec.json.decode(sys.argv[1], type=EngineConfig), tempfile.mkdtemp(), sys.argv[2])
+    print(client.pid, client.ipc_dir, flush=True)  # not waiting for Ready: the core is loading
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("stage", ["ready", "loading"])
+def test_core_exits_when_its_server_is_killed(model_dir, stage):
     config = msgspec.json.encode(make_config(model_dir)).decode()
-    server = subprocess.Popen([sys.executable, "-c", ORPHAN_SERVER, config], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, cwd=Path(__file__).parents[2])  # fmt: skip
+    script = [ORPHAN_SERVER, config] if stage == "ready" else [ORPHAN_SERVER_WHILE_LOADING, config, "sleep-while-loading=60"]
+    server = subprocess.Popen([sys.executable, "-c", *script], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, cwd=Path(__file__).parents[2])  # fmt: skip
     try:
         pid, ipc_dir = server.stdout.readline().decode().split()
         assert os.path.exists(ipc_dir)
+        if stage == "loading":  # the core's log comes through its server: wait until it is loading
+            assert any(b"while loading" in line for line in server.stderr), "the core never started loading"
     finally:
         server.kill()
         server.wait()
