@@ -5,16 +5,21 @@ from GGUF metadata) and needs no model and no GPU.
 
 Chat templates are untrusted code (a request may carry one; a model repository ships one), so banyan
 renders them itself in jinja2's immutable sandbox, with the same helpers Hugging Face provides
-(`raise_exception`, `strftime_now`, `tojson`, `{% generation %}`), an output cap, and typed errors.
-A sandbox bounds what a template can reach, not how long it runs: callers rendering request-supplied
-templates should do so in a worker with a time limit (RELIABILITY M1).
+(`raise_exception`, `strftime_now`, `tojson`, `{% generation %}`), typed errors, an output cap and a
+time cap. A sandbox bounds what a template can reach, not how long it runs, so the render counts its
+own work: every loop turn and every call, attribute or item lookup goes through the sandbox, which
+looks at the clock (and a cancel event) every few hundred of them and stops the render there
+(RELIABILITY M1). A render past its cap ends in its own thread and uses no CPU after.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache, partial
 from pathlib import Path
@@ -30,6 +35,8 @@ from banyan.errors import InvalidParameterError, ModelLoadError
 
 DEFAULT_MAX_CHARS = 4 * 1024 * 1024
 """Longest rendered chat, in characters."""
+DEFAULT_RENDER_TIMEOUT = 5.0
+"""Longest a chat template may render, in seconds."""
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
@@ -68,11 +75,60 @@ class _TemplateRaised(TemplateError):
     """`raise_exception(...)` called by the template: it rejects the messages."""
 
 
+class _RenderStopped(Exception):
+    """The render ran out of time or was cancelled (not a TemplateError: nothing in jinja catches it)."""
+
+
+class _Budget:
+    """The work a render may still do: `tick()` once per loop turn or sandbox hook; every CHECK_EVERY
+    ticks (~20 µs of template work) it looks at the clock and the cancel event."""
+
+    CHECK_EVERY = 256
+
+    def __init__(self, seconds: float | None, cancel: threading.Event | None):
+        self.seconds = seconds
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+        self.cancel = cancel
+        self.ticks = 0
+
+    def tick(self) -> None:
+        self.ticks += 1
+        if self.ticks % self.CHECK_EVERY:
+            return
+        if self.cancel is not None and self.cancel.is_set():
+            raise _RenderStopped("cancelled")
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise _RenderStopped("out of time")
+
+
+_budget: ContextVar[_Budget] = ContextVar("banyan_render_budget", default=_Budget(None, None))
+"""The budget of the render running in this thread (set by _render)."""
+
+
 class _Sandbox(ImmutableSandboxedEnvironment):
     """The immutable sandbox, stricter in two ways: reaching an unsafe attribute raises at once (instead of
     rendering as an empty string), and `*` / `**` cannot build huge strings, lists or numbers."""
 
     intercepted_binops = frozenset({"*", "**"})
+
+    def budgeted(self, iterable: Iterable) -> Iterator:
+        """What each `{% for %}` iterates (see _compile): the items, a tick each."""
+        budget = _budget.get()
+        for item in iterable:
+            budget.tick()
+            yield item
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
+        _budget.get().tick()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        _budget.get().tick()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        _budget.get().tick()
+        return super().getitem(obj, argument)
 
     def unsafe_undefined(self, obj: Any, attribute: str):
         raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe")
@@ -137,7 +193,12 @@ def _compile(source: str) -> jinja2.Template:
         namespace=_SafeNamespace,
         dict=lambda *args, **kwargs: dict(*args, **kwargs),
     )
-    return env.from_string(source)
+    del env.globals["lipsum"]  # one call could run for minutes, out of the budget's sight
+    tree = env.parse(source)
+    for loop in tree.find_all(jinja2.nodes.For):  # {% for x in xs %} -> {% for x in environment.budgeted(xs) %}
+        budgeted = jinja2.nodes.EnvironmentAttribute("budgeted", lineno=loop.lineno)
+        loop.iter = jinja2.nodes.Call(budgeted, [loop.iter], [], None, None, lineno=loop.lineno)
+    return env.from_string(tree)
 
 
 def render_chat_template(
@@ -150,6 +211,8 @@ def render_chat_template(
     documents: Sequence[Mapping[str, Any]] | None = None,
     *,
     max_chars: int = DEFAULT_MAX_CHARS,
+    timeout: float | None = DEFAULT_RENDER_TIMEOUT,
+    cancel: threading.Event | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     **template_kwargs: Any,
 ) -> str:
@@ -161,8 +224,9 @@ def render_chat_template(
     something banyan sets itself (RESERVED_TEMPLATE_KWARGS: messages, tools, bos_token, ...) raises
     InvalidParameterError(param="chat_template_kwargs") rather than being dropped silently.
 
-    Raises ChatTemplateError with param "chat_template" when the template does not compile, is missing
-    or does something unsafe, and with param "messages" when it rejects the messages;
+    Raises ChatTemplateError with param "chat_template" when the template does not compile, is missing,
+    does something unsafe, runs longer than `timeout` seconds or is cancelled (`cancel` set: the render
+    stops within microseconds), and with param "messages" when it rejects the messages;
     InvalidParameterError when the rendered text would exceed `max_chars`.
     """
     extra = {**(chat_template_kwargs or {}), **template_kwargs}
@@ -184,7 +248,7 @@ def render_chat_template(
         "documents": _plain(documents),
         "add_generation_prompt": add_generation_prompt,
     }
-    text = _render(template, context, max_chars)
+    text = _render(template, context, max_chars, _Budget(timeout, cancel))
     return text if final_text is None else _cut_at_final_message(text, final_text)
 
 
@@ -215,8 +279,9 @@ def _compile_or_raise(source: str) -> jinja2.Template:
         raise ChatTemplateError("chat_template", f"does not compile: {e}") from None
 
 
-def _render(template: jinja2.Template, context: dict, max_chars: int) -> str:
+def _render(template: jinja2.Template, context: dict, max_chars: int, budget: _Budget) -> str:
     pieces, size = [], 0
+    token = _budget.set(budget)
     try:
         for piece in template.generate(**context):
             size += len(piece)
@@ -225,6 +290,9 @@ def _render(template: jinja2.Template, context: dict, max_chars: int) -> str:
             pieces.append(piece)
     except InvalidParameterError:
         raise
+    except _RenderStopped as e:
+        reason = "was cancelled" if str(e) == "cancelled" else f"ran for more than {budget.seconds:g} s"
+        raise ChatTemplateError("chat_template", f"the chat template {reason}") from None
     except SecurityError as e:
         raise ChatTemplateError("chat_template", f"unsafe operation in the chat template: {e}") from None
     except _TemplateRaised as e:
@@ -232,6 +300,8 @@ def _render(template: jinja2.Template, context: dict, max_chars: int) -> str:
     except (TemplateError, TypeError, ValueError, AttributeError, KeyError, IndexError, ArithmeticError,
             RecursionError) as e:
         raise ChatTemplateError("messages", f"the chat template failed on these messages: {e!r}") from None
+    finally:
+        _budget.reset(token)
     return "".join(pieces)
 
 

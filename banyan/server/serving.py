@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -18,7 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from banyan.config import ServerConfig
 from banyan.engine.client import EngineClient, EngineDeadError, RequestError
-from banyan.engine.tokenizer import encode_chat, resolve_template
+from banyan.engine.tokenizer import ChatTemplateError, encode_chat, resolve_template
 from banyan.errors import BanyanError
 from banyan.sampling_params import SamplingParams
 from banyan.server import protocol
@@ -42,8 +43,10 @@ class OpenAIServing:
         self.vocab_size = client.info.vocab_size
         self.chat_template = config.chat_template
         self.live: set[Generation] = set()  # generations in flight, for the shutdown drain
-        # Tokenizing and template rendering run here, off the event loop, under a time cap.
+        # Tokenizing and template rendering run here, off the event loop, under a time cap: a render
+        # stops itself at the cap (or at once, _stop_renders: shutdown); the wait gives up 1 s after.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="banyan-text")
+        self._stop_renders = threading.Event()
 
     # -- endpoints ----------------------------------------------------------------------------
     async def completions(self, body: dict, tenant: Tenant, http: Request) -> Response:
@@ -135,9 +138,13 @@ class OpenAIServing:
     async def _offload(self, fn: Callable, *args):
         future = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         try:
-            return await asyncio.wait_for(future, self.config.render_timeout)
+            return await asyncio.wait_for(future, self.config.render_timeout + 1.0)
         except asyncio.TimeoutError:
             raise APIError(400, f"tokenizing or rendering took longer than {self.config.render_timeout} s", param="prompt") from None
+        except BanyanError as e:  # e.g. a chat template that fails: the request's fault
+            if self._stop_renders.is_set():
+                raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down", retry_after=5) from None
+            raise from_banyan_error(e) from None
 
     def _tokenize_prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -179,16 +186,23 @@ class OpenAIServing:
     def _render_chat(self, req, calling: ToolCalling | None = None) -> list[int]:
         calling = calling or self._tool_calling(req)
         messages, tools = calling.template_inputs(protocol.messages_for_template(req.messages))
-        _, ids = encode_chat(
-            self.tokenizer,
-            messages,
-            chat_template=getattr(req, "chat_template", None) or self.chat_template,
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            tools=tools,
-            documents=getattr(req, "documents", None),
-            chat_template_kwargs=req.chat_template_kwargs,
-        )
+        try:
+            _, ids = encode_chat(
+                self.tokenizer,
+                messages,
+                chat_template=getattr(req, "chat_template", None) or self.chat_template,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                tools=tools,
+                documents=getattr(req, "documents", None),
+                chat_template_kwargs=req.chat_template_kwargs,
+                timeout=self.config.render_timeout,
+                cancel=self._stop_renders,
+            )
+        except ChatTemplateError as e:  # whatever the request's own template did wrong is about that field
+            if getattr(req, "chat_template", None) is None:
+                raise
+            raise ChatTemplateError("chat_template", str(e).removeprefix(f"{e.param}: ")) from None
         return ids
 
     def _prompt_text(self, ids: list[int]) -> str:
@@ -216,7 +230,8 @@ class OpenAIServing:
         return list(self.live)
 
     def abort_all(self) -> None:
-        """End every generation in flight with finish_reason "abort"."""
+        """End every generation in flight with finish_reason "abort", and every render (503)."""
+        self._stop_renders.set()
         for gen in self.in_flight():
             gen.abort()
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
 
 from banyan import LLM, SamplingParams
+from banyan.engine.tokenizer import DEFAULT_RENDER_TIMEOUT, ChatTemplateError
 from banyan.errors import CacheCapacityError, ContextLengthExceededError, InvalidParameterError
 from tests.factories import write_model_dir
 
@@ -114,6 +116,16 @@ def test_chat_renders_the_template(llm):
     assert out.prompt_token_ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
     batch = llm.chat([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]], use_tqdm=False)
     assert len(batch) == 2
+
+
+def test_chat_stops_a_runaway_template_at_the_render_cap(llm):
+    runaway = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+    cpu, wall = time.thread_time(), time.monotonic()  # offline, the render runs in the caller's thread
+    with pytest.raises(ChatTemplateError, match=f"ran for more than {DEFAULT_RENDER_TIMEOUT:g} s"):
+        llm.chat([{"role": "user", "content": "hi"}], chat_template=runaway, use_tqdm=False)
+    assert time.monotonic() - wall < DEFAULT_RENDER_TIMEOUT + 2
+    assert time.thread_time() - cpu < DEFAULT_RENDER_TIMEOUT + 2
+    assert llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), use_tqdm=False)
 
 
 def test_stream_yields_the_same_text(llm):

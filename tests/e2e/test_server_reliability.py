@@ -666,16 +666,23 @@ def test_l6_sigterm_drains_in_flight_requests(model_dir):
     assert proc.proc.wait(timeout=20) == 0
 
 
-def test_l6_sigterm_with_no_drain_time_aborts(model_dir):
-    proc = start_server(model_dir, *COMMON, "--shutdown-timeout", "0")
+def test_l6_sigterm_with_no_drain_time_aborts_and_waits_for_no_render(model_dir):
+    proc = start_server(model_dir, *COMMON, "--shutdown-timeout", "0", "--allow-request-chat-template", "--render-timeout", "120")
     body = {"prompt": "x", "max_tokens": 240, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{proc.base_url}/v1/completions", json=body, timeout=60) as r:
+    runaway = {"messages": [{"role": "user", "content": "x"}],  # renders for the whole render timeout
+               "chat_template": "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"}
+    with ThreadPoolExecutor(1) as pool, httpx.stream("POST", f"{proc.base_url}/v1/completions", json=body, timeout=60) as r:
+        rendering = pool.submit(lambda: (post(proc, "/v1/chat/completions", runaway), time.monotonic()))
         lines = r.iter_lines()
         next(lines)
+        time.sleep(0.5)
         proc.proc.send_signal(signal.SIGTERM)
         start = time.monotonic()
         rest = [line for line in lines if line]
+        rendered, answered = rendering.result()
     assert rest[-1] == "data: [DONE]" and '"finish_reason": "abort"' in rest[-2]
+    error_of(rendered, 503, code="shutting_down")
+    assert answered - start < 2  # the render was stopped, not waited for
     assert proc.proc.wait(timeout=10) == 0 and time.monotonic() - start < 5
 
 

@@ -3,6 +3,8 @@
 
 import functools
 import json
+import threading
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -393,6 +395,38 @@ def test_output_is_capped(byte_bpe):
     looping = "{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}"
     with pytest.raises(InvalidParameterError, match="exceeds"):
         render_chat_template(byte_bpe, messages, looping, max_chars=100_000)
+
+
+RUNAWAYS = [
+    "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",  # no output, no calls
+    "{% for a in 'x' * 4000000 %}{% for b in 'x' * 4000000 %}{% endfor %}{% endfor %}",
+    "{% macro f(n) %}{% if n < 40 %}{{ f(n + 1) }}{{ f(n + 1) }}{% endif %}{% endmacro %}{{ f(0) }}",  # 2^40 calls
+]
+
+
+@pytest.mark.parametrize("template", RUNAWAYS)
+def test_a_render_stops_at_its_time_cap_and_its_cpu_use_with_it(byte_bpe, template):
+    cpu, wall = time.thread_time(), time.monotonic()  # the render runs in this thread
+    with pytest.raises(ChatTemplateError, match=r"ran for more than 0.3 s") as info:
+        render_chat_template(byte_bpe, CONVERSATIONS[0], template, timeout=0.3)
+    assert info.value.param == "chat_template"
+    assert time.monotonic() - wall < 1.5 and time.thread_time() - cpu < 1.5
+
+
+def test_a_cancelled_render_stops_at_once(byte_bpe):
+    cancel = threading.Event()
+    threading.Timer(0.2, cancel.set).start()
+    wall = time.monotonic()
+    with pytest.raises(ChatTemplateError, match="cancelled"):
+        render_chat_template(byte_bpe, CONVERSATIONS[0], RUNAWAYS[0], timeout=None, cancel=cancel)
+    assert time.monotonic() - wall < 1.5
+
+
+def test_loops_read_the_same_under_the_budget(byte_bpe):
+    template = ("{% for m in messages %}{{ loop.index }}/{{ loop.length }}{{ '.' if loop.last }}{% endfor %}"
+                "{% for x in [1, [2, [3]]] recursive %}{{ loop(x) if x is iterable else x }}{% endfor %}"
+                "{% for k, v in {'a': 1}.items() %}{{ k }}{{ v }}{% else %}none{% endfor %}")
+    assert render_chat_template(byte_bpe, CONVERSATIONS[1], template, timeout=5) == "1/42/43/44/4.123a1"
 
 
 def test_special_tokens_in_user_content_are_kept_as_text(byte_bpe):
