@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -45,13 +46,14 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_server(model_dir, *args: str, env: dict | None = None, ready_timeout: float = 180.0) -> ServerProcess:
-    """Start `banyan serve` on a free port and wait until /health answers 200."""
+def start_server(model_dir, *args: str, env: dict | None = None, ready_timeout: float = 180.0,
+                 launcher: Sequence[str] = (sys.executable, "-m", "banyan.cli"), cwd=None) -> ServerProcess:
+    """Start `banyan serve` on a free port and wait until /health answers 200 (`launcher`: how to run banyan's CLI)."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w", prefix="banyan-serve-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "banyan.cli", "serve", "--model", str(model_dir), "--port", str(port),
+    cmd = [*launcher, "serve", "--model", str(model_dir), "--port", str(port),
            "--num-threads", "1", "--block-size", "4", *args]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=cwd)
     server = ServerProcess(proc, port, log.name)
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:

@@ -6,7 +6,10 @@ SequenceState, shared with the offline API) and puts events on one queue, so str
 non-streaming responses read the same events:
 
     choice index = prompt index * n + j            (OpenAI's numbering for several prompts)
-    engine id    = f"{http request id}-{prompt index}-{j}"
+    engine id    = f"{http request id}.{serial}-{prompt index}-{j}"
+
+The HTTP request id (the client's X-Request-Id, if sane) is a label for logs: two requests may carry
+the same one, so a per-process serial keeps the engine ids unique.
 
 Closing the Generation (client gone, error, shutdown) cancels the pumps; the engine client aborts
 their requests in the core, which frees their pages within one step.
@@ -15,6 +18,7 @@ their requests in the core, which frees their pages within one step.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -31,6 +35,8 @@ logger = logging.getLogger("banyan.server")
 MAX_BUFFERED_EVENTS = 1024
 """Events held per choice for a stream its client does not read; beyond it the request is aborted (RELIABILITY D4).
 Per choice, because a reader that keeps up can still be a step behind on every choice at once."""
+
+_serials = itertools.count()
 
 
 @dataclass
@@ -83,11 +89,12 @@ class Generation:
         self._queue: asyncio.Queue[Event | None] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         now = time.time()
+        key = f"{http_request_id}.{next(_serials)}"  # unique, whatever the client's id
         n = params.n
         for p, prompt in enumerate(prompts):
             for j in range(n):
                 child = params if n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + j)
-                request_id = f"{http_request_id}-{p}-{j}"
+                request_id = f"{key}-{p}-{j}"
                 choice = Choice(p * n + j, request_id, p, SequenceState(p * n + j, child, tokenizer, prompt), now)
                 add = AddRequest(
                     request_id,
@@ -96,7 +103,7 @@ class Generation:
                     arrival_time=now,
                     priority=priority,
                     cache_salt=cache_salt,
-                    group_id=f"{http_request_id}-{p}" if n > 1 else None,
+                    group_id=f"{key}-{p}" if n > 1 else None,
                 )
                 self.choices.append(choice)
                 self._tasks.append(asyncio.ensure_future(self._pump(choice, add)))
