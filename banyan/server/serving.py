@@ -442,8 +442,9 @@ def _tool_call_piece(piece) -> dict:
 
 
 def _tool_finish_reason(finish_reason: str | None, parser: ToolCallParser) -> str | None:
-    """OpenAI's "tool_calls" when a reply that ended normally holds calls; "length" etc. stay."""
-    return "tool_calls" if parser.calls and finish_reason == "stop" else finish_reason
+    """OpenAI's "tool_calls" when a reply that ended normally holds calls, none of them cut short;
+    else the reason stays ("length": max_tokens cut a call; "stop": a stop string did)."""
+    return "tool_calls" if finish_reason == "stop" and parser.all_complete else finish_reason
 
 
 def _include_usage(req) -> bool:

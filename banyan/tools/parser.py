@@ -3,14 +3,16 @@
     parser = ToolCallParser(fmt)
     content, deltas = parser.feed(text_delta)      # per streamed piece of text
     content, deltas = parser.finish()              # at the end: text held back is released
-    parser.calls                                   # the complete calls, with their ids
+    parser.calls                                   # the calls, with their ids
 
 Text before the tool section is content. In the section, each call object
 `{"name": "f", "<arguments_key>": ARGS}` yields a delta with the call's id and name as soon as the name
-is read, then the characters of ARGS as they arrive (OpenAI's streaming shape), so joining a call's
-argument deltas gives the JSON text the model wrote. Because the reply was generated under the tool
-grammar (grammar.py), the scan needs no backtracking: it tracks only JSON nesting and strings.
-Content that could be the start of the trigger (e.g. "<tool_") is held back until it is not.
+is read, then the characters of ARGS as they arrive, at most one delta per call for each piece fed
+(OpenAI's streaming shape), so joining a call's argument deltas gives the JSON text the model wrote.
+Because the reply was generated under the tool grammar (grammar.py), the scan needs no backtracking:
+it tracks only JSON nesting and strings. A call the reply ends inside (cut by max_tokens or a stop
+string) keeps `complete` False, and `all_complete` is then False too. Content that could be the
+start of the trigger (e.g. "<tool_") is held back until it is not.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def new_call_id() -> str:
 
 @dataclass
 class ToolCallDelta:
-    """A piece of one call for a stream: `id` and `name` come once, first; `arguments` is a fragment."""
+    """A piece of one call for a stream: `id` and `name` come once, in its first delta; `arguments` is
+    a fragment (the first delta's may be one too)."""
 
     index: int
     arguments: str = ""
@@ -81,8 +84,9 @@ class ToolCallParser:
         return self._state not in (_State.TEXT, _State.START, _State.PLAIN)
 
     @property
-    def complete_calls(self) -> list[ToolCall]:
-        return [c for c in self.calls if c.complete]
+    def all_complete(self) -> bool:
+        """The reply holds calls and none was cut short."""
+        return bool(self.calls) and all(c.complete for c in self.calls)
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """New content text and call deltas from the next piece of the reply."""
@@ -185,12 +189,12 @@ class ToolCallParser:
 
 
 def _merge(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
-    """Consecutive argument fragments of one call as one delta."""
+    """One delta per call, as OpenAI streams them: a call's argument fragments join the delta before
+    them, its first delta (id and name) included."""
     merged: list[ToolCallDelta] = []
     for d in deltas:
-        last = merged[-1] if merged else None
-        if last is not None and d.id is None and last.index == d.index and last.id is None:
-            last.arguments += d.arguments
+        if merged and d.id is None and merged[-1].index == d.index:
+            merged[-1].arguments += d.arguments
         else:
             merged.append(d)
     return merged

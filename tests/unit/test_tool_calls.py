@@ -71,9 +71,10 @@ def test_streamed_in_any_split_the_deltas_add_up_to_the_whole(fmt):
             piece, deltas = parser.feed(text[at:at + step])
             at += step
             content += piece
+            assert len({d.index for d in deltas}) == len(deltas)  # one delta per call per piece, as OpenAI's chunks
             for d in deltas:
+                assert (d.id is not None) == (d.index not in names)  # the id and name come first, once
                 if d.id is not None:
-                    assert d.index not in names and d.arguments == ""  # the name comes first, once
                     names[d.index] = d.name
                 arguments[d.index] = arguments.get(d.index, "") + d.arguments
         content += parser.finish()[0]
@@ -92,9 +93,20 @@ def test_a_llama3_call_may_open_with_the_python_tag():
     assert content == "" and call.name == "add" and call.complete
 
 
-def test_a_call_cut_short_is_reported_incomplete():
-    _, [call] = ToolCallParser(JSON_LIST).parse('<tool_call>[{"name": "add", "arguments": {"a": 1')
-    assert not call.complete and call.arguments == '{"a": 1'
+@pytest.mark.parametrize("cut", ['{"a": 1', '{"a": 1, "b": [true]', '{"a": 1, "b": [true]}'])
+def test_a_call_cut_short_is_reported_incomplete(cut):
+    """Even whole arguments make no complete call until the call object closes."""
+    parser = ToolCallParser(JSON_LIST)
+    _, [call] = parser.parse('<tool_call>[{"name": "add", "arguments": ' + cut)
+    assert call.arguments == cut and not call.complete and not parser.all_complete
+
+
+def test_calls_are_all_complete_only_when_the_last_one_is():
+    parser = ToolCallParser(HERMES)
+    parser.feed(call_text(HERMES, "add", {"a": 1, "b": []}))
+    assert parser.all_complete
+    parser.feed('\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro')
+    assert not parser.all_complete and [c.complete for c in parser.calls] == [True, False]
 
 
 # -- the grammar, sampled over random logits -----------------------------------------------------
