@@ -52,7 +52,9 @@ def fp32(tiny):
     return greedy(llm, prompts), model_weight_bytes(llm.engine.runner.model)
 
 
-@pytest.mark.parametrize("quantization, least", [("int8", 0.9), ("int4", 0.0), ("fp8", 0.0), ("fp16", 0.95)])
+# Measured on an AVX2 EPYC (banyan's kernel for int8/int4 decode): int8 100%, int4 58%, fp8 71%, fp16 100%. A random
+# tiny model has close logits, so one early flip costs the rest of a prompt; broken weights agree near 0%.
+@pytest.mark.parametrize("quantization, least", [("int8", 0.9), ("int4", 0.4), ("fp8", 0.5), ("fp16", 0.95)])
 def test_quantized_tiny_model_agrees_with_fp32(tiny, fp32, quantization, least):
     path, prompts = tiny
     want, fp32_bytes = fp32
@@ -61,7 +63,7 @@ def test_quantized_tiny_model_agrees_with_fp32(tiny, fp32, quantization, least):
     share, size = agreement(got, want), model_weight_bytes(llm.engine.runner.model)
     print(f"{quantization}: greedy agreement {share:.0%}, weights {size} bytes (fp32 {fp32_bytes})")
     assert all(len(tokens) == MAX_NEW for tokens in got)
-    assert share >= least  # int8: high; int4 and fp8 on a random tiny model: reported
+    assert share >= least
     assert size < fp32_bytes * {"fp8": 0.8, "fp16": 0.7}.get(quantization, 0.45)  # fp8 keeps lm_head in fp32
 
 

@@ -8,8 +8,10 @@ import torch
 
 from banyan import LLM, SamplingParams
 from banyan.config import EngineConfig, ModelConfig
+from banyan.kernels import cpu_gemv
 from banyan.quantization.formats import INT8, Int4Weight, Int8Weight, WeightFormat
 from banyan.runner.weights import open_model
+from tests.unit.test_quantization import needs_gemv
 from tests.unit.test_weights import make_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -58,8 +60,28 @@ def greedy_tokens(path, quantization, prompts):
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
 
+@pytest.fixture
+def without_cpu_kernels(monkeypatch):
+    """Layers dequantize per matmul: banyan's AVX2 kernel (which rounds x to int8) is switched off."""
+    monkeypatch.setenv("BANYAN_DISABLE_CPU_KERNELS", "1")
+    cpu_gemv.load.cache_clear()
+    yield
+    cpu_gemv.load.cache_clear()
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
-def test_compact_q4_model_generates_what_the_dequantized_one_does(tmp_path, qtype):
+def test_compact_q4_model_generates_what_the_dequantized_one_does(tmp_path, qtype, without_cpu_kernels):
     path, _ = make_gguf(tmp_path, qtype=qtype)  # untied: every matrix, lm_head too, stays int4 with its values
     prompts = [[5, 9, 17, 33], [40, 41, 42, 43, 44, 45, 46], [100] * 5]
-    assert greedy_tokens(path, "gguf", prompts) == greedy_tokens(path, None, prompts)
+    assert greedy_tokens(path, "gguf", prompts) == greedy_tokens(path, "none", prompts)  # none: dequantized, float32
+
+
+@needs_gemv
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_compact_q4_model_through_the_kernel_starts_as_the_dequantized_one(tmp_path, qtype):
+    """The same values, but banyan's AVX2 kernel rounds x to int8 per block of 32 (as llama.cpp does): on this
+    random model the greedy tokens part after 4 to 10 tokens (measured), so only the first two are promised."""
+    path, _ = make_gguf(tmp_path, qtype=qtype)
+    prompts = [[5, 9, 17, 33], [40, 41, 42, 43, 44, 45, 46], [100] * 5]
+    got, want = greedy_tokens(path, "gguf", prompts), greedy_tokens(path, "none", prompts)
+    assert [t[:2] for t in got] == [t[:2] for t in want]
