@@ -46,8 +46,9 @@ class ServerState:
     extra: dict = field(default_factory=dict)
 
 
-def api_error_response(err: APIError) -> JSONResponse:
-    headers = {"Retry-After": str(max(1, round(err.retry_after)))} if err.retry_after else None
+def api_error_response(err: APIError, headers: dict | None = None) -> JSONResponse:
+    if err.retry_after:
+        headers = {**(headers or {}), "Retry-After": str(max(1, round(err.retry_after)))}
     return JSONResponse(error_body(err), status_code=err.status, headers=headers)
 
 
@@ -158,7 +159,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         kind = {404: "NotFoundError", 405: "invalid_request_error"}.get(err.status_code, "invalid_request_error")
-        return api_error_response(APIError(err.status_code, str(err.detail), type=kind))
+        return api_error_response(APIError(err.status_code, str(err.detail), type=kind), err.headers)  # 405: Allow
 
     @app.exception_handler(Exception)
     async def on_bug(request: Request, err: Exception) -> JSONResponse:

@@ -143,8 +143,13 @@ def test_h10_unknown_model(server):
     error_of(post(server, "/v1/completions", {"model": "gpt-17", "prompt": "x"}), 404, code="model_not_found")
 
 
-def test_h11_wrong_method(server):
-    error_of(httpx.get(f"{server.base_url}/v1/completions"), 405)
+def test_h11_wrong_method_is_405_and_says_which_are_allowed(server):
+    r = httpx.get(f"{server.base_url}/v1/completions")
+    error_of(r, 405)
+    assert r.headers["allow"] == "POST"
+    r = httpx.put(f"{server.base_url}/tokenize", json={"prompt": "x"})
+    error_of(r, 405)
+    assert r.headers["allow"] == "POST"
 
 
 def test_h4_body_over_the_limit(server):
@@ -483,7 +488,14 @@ def test_a3_path_tricks_never_pass_unauthenticated(auth_server, path, method):
         body = b'{"prompt": "x", "max_tokens": 1}'
         s.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
         status = int(s.recv(4096).split(b" ", 2)[1])
-    assert status in (401, 404, 405)
+    assert status == 401  # authentication comes before routing: no 404/405 tells a stranger what exists
+
+
+@pytest.mark.parametrize("method", ["GET", "POST", "DELETE"])
+def test_a3_unknown_paths_are_401_without_a_key_and_404_with_one(auth_server, method):
+    for path in ("/nope", "/v1/nope", "/v1/completions/x"):
+        error_of(httpx.request(method, f"{auth_server.base_url}{path}"), 401, code="invalid_api_key")
+        error_of(httpx.request(method, f"{auth_server.base_url}{path}", headers={"Authorization": f"Bearer {KEY_A}"}), 404)
 
 
 def test_a5_tenants_never_share_cached_prompts(auth_server):
