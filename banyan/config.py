@@ -107,7 +107,7 @@ class ModelConfig:
     model: str = DEFAULT_MODEL
     """A local Hugging Face directory, a .gguf file, or an alias (default: smollm2-135m-instruct)."""
     tokenizer: str | None = None
-    """Tokenizer directory when it differs from the model's."""
+    """A Hugging Face directory (or .gguf file) whose tokenizer and chat template replace the model's."""
     dtype: str = "auto"
     """Weights and activations: auto, float32, bfloat16 or float16 (auto: on a GPU the checkpoint's 16-bit dtype,
     bfloat16 for float32 checkpoints; on a CPU with AMX or AVX512-BF16 bfloat16 for 16-bit and GGUF checkpoints;

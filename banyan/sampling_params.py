@@ -24,6 +24,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 class SamplingParams:
     n: int = 1
     """Completions to return for the prompt."""
+    best_of: int | None = None
+    """Completions to generate, of which the n with the highest cumulative log-probability are returned
+    (OpenAI's legacy best_of; None: n). Every generated token counts in usage."""
     temperature: float = 1.0
     """0 means greedy."""
     top_p: float = 1.0
@@ -34,7 +37,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    """Per-request seed: the same output whatever else is in the batch."""
+    """Per-request seed: the request's random draws come from its own generator, whatever else is in the batch.
+    Its output (and a greedy one) is the same alone and in any batch only where the logits are too: with
+    `batch_invariant` (ModelConfig; CPU). Otherwise the batch picks the kernels and their rounding, and a
+    completion may part from its solo one after some tokens (docs/quantization.md, "Batch invariance")."""
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -70,6 +76,10 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, 1, MAX_N)
+            if self.best_of < self.n:
+                raise InvalidParameterError("best_of", f"must be >= n ({self.n}), got {self.best_of}")
         _check_float("temperature", self.temperature, 0.0, 100.0)
         _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _check_int("top_k", self.top_k, -1, INT64_MAX)
@@ -111,6 +121,24 @@ class SamplingParams:
         for t in self.logit_bias or {}:
             if t >= vocab_size:
                 raise InvalidParameterError("logit_bias", f"token id {t} is outside the vocabulary (size {vocab_size})")
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences sampled per prompt: best_of when set, else n."""
+        return self.best_of or self.n
+
+    def sequence_params(self, index: int) -> SamplingParams:
+        """The parameters of the engine request sampling sequence `index` of the prompt's num_sequences:
+        a seeded request gives each its own stream (seed + index, wrapped to 64 bits, as vLLM does), and
+        best_of candidates compute the log-probability they are ranked by."""
+        if self.num_sequences == 1:
+            return self
+        changes: dict = {"n": 1, "best_of": None}
+        if self.seed is not None:
+            changes["seed"] = (self.seed + index - INT64_MIN) % 2**64 + INT64_MIN
+        if self.num_sequences > self.n and self.logprobs is None:
+            changes["logprobs"] = 0
+        return self.clone(**changes)
 
     def clone(self, **changes) -> SamplingParams:
         values = {f: getattr(self, f) for f in self.__dataclass_fields__}

@@ -47,7 +47,7 @@ class Engine:
         """runner_factory(model_config, cache_config, source, limits): the model runner (benchmarks swap in a
         double). The runner sizes the KV pool and logs what it holds."""
         self.config = config
-        source = open_model(config.model.model, trust_remote_code=config.model.trust_remote_code)
+        source = open_model(config.model.model, config.model.trust_remote_code, config.model.tokenizer)
         self.arch = source.arch
         self.tokenizer = source.tokenizer
         self.max_model_len = resolve_max_model_len(config, source.arch)

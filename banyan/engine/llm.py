@@ -192,6 +192,8 @@ class LLM:
 
     def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one completion as it is generated (the first of its n sequences)."""
+        if sampling_params is not None and sampling_params.num_sequences > sampling_params.n:
+            raise InvalidParameterError("best_of", "cannot be used when streaming: the best are known only at the end")
         processor = OutputProcessor(self.tokenizer)
         request_id = self._add(processor, prompt, sampling_params or SamplingParams(), 0)
         state = processor.prompts[request_id]
@@ -210,14 +212,13 @@ class LLM:
     def _add(self, processor: OutputProcessor, prompt: PromptInput, params: SamplingParams, priority: int) -> str:
         text, token_ids = self._tokenize(prompt)
         request_id = str(next(self._ids))
-        sequences = [SequenceState(i, params, self.tokenizer, token_ids) for i in range(params.n)]
+        sequences = [SequenceState(i, params, self.tokenizer, token_ids) for i in range(params.num_sequences)]
         self.engine.check_prompt(token_ids)
         child_ids = processor.add(PromptState(request_id, text, token_ids, sequences, metrics=None))
         requests = []
+        group = request_id if len(child_ids) > 1 else None
         for i, child_id in enumerate(child_ids):
-            # Seeded n > 1: each sequence its own stream, as vLLM does (seed + index).
-            child_params = params if params.seed is None or params.n == 1 else params.clone(seed=params.seed + i)
-            group = request_id if params.n > 1 else None
+            child_params = params.sequence_params(i)
             requests.append(self.engine.add_request(child_id, token_ids, child_params, priority=priority, group_id=group))
         processor.prompts[request_id].metrics = requests[0].metrics
         return request_id

@@ -7,14 +7,17 @@ n sequences of one prompt into a RequestOutput.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from banyan.engine.engine import RequestDelta
 from banyan.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from banyan.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
 from banyan.request import RequestMetrics, TokenLogprobs
 from banyan.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 
 class SequenceState:
@@ -86,16 +89,28 @@ class PromptState:
         return all(s.finish_reason is not None for s in self.sequences)
 
     def output(self) -> RequestOutput:
+        kept = best_of(self.sequences, self.sequences[0].params.n, key=lambda s: s.cumulative_logprob)
+        outputs = [s.output() for s in kept]
+        for rank, out in enumerate(outputs):
+            out.index = rank
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             prompt_logprobs=self.prompt_logprobs,
-            outputs=[s.output() for s in self.sequences],
+            outputs=outputs,
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
         )
+
+
+def best_of(candidates: list[T], n: int, key: Callable[[T], float]) -> list[T]:
+    """The n candidates with the highest cumulative log-probability `key`, best first (OpenAI's best_of);
+    all of them, in their order, when there are no more than n."""
+    if len(candidates) <= n:
+        return list(candidates)
+    return sorted(candidates, key=key, reverse=True)[:n]
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:

@@ -408,6 +408,16 @@ def _encode_piece(tokenizer, piece: str, as_text: bool) -> list[int]:
     return ids
 
 
+def with_special_tokens(tokenizer, ids: list[int]) -> list[int]:
+    """`ids` between the special tokens (BOS, ...) the tokenizer adds around a text, found by encoding
+    a probe with and without them; `ids` themselves stay as they are (a rendered chat's, say)."""
+    probe, full = tokenizer.encode("a", add_special_tokens=False), tokenizer.encode("a", add_special_tokens=True)
+    start = next((i for i in range(len(full) - len(probe) + 1) if full[i:i + len(probe)] == probe), None)
+    if start is None:  # a tokenizer that rewrites the text itself: add nothing rather than guess
+        return ids
+    return full[:start] + ids + full[start + len(probe):]
+
+
 # -- detokenizing ---------------------------------------------------------------------------------
 def special_token_ids(tokenizer) -> frozenset[int]:
     """Ids that `decode(..., skip_special_tokens=True)` drops."""

@@ -91,12 +91,23 @@ def resolve_model(model: str) -> Path:
     )
 
 
-def open_model(model: str, trust_remote_code: bool = False) -> ModelSource:
-    """Resolve `model`, check its files, read its shape, tokenizer and generation config."""
+def open_model(model: str, trust_remote_code: bool = False, tokenizer: str | None = None) -> ModelSource:
+    """Resolve `model`, check its files, read its shape, tokenizer and generation config.
+
+    tokenizer: a Hugging Face directory (or .gguf file) whose tokenizer and chat template replace the model's."""
     path = resolve_model(model)
+    source = _open_gguf(path) if path.is_file() else _open_hf_dir(path, trust_remote_code)
+    if tokenizer is not None:
+        source.tokenizer = _open_tokenizer(tokenizer, trust_remote_code)
+    return source
+
+
+def _open_tokenizer(tokenizer: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer (with its chat template) of a Hugging Face directory or a .gguf file."""
+    path = resolve_model(tokenizer)
     if path.is_file():
-        return _open_gguf(path)
-    return _open_hf_dir(path, trust_remote_code)
+        return tokenizer_from_gguf(gguf_loader.read_metadata(gguf_loader.open_reader(path), path), path)
+    return _hf_tokenizer(path, trust_remote_code)
 
 
 def _alias_path(alias: str) -> Path:

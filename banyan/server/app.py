@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from banyan import __version__
 from banyan.config import ServerConfig
 from banyan.engine.client import EngineClient
+from banyan.server import openapi
 from banyan.server.auth import ANONYMOUS, ApiKeyAuth, Tenant
 from banyan.server.errors import APIError, error_body, parse_json_body
 from banyan.server.metrics import ServerMetrics
@@ -112,43 +113,53 @@ def tenant_of(request: Request) -> Tenant:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="banyan", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="banyan", version=__version__, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
+                  description="OpenAI-compatible inference server. Request bodies are validated strictly; "
+                              "unknown fields are ignored. Errors are OpenAI-shaped: {error: {message, type, param, code}}.")
     serving = state.serving
     limit = state.config.max_body_bytes
+    openapi.install(app, auth_enabled=lambda: state.auth.enabled,
+                    open_paths=lambda: OPEN_PATHS | (set() if state.config.protect_metrics else {"/metrics"}))
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, response_model=None, responses={
+        200: {"description": "serving"}, 503: {"description": "not serving: stopped, wedged or shutting down"}})
     async def health() -> Response:
         healthy = not state.dead and state.client.is_alive() and state.client.is_making_progress(state.config.wedge_timeout)
         return Response(status_code=200 if healthy and not state.draining else 503)
 
-    @app.get("/version")
+    @app.get("/version", **openapi.route_docs(openapi.VersionResponse))
     async def version() -> dict:
         return {"version": __version__}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **openapi.route_docs(openapi.ModelList))
     async def models() -> dict:
         return serving.models()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, response_model=None, responses={
+        200: {"description": "Prometheus text format"},
+        401: {"model": openapi.ErrorResponse, "description": "with --protect-metrics: missing or wrong API key"}})
     async def metrics() -> Response:
         if state.client.stats is not None:
             state.metrics.update_from_engine_stats(state.client.stats)
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **openapi.route_docs(openapi.CompletionResponse, errors=openapi.POST_ERRORS, stream=True))
     async def completions(request: Request) -> Response:
         return await serving.completions(await read_json(request, limit), tenant_of(request), request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **openapi.route_docs(openapi.ChatCompletionResponse, errors=openapi.POST_ERRORS,
+                                                          stream=True))
     async def chat(request: Request) -> Response:
         return await serving.chat(await read_json(request, limit), tenant_of(request), request)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", **openapi.route_docs(openapi.TokenizeResponse, errors=openapi.POST_ERRORS, description=(
+        "A prompt, or messages rendered with the chat template; add_special_tokens (default true for a prompt, false "
+        "for messages) puts the tokenizer's special tokens (e.g. BOS) around the text or the rendered chat.")))
     async def tokenize(request: Request) -> Response:
         return await serving.tokenize(await read_json(request, limit))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", **openapi.route_docs(openapi.DetokenizeResponse, errors=openapi.POST_ERRORS))
     async def detokenize(request: Request) -> Response:
         return await serving.detokenize(await read_json(request, limit))
 

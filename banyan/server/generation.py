@@ -23,11 +23,11 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from banyan.engine.client import EngineClient
 from banyan.engine.messages import AddRequest
-from banyan.engine.output_processor import SequenceState
+from banyan.engine.output_processor import SequenceState, best_of
 from banyan.sampling_params import SamplingParams
 
 logger = logging.getLogger("banyan.server")
@@ -82,18 +82,19 @@ class Generation:
     ):
         self.client = client
         self.prompts = prompts
-        self._event_cap = max_buffered_events * len(prompts) * params.n
+        self._event_cap = max_buffered_events * len(prompts) * params.num_sequences
         self.slow_reader = False
         self.structured_param: str | None = None  # the request field of its structured-output spec, if any
         self.choices: list[Choice] = []
         self._queue: asyncio.Queue[Event | None] = asyncio.Queue()
+        self._read: dict[int, int] = {}  # choice index -> its output tokens up to the last event read
         self._tasks: list[asyncio.Task] = []
         now = time.time()
         key = f"{http_request_id}.{next(_serials)}"  # unique, whatever the client's id
-        n = params.n
+        n = params.num_sequences  # best_of candidates, or the n choices
         for p, prompt in enumerate(prompts):
             for j in range(n):
-                child = params if n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + j)
+                child = params.sequence_params(j)
                 request_id = f"{key}-{p}-{j}"
                 choice = Choice(p * n + j, request_id, p, SequenceState(p * n + j, child, tokenizer, prompt), now)
                 add = AddRequest(
@@ -142,11 +143,24 @@ class Generation:
             if event is None:
                 remaining -= 1
                 continue
+            if event.error is None:
+                self._read[event.choice.index] = event.num_tokens
             yield event
 
     async def run(self) -> list[Event]:
         """Wait for the end of all choices; returns the error events (if any)."""
         return [e async for e in self.events() if e.error is not None]
+
+    def returned(self, n: int) -> list[Choice]:
+        """The choices an answer holds: every one, or of best_of candidates the n with the highest
+        cumulative log-probability per prompt, renumbered p * n + rank (best first)."""
+        if len(self.choices) == n * len(self.prompts):
+            return self.choices
+        groups: dict[int, list[Choice]] = {}
+        for c in self.choices:
+            groups.setdefault(c.prompt_index, []).append(c)
+        return [replace(c, index=p * n + rank) for p, group in groups.items()
+                for rank, c in enumerate(best_of(group, n, key=lambda c: c.seq.cumulative_logprob))]
 
     @property
     def done(self) -> bool:
@@ -177,6 +191,11 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return sum(len(c.seq.token_ids) for c in self.choices)
+
+    @property
+    def read_completion_tokens(self) -> int:
+        """Output tokens of the events read so far (a stream's running count; the pumps may be ahead)."""
+        return sum(self._read.values())
 
     @property
     def cached_tokens(self) -> int:

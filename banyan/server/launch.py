@@ -65,7 +65,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, *, fau
     """Run until shut down; returns the process exit status."""
     keys = load_api_keys(server_config.api_key, os.environ, server_config.api_key_file)
     auth = ApiKeyAuth(keys, share_prefix_cache=server_config.share_prefix_cache)
-    tokenizer = open_model(engine_config.model.model, trust_remote_code=engine_config.model.trust_remote_code).tokenizer
+    model = engine_config.model
+    tokenizer = open_model(model.model, model.trust_remote_code, model.tokenizer).tokenizer
     client = await EngineClient.start(engine_config, fault=fault)
     names = (server_config.served_model_name or engine_config.model.model).split(",")
     names = [n.strip() for n in names if n.strip()]

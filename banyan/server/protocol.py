@@ -45,7 +45,7 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, use_attribute_docstrings=True)
 
 
 class _Request(_Strict):
@@ -196,6 +196,8 @@ class _SamplingFields(_Request):
     cache_salt: str | None = Field(None, pattern=CACHE_SALT_PATTERN)
     """Namespace of the prefix cache (from a trusted gateway); letters, digits and _.:- only."""
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    """Scheduling priority, lower served first, under `--scheduling-policy priority`; under the default fcfs
+    policy (arrival order) it is accepted and has no effect, as in vLLM."""
     # structured output: OpenAI's response_format, vLLM's structured_outputs and older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -254,7 +256,9 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    """Completions to generate, of which the n with the highest cumulative log-probability are returned
+    (at least n; not with stream). Usage counts every generated token."""
 
     @model_validator(mode="before")
     @classmethod
@@ -264,7 +268,8 @@ class CompletionRequest(_SamplingFields):
             raise InvalidParameterError("prompt_embeds", "is not supported")
         return data
 
-    @field_validator("prompt", mode="plain")  # the whole validation: pydantic's union is slow on long lists
+    @field_validator("prompt", mode="plain",  # the whole validation: pydantic's union is slow on long lists
+                     json_schema_input_type=str | list[str] | list[TokenId] | list[list[TokenId]])
     @classmethod
     def _check_prompt(cls, prompt: Any) -> Any:
         if isinstance(prompt, str):
@@ -287,8 +292,10 @@ class CompletionRequest(_SamplingFields):
     def _supported(self) -> CompletionRequest:
         if self.suffix is not None:
             raise InvalidParameterError("suffix", "is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise InvalidParameterError("best_of", f"must equal n ({self.n}) if given, got {self.best_of}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidParameterError("best_of", f"must be >= n ({self.n}), got {self.best_of}")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise InvalidParameterError("best_of", "cannot be used with stream: the best are known only at the end")
         return self
 
     @property
@@ -441,6 +448,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *,
         "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")}
     return SamplingParams(
         n=request.n,
+        best_of=getattr(request, "best_of", None),
         seed=request.seed,
         stop=request.stop or [],
         stop_token_ids=request.stop_token_ids or [],

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from banyan.config import ServerConfig
 from banyan.engine.client import EngineClient, EngineDeadError, RequestError
-from banyan.engine.tokenizer import ChatTemplateError, encode_chat, resolve_template
+from banyan.engine.tokenizer import ChatTemplateError, encode_chat, resolve_template, with_special_tokens
 from banyan.errors import BanyanError
 from banyan.sampling_params import SamplingParams
 from banyan.server import protocol
@@ -58,7 +58,7 @@ class OpenAIServing:
         texts = [self._prompt_text(p) for p in prompts] if req.echo else None
         render = _CompletionRender(self, gen, req, texts)
         if req.stream:
-            return self._sse(gen, render.chunks(), http)
+            return self._sse(gen, render.chunks(), http, _continuous_usage(req))
         return await self._respond(gen, render.response, http)
 
     async def chat(self, body: dict, tenant: Tenant, http: Request) -> Response:
@@ -77,20 +77,25 @@ class OpenAIServing:
             gen.structured_param = "tools"
         render = _ChatRender(self, gen, req, calling)
         if req.stream:
-            return self._sse(gen, render.chunks(), http)
+            return self._sse(gen, render.chunks(), http, _continuous_usage(req))
         return await self._respond(gen, render.response, http)
 
     async def tokenize(self, body: dict) -> Response:
         if "messages" in body:
             req = protocol.parse(protocol.TokenizeChatRequest, body)
+            self.check_model(req.model)
             ids = await self._offload(self._render_chat, req)
+            if req.add_special_tokens:  # around the rendered chat, as the tokenizer adds them around a text
+                ids = with_special_tokens(self.tokenizer, ids)
         else:
             req = protocol.parse(protocol.TokenizeCompletionRequest, body)
+            self.check_model(req.model)
             ids = await self._offload(lambda: self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len})
 
     async def detokenize(self, body: dict) -> Response:
         req = protocol.parse(protocol.DetokenizeRequest, body)
+        self.check_model(req.model)
         self._check_token_ids(req.tokens, "tokens")
         return JSONResponse({"prompt": await self._offload(lambda: self.tokenizer.decode(req.tokens))})
 
@@ -215,8 +220,8 @@ class OpenAIServing:
             params.verify_for_model(self.vocab_size)
         except BanyanError as e:
             raise from_banyan_error(e) from e
-        budget = sum(len(p) + (params.max_tokens or self.max_model_len - len(p)) for p in prompts) * params.n
-        self._admit(tenant, budget, len(prompts) * params.n)
+        budget = sum(len(p) + (params.max_tokens or self.max_model_len - len(p)) for p in prompts) * params.num_sequences
+        self._admit(tenant, budget, len(prompts) * params.num_sequences)
         namespace = ApiKeyAuth.namespace_for(tenant, req.cache_salt)
         gen = Generation(self.client, self.tokenizer, http.state.request_id, prompts, params, priority=req.priority,
                          cache_salt=namespace, max_buffered_events=self.config.max_buffered_events)
@@ -257,10 +262,12 @@ class OpenAIServing:
             raise _error_of(errors[0].error, gen.structured_param)
         return JSONResponse(build())
 
-    def _sse(self, gen: Generation, chunks: AsyncIterator[dict], http: Request) -> StreamingResponse:
+    def _sse(self, gen: Generation, chunks: AsyncIterator[dict], http: Request, running_usage: bool) -> StreamingResponse:
         async def stream():
             try:
                 async for chunk in chunks:
+                    if running_usage and "usage" not in chunk:
+                        chunk["usage"] = usage(gen, gen.read_completion_tokens)
                     yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
             except Exception as e:  # request-scoped failure mid-stream: an error event, then [DONE]
                 err = _error_of(e, gen.structured_param)
@@ -308,11 +315,14 @@ def _error_of(e: BaseException, structured_param: str | None = None) -> APIError
     return APIError(500, "internal error", type="server_error")
 
 
-def usage(gen: Generation) -> dict:
+def usage(gen: Generation, completion_tokens: int | None = None) -> dict:
+    """The request's usage; `completion_tokens` given: a running count in the middle of a stream."""
+    if completion_tokens is None:
+        completion_tokens = gen.completion_tokens
     return {
         "prompt_tokens": gen.prompt_tokens,
-        "completion_tokens": gen.completion_tokens,
-        "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": gen.prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
     }
 
@@ -336,7 +346,7 @@ class _CompletionRender:
 
     def response(self) -> dict:
         choices = []
-        for c in self.gen.choices:
+        for c in self.gen.returned(self.req.n):
             echo = self.prompt_texts[c.prompt_index] if self.prompt_texts else ""
             choices.append({"index": c.index, "text": echo + c.seq.text, "logprobs": self._logprobs(c),
                             "finish_reason": c.seq.finish_reason, "stop_reason": c.seq.stop_reason})
@@ -448,4 +458,9 @@ def _tool_finish_reason(finish_reason: str | None, parser: ToolCallParser) -> st
 
 
 def _include_usage(req) -> bool:
-    return bool(req.stream_options and req.stream_options.include_usage)
+    return bool(req.stream_options and (req.stream_options.include_usage or req.stream_options.continuous_usage_stats))
+
+
+def _continuous_usage(req) -> bool:
+    """Every chunk carries the running usage (vLLM's; here it implies include_usage, which vLLM requires)."""
+    return bool(req.stream_options and req.stream_options.continuous_usage_stats)

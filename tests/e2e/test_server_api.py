@@ -236,3 +236,133 @@ def test_an_invalid_schema_is_400_on_response_format(client, response_format):
 def _removed(server):
     r = post(server, "/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+# -- fields that used to be accepted and ignored (issue 11) -------------------------------------
+def _stream_usages(chunks) -> list[dict]:
+    return [c.usage.model_dump() if c.usage else None for c in chunks]
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_continuous_usage_stats_put_the_running_counts_on_every_chunk(client, route):
+    kw = dict(model="tiny", max_tokens=6, n=2, temperature=1.0, seed=3, stream=True, extra_body={"ignore_eos": True},
+              stream_options={"include_usage": True, "continuous_usage_stats": True})
+    if route == "chat":
+        chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw))
+    else:
+        chunks = list(client.completions.create(prompt=PROMPT, **kw))
+    usages = _stream_usages(chunks)
+    assert None not in usages, usages
+    completed = [u["completion_tokens"] for u in usages]
+    assert completed == sorted(completed) and completed[-1] == 12  # running, then the total of both choices
+    assert {u["prompt_tokens"] for u in usages} == {usages[-1]["prompt_tokens"]}
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+    assert chunks[-1].choices == []  # include_usage's last chunk still comes
+
+
+def test_without_continuous_usage_stats_only_the_last_chunk_has_usage(client):
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert [u is not None for u in _stream_usages(chunks)] == [False] * (len(chunks) - 1) + [True]
+
+
+def test_best_of_returns_the_n_candidates_with_the_highest_cumulative_logprob(client):
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=5, temperature=1.0, seed=21, extra_body={"ignore_eos": True})
+    candidates = client.completions.create(n=4, logprobs=0, **kw)  # the same four: seeds 21, 22, 23, 24
+    ranked = sorted(candidates.choices, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+    best = client.completions.create(n=2, best_of=4, **kw)
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert best.choices[0].logprobs is None  # not asked for
+    assert best.usage.completion_tokens == 4 * 5  # every generated token counts
+
+
+def test_best_of_cannot_stream(server):
+    body = {"model": "tiny", "prompt": PROMPT, "n": 1, "best_of": 2, "stream": True}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
+
+
+def test_priority_is_accepted_and_documented_under_fcfs(server, client):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body={"priority": -5})
+    assert out.choices[0].text is not None
+    spec = httpx.get(f"{server.base_url}/openapi.json").json()
+    priority = spec["components"]["schemas"]["CompletionRequest"]["properties"]["priority"]
+    assert "fcfs" in priority["description"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/tokenize", {"model": "gpt-17", "prompt": "hi"}),
+    ("/tokenize", {"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}),
+    ("/detokenize", {"model": "gpt-17", "tokens": [5]}),
+])
+def test_tokenize_checks_the_model(server, path, body):
+    r = post(server, path, body)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    assert post(server, path, {**body, "model": "tiny"}).status_code == 200
+
+
+CHAT_TEMPLATE_B = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}" \
+                  "{% if add_generation_prompt %}[assistant] {% endif %}"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(model_dir, tmp_path_factory):
+    """The model's vocabulary with another chat template, and a BOS its post-processor adds."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer_b")
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    bos = tok.convert_tokens_to_ids("<|im_start|>")
+    tok._tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    tok.chat_template = CHAT_TEMPLATE_B
+    tok.save_pretrained(path)
+    return path
+
+
+def test_the_tokenizer_flag_loads_tokenizer_and_chat_template_from_its_path(model_dir, tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    bos = tok.convert_tokens_to_ids("<|im_start|>")
+    chat = [{"role": "user", "content": "hi"}]
+    rendered = tok.encode("[user] hi\n[assistant] ", add_special_tokens=False)
+    proc = start_server(model_dir, "--served-model-name", "tiny", "--kv-cache-memory", "16MiB", "--max-model-len", "64",
+                        "--tokenizer", str(tokenizer_dir))
+    try:
+        assert post(proc, "/tokenize", {"prompt": "hi"}).json()["tokens"] == [bos, *tok.encode("hi", add_special_tokens=False)]
+        assert post(proc, "/tokenize", {"messages": chat}).json()["tokens"] == rendered  # template B, no BOS by default
+        with_specials = post(proc, "/tokenize", {"messages": chat, "add_special_tokens": True}).json()["tokens"]
+        assert with_specials == [bos, *rendered]
+        without = post(proc, "/tokenize", {"prompt": "hi", "add_special_tokens": False}).json()["tokens"]
+        assert without == tok.encode("hi", add_special_tokens=False)
+        c = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="x", max_retries=0)
+        assert c.chat.completions.create(model="tiny", messages=chat, max_tokens=2).usage.prompt_tokens == len(rendered)
+    finally:
+        assert proc.stop() == 0, proc.log()
+
+
+def test_the_offline_tokenizer_argument_loads_from_its_path(model_dir, tokenizer_dir):
+    llm = LLM(str(model_dir), tokenizer=str(tokenizer_dir), block_size=4, num_threads=1, max_model_len=64,
+              kv_cache_memory=16 << 20)
+    assert llm.get_tokenizer().chat_template == CHAT_TEMPLATE_B
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert out.prompt.startswith("[user] hi")
+
+
+@pytest.mark.default_model
+def test_the_tokenizer_argument_replaces_a_gguf_models_own(tokenizer_dir):
+    from banyan.runner.weights import open_model
+
+    source = open_model("smollm2-135m-instruct", tokenizer=str(tokenizer_dir))
+    assert source.tokenizer.chat_template == CHAT_TEMPLATE_B and source.path.suffix == ".gguf"
+
+
+def test_best_of_offline_keeps_the_most_likely_sequences(offline):
+    kw = dict(temperature=1.0, seed=21, max_tokens=5, ignore_eos=True)
+    four = offline.generate([PROMPT], SamplingParams(n=4, logprobs=0, **kw), use_tqdm=False)[0].outputs
+    ranked = sorted(four, key=lambda o: o.cumulative_logprob, reverse=True)
+    best = offline.generate([PROMPT], SamplingParams(n=2, best_of=4, **kw), use_tqdm=False)[0].outputs
+    assert [o.text for o in best] == [o.text for o in ranked[:2]]
+    assert [o.index for o in best] == [0, 1] and best[0].logprobs is None

@@ -187,7 +187,8 @@ def test_c2_out_of_range_is_400_with_param(model, fields, param):
 
 
 @pytest.mark.parametrize("fields, param", [
-    (dict(best_of=2), "best_of"), (dict(n=3, best_of=2), "best_of"), (dict(best_of=10**9), "best_of"),
+    (dict(best_of=0), "best_of"), (dict(n=3, best_of=2), "best_of"), (dict(best_of=10**9), "best_of"),
+    (dict(best_of=2, stream=True), "best_of"),
     (dict(logprobs=6), "logprobs"), (dict(logprobs=-1), "logprobs"),
     (dict(suffix="the end"), "suffix"),
     (dict(prompt=["p"] * 257), "prompt"), (dict(prompt=[[1]] * 257), "prompt"),
@@ -356,6 +357,11 @@ def test_completion_maps_every_field():
     assert params.logit_bias == {7: -100.0, 8: 2.5}
     assert params.include_stop_str_in_output and not params.skip_special_tokens
     assert not params.spaces_between_special_tokens
+
+
+def test_best_of_reaches_the_sampling_params():
+    assert accept(CompletionRequest, completion(n=2, best_of=5))[1].best_of == 5
+    assert accept(CompletionRequest, completion(n=2, best_of=2, stream=True))[1].best_of == 2  # no more than n
 
 
 def test_null_means_default_except_max_tokens():

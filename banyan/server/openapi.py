@@ -1,0 +1,218 @@
+"""The OpenAPI document (/openapi.json, Swagger UI at /docs): what each route takes and answers.
+
+Routes read and validate their bodies themselves (bounded, strict: app.py, protocol.py), so FastAPI
+never sees the request models; `route_docs` names them for each route and `install` puts their JSON
+schemas (as pydantic derives them from protocol.py, the same models that validate) into the
+document's components. The answers are described by the models below, written for the document
+only: serving.py builds plain dicts of these shapes, and tests/e2e/test_openapi.py fuzzes a live
+server against the document (schemathesis) so that the two cannot drift apart.
+
+With an API key set, the document and /docs need it like every route but /health (and /metrics
+unless protected): default-deny (RELIABILITY rule 5); the document declares the bearer scheme.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from banyan.server import protocol
+
+REQUEST_BODIES: dict[str, tuple[type[BaseModel], ...]] = {
+    "/v1/completions": (protocol.CompletionRequest,),
+    "/v1/chat/completions": (protocol.ChatCompletionRequest,),
+    "/tokenize": (protocol.TokenizeCompletionRequest, protocol.TokenizeChatRequest),
+    "/detokenize": (protocol.DetokenizeRequest,),
+}
+
+
+# -- answers ---------------------------------------------------------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    """The request field at fault, as a path (`messages[0].content`)."""
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ChatToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[ChatToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+# -- per route ---------------------------------------------------------------------------------------
+_ERRORS = {
+    400: "invalid request: `param` names the field",
+    401: "missing or wrong API key",
+    404: "unknown model (`code`: model_not_found)",
+    413: "body over --max-body-bytes",
+    429: "rate limit of the API key reached (Retry-After)",
+    500: "internal error",
+    503: "at capacity or shutting down (Retry-After)",
+}
+_STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
+def route_docs(answer: type[BaseModel] | None = None, *, errors: tuple[int, ...] = (401, 503),
+               stream: bool = False, description: str | None = None) -> dict[str, Any]:
+    """Keyword arguments for a route decorator: its answer and its errors (each as ErrorResponse)."""
+    responses: dict[int | str, dict[str, Any]] = {status: {"model": ErrorResponse, "description": _ERRORS[status]}
+                                                  for status in errors}
+    if answer is not None:
+        responses[200] = {"model": answer, "description": "success"}
+        if stream:
+            responses[200] |= {"content": _STREAM, "description": "success; with stream, server-sent events "
+                               "`data: {chunk}`, the last one `data: [DONE]`"}
+    return {"responses": responses, "description": description, "response_model": None}
+
+
+POST_ERRORS = (400, 401, 404, 413, 429, 500, 503)
+
+
+def install(app: FastAPI, *, auth_enabled, open_paths) -> None:
+    """Make `app.openapi()` the document: FastAPI's, plus the request bodies and the bearer scheme.
+
+    auth_enabled, open_paths: callables read when the document is first asked for (the app is built
+    before the server's state is complete)."""
+
+    def document() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = _document(app, auth_enabled(), open_paths())
+        return app.openapi_schema
+
+    app.openapi = document
+
+
+def _document(app: FastAPI, auth_enabled: bool, open_paths: set[str]) -> dict:
+    doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    models = [m for bodies in REQUEST_BODIES.values() for m in bodies]
+    refs, defs = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
+    schemas.update(defs.get("$defs", {}))
+    for path, bodies in REQUEST_BODIES.items():
+        options = [refs[(m, "validation")] for m in bodies]
+        schema = options[0] if len(options) == 1 else {"anyOf": options}
+        doc["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+    doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    if auth_enabled:
+        doc["security"] = [{"bearer": []}]
+    for path, methods in doc["paths"].items():
+        for operation in methods.values():
+            if path in open_paths:
+                operation["security"] = []
+                operation["responses"].pop("401", None)
+    return doc
