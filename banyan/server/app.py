@@ -3,7 +3,8 @@
 The guard runs before routing, on every path (RELIABILITY rules 5 and 8):
   - a request id (X-Request-Id accepted when sane, else made) echoed on the response;
   - authentication, default-deny: every path but /health (and /metrics unless protected) needs a
-    valid key, so a route added later is protected without anyone remembering to;
+    valid key, so a route added later is protected without anyone remembering to (the OpenAPI
+    document and /docs too; unknown paths get 401 before they could get 404);
   - 503 while draining for shutdown, 413 for a declared body over the limit.
 Handlers read the body themselves (bounded, streamed bodies included) and parse it strictly.
 """

@@ -65,7 +65,9 @@ class _Request(_Strict):
 # -- pieces of requests ---------------------------------------------------------------------------
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    """A last chunk, with no choices, carries the usage."""
     continuous_usage_stats: bool | None = None
+    """Every chunk carries the usage so far (vLLM's); implies include_usage."""
 
 
 class FunctionCall(_Strict):
