@@ -13,6 +13,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -331,6 +332,26 @@ def test_core_exits_when_its_server_is_killed(model_dir, stage):
         assert time.monotonic() < deadline, "the orphaned core is still running"
         time.sleep(0.05)
     assert not os.path.exists(ipc_dir)  # it removed the dead server's sockets
+
+
+def test_core_outlives_the_thread_that_started_it(model_dir):
+    # Linux sends the parent-death signal when the *thread* that started the core ends: not a death.
+    loop, started = asyncio.new_event_loop(), []
+    thread = threading.Thread(target=lambda: started.append(loop.run_until_complete(EngineClient.start(make_config(model_dir)))))
+    thread.start()
+    thread.join()  # Ready came (the core's signal was set long before), then the thread ended
+    client = started[0]
+
+    async def still_serving():
+        await asyncio.sleep(0.5)
+        return await collect(client, request("t", prompt_of(4), max_tokens=3))
+
+    try:
+        tokens, reason = loop.run_until_complete(asyncio.wait_for(still_serving(), 30))
+        assert len(tokens) == 3 and reason == "length" and client.is_alive()
+    finally:
+        loop.run_until_complete(client.shutdown())
+        loop.close()
 
 
 def process_running(pid: int) -> bool:
