@@ -115,8 +115,7 @@ def tenant_of(request: Request) -> Tenant:
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="banyan", version=__version__, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
-                  description="OpenAI-compatible inference server. Request bodies are validated strictly; "
-                              "unknown fields are ignored. Errors are OpenAI-shaped: {error: {message, type, param, code}}.")
+                  description=openapi.DESCRIPTION)
     serving = state.serving
     limit = state.config.max_body_bytes
     openapi.install(app, auth_enabled=lambda: state.auth.enabled,

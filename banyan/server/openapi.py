@@ -22,6 +22,13 @@ from pydantic.json_schema import models_json_schema
 
 from banyan.server import protocol
 
+DESCRIPTION = (
+    "OpenAI-compatible inference server. Request bodies are validated strictly (no \"1\" for 1, finite numbers "
+    "only); unknown fields are ignored; a JSON null means the field's default (for max_tokens: as many as the "
+    "context allows); `stop` may also be one string. Errors are OpenAI's {\"error\": {message, type, param, code}}, "
+    "`param` naming the field at fault. With --api-key, every route but /health (and /metrics unless "
+    "--protect-metrics) needs `Authorization: Bearer KEY`, this document and /docs included."
+)
 REQUEST_BODIES: dict[str, tuple[type[BaseModel], ...]] = {
     "/v1/completions": (protocol.CompletionRequest,),
     "/v1/chat/completions": (protocol.ChatCompletionRequest,),
