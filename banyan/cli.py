@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import re
 import sys
@@ -47,6 +48,8 @@ def add_config_args(parser: argparse.ArgumentParser, section: str, cls) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         elif kind.startswith("tuple"):
             group.add_argument(flag, action="append", default=[], help=help_text)
+        elif kind.startswith("dict"):
+            group.add_argument(flag, type=json.loads, default=f.default, metavar="JSON", help=help_text)
         else:
             convert = parse_size if f.name in ("kv_cache_memory", "max_body_bytes") else int if "int" in kind else float if "float" in kind else str
             group.add_argument(flag, type=convert, default=f.default, help=help_text)

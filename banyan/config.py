@@ -131,6 +131,10 @@ class ModelConfig:
     """Grammar library for structured output: llguidance or xgrammar (loaded on the first constrained request)."""
     structured_output_cache_size: int = 512
     """Compiled grammars kept for reuse (least recently used dropped first; 512 MiB at most)."""
+    structured_outputs_config: dict[str, Any] | None = None
+    """Structured-output defaults, as JSON. {"disable_any_whitespace": false}: JSON outputs may put up to 16
+    whitespace characters between tokens (default: none, compact JSON as OpenAI writes it). A request's own
+    structured_outputs.disable_any_whitespace wins."""
     quantization: str | None = None
     """Weight-only quantization, done while loading: int8 (one scale per output channel), int4 (groups of
     --quantization-group-size inputs), fp8 (e4m3, per channel; torch._scaled_mm), fp16 (float16 weights, float32

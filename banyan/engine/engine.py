@@ -59,7 +59,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.grammars = Grammars(
             config.model.structured_output_backend, self.tokenizer, self.arch.vocab_size, self.eos_token_ids,
-            cache_size=config.model.structured_output_cache_size,
+            cache_size=config.model.structured_output_cache_size, options=config.model.structured_outputs_config,
         )
         gc.collect()
         gc.freeze()  # start-up objects never need collecting: keeps GC pauses out of the step loop

@@ -1,6 +1,7 @@
 """The engine's grammar side: one backend and its compile cache, built on the first constrained request.
 
-    engine.add_request -> grammars.start(request)   request.grammar: a future of its matcher
+    engine.add_request -> grammars.start(request)   request.grammar: a future of its matcher (JSON left
+                                                    to the engine's whitespace default gets it here)
     scheduler.schedule -> a done future moves the request from WAITING_FOR_GRAMMAR to WAITING
     runner.execute     -> grammars.backend fills the constrained rows' bitmask
 
@@ -15,11 +16,22 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from banyan.errors import InvalidParameterError
 from banyan.request import Request
 from banyan.structured import GrammarBackend, GrammarCache, make_backend
+from banyan.structured.spec import default_compact
 
 
 class Grammars:
-    def __init__(self, backend_name: str, tokenizer, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 512):
+    def __init__(
+        self,
+        backend_name: str,
+        tokenizer,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        cache_size: int = 512,
+        options: dict | None = None,
+    ):
+        """options: ModelConfig.structured_outputs_config (checked here: InvalidParameterError)."""
         self.backend_name = backend_name
+        self.compact = default_compact(options)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids) or None
@@ -40,7 +52,8 @@ class Grammars:
             except Exception as e:  # StructuredOutputError: the scheduler fails the request with it
                 matcher.set_exception(e)
 
-        self.cache.compile_async(request.sampling_params.structured_outputs).add_done_callback(done)
+        spec = request.sampling_params.structured_outputs.with_default_whitespace(self.compact)
+        self.cache.compile_async(spec).add_done_callback(done)
         request.grammar = matcher
 
     def wait(self, requests: Sequence[Request], timeout: float) -> None:

@@ -58,6 +58,7 @@ class LLM:
         trust_remote_code: bool = False,
         tensor_parallel_size: int = 1,
         structured_output_backend: str = "llguidance",
+        structured_outputs_config: dict[str, Any] | None = None,
         enable_jump_forward: bool = True,
     ):
         if tensor_parallel_size != 1:
@@ -77,6 +78,7 @@ class LLM:
                 quantization_group_size=quantization_group_size,
                 trust_remote_code=trust_remote_code,
                 structured_output_backend=structured_output_backend,
+                structured_outputs_config=structured_outputs_config,
             ),
             cache=CacheConfig(
                 block_size=block_size,

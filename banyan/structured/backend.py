@@ -39,8 +39,8 @@ BACKENDS = {  # name -> (module, class, how to install its library)
     "xgrammar": ("banyan.structured.xgrammar_backend", "XGrammarBackend", 'pip install --no-deps "xgrammar>=0.2.9"'),
 }
 MAX_WHITESPACE = 16
-"""Longest whitespace run between JSON tokens (unless compact): enough for pretty-printing, and a
-model cannot loop on whitespace forever."""
+"""Longest whitespace run between JSON tokens where a spec asks for free whitespace (compact=False):
+enough for pretty-printing, and a model cannot loop on whitespace forever."""
 MAX_ERROR_CHARS = 500
 T = TypeVar("T")
 

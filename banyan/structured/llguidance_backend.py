@@ -61,10 +61,10 @@ class LLGuidanceBackend(GrammarBackend):
     def _grammar(self, spec: StructuredOutputSpec) -> str:
         if spec.kind in ("json", "json_object"):
             options = {"lenient": False, "coerce_one_of": False}
-            if spec.compact:
-                options["whitespace_flexible"] = False
-            else:
+            if spec.free_whitespace:
                 options["whitespace_pattern"] = rf"[\x20\x0A\x0D\x09]{{0,{MAX_WHITESPACE}}}"
+            else:  # exactly "," and ":" between tokens, nothing else
+                options["whitespace_flexible"] = False
             return llguidance.LLMatcher.grammar_from_json_schema(spec.schema, overrides=options)
         if spec.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.text)

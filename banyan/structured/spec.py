@@ -7,6 +7,11 @@
     StructuredOutputSpec.grammar('root ::= "a"+')           Lark, EBNF or GBNF text
     StructuredOutputSpec.from_dict({"json": {...}})         vLLM's `structured_outputs` / guided_* shape
 
+JSON is compact unless asked otherwise: no whitespace between tokens (`{"a":1,"b":[2,3]}`), as
+OpenAI writes it, so a sampled answer cannot spend its budget on whitespace. `compact=False` (vLLM's
+`disable_any_whitespace: false`) lets up to MAX_WHITESPACE whitespace characters separate tokens;
+`None` leaves the choice to the engine (its `structured_outputs_config`, compact by default).
+
 Construction checks what needs no backend: types, sizes, nesting depth and regex repeat counts, so a
 hostile spec (1 MiB enum, 10k-deep schema, `a{1,100000}`) is a StructuredOutputError before any
 compiler sees it. What a backend cannot express is its own check, at compile time (see backend.py).
@@ -15,6 +20,7 @@ The spec is frozen and hashable; `cache_key` names it canonically for the gramma
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -56,17 +62,18 @@ class StructuredOutputSpec:
     text: str = ""
     """json: the schema as compact JSON text (key order kept: it orders the generated properties);
     regex, grammar: the source; choice: a JSON list of the strings; json_object: empty."""
-    compact: bool = False
-    """JSON kinds: no whitespace between tokens (vLLM's disable_any_whitespace). Otherwise a run of
-    at most MAX_WHITESPACE whitespace characters may separate tokens."""
+    compact: bool | None = None
+    """JSON kinds: True, no whitespace between tokens (vLLM's disable_any_whitespace); False, a run of
+    at most MAX_WHITESPACE whitespace characters may separate tokens; None, the engine's default
+    (see `with_default_whitespace`; a backend given None compiles it compact)."""
 
     # -- constructors ------------------------------------------------------------------------------
     @classmethod
-    def json(cls, schema: dict | str, compact: bool = False) -> StructuredOutputSpec:
+    def json(cls, schema: dict | str, compact: bool | None = None) -> StructuredOutputSpec:
         return cls("json", _canonical_schema(schema), compact)
 
     @classmethod
-    def json_object(cls, compact: bool = False) -> StructuredOutputSpec:
+    def json_object(cls, compact: bool | None = None) -> StructuredOutputSpec:
         return cls("json_object", "", compact)
 
     @classmethod
@@ -98,7 +105,8 @@ class StructuredOutputSpec:
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> StructuredOutputSpec:
         """vLLM's StructuredOutputsParams shape: exactly one of json, json_object, regex, choice,
-        grammar; `disable_any_whitespace` -> compact. Unknown keys are errors, not ignored."""
+        grammar; `disable_any_whitespace` -> compact (absent: the engine's default). Unknown keys are
+        errors, not ignored."""
         if not isinstance(params, dict):
             raise StructuredOutputError("structured_outputs", "must be an object")
         known = set(KINDS) | {"disable_any_whitespace"}
@@ -111,14 +119,27 @@ class StructuredOutputSpec:
                 "structured_outputs", f"exactly one of {', '.join(KINDS)} must be set, got {given or 'none'}"
             )
         kind, value = given[0], params[given[0]]
-        compact = bool(params.get("disable_any_whitespace", False))
+        compact = params.get("disable_any_whitespace")
+        if compact is not None and not isinstance(compact, bool):
+            raise _error("disable_any_whitespace", f"must be true or false, got {compact!r}")
         if kind == "json":
             return cls.json(value, compact)
         if kind == "json_object":
             return cls.json_object(compact)
         return getattr(cls, kind)(value)
 
+    def with_default_whitespace(self, compact: bool) -> StructuredOutputSpec:
+        """This spec with `compact` decided where it was left to the engine (JSON kinds only)."""
+        if self.compact is not None or self.kind not in ("json", "json_object"):
+            return self
+        return dataclasses.replace(self, compact=compact)
+
     # -- views -------------------------------------------------------------------------------------
+    @property
+    def free_whitespace(self) -> bool:
+        """JSON kinds: whitespace may separate tokens (only where `compact` is False)."""
+        return self.compact is False
+
     @property
     def schema(self) -> dict:
         """The JSON Schema (json: as given; json_object: {"type": "object"})."""
@@ -141,10 +162,27 @@ class StructuredOutputSpec:
     def cache_key(self) -> str:
         """Canonical and short: equal specs (same kind, text, options) have equal keys."""
         digest = hashlib.sha256(self.text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-        return f"{self.kind}:{int(self.compact)}:{digest}"
+        return f"{self.kind}:{int(not self.free_whitespace)}:{digest}"
 
     def error(self, message: str) -> StructuredOutputError:
         return StructuredOutputError(self.param, message)
+
+
+def default_compact(options: dict[str, Any] | None) -> bool:
+    """Whether JSON is compact where a request leaves it to the engine, from the engine's
+    structured_outputs_config (vLLM's name; of its options only disable_any_whitespace): compact unless told."""
+    options = {} if options is None else options
+    if not isinstance(options, dict):
+        raise InvalidParameterError("structured_outputs_config", f"must be a JSON object, got {options!r}")
+    unknown = sorted(set(options) - {"disable_any_whitespace"})
+    if unknown:
+        raise InvalidParameterError("structured_outputs_config", f"unsupported option(s) {', '.join(unknown)}; "
+                                    "only disable_any_whitespace is")
+    compact = options.get("disable_any_whitespace", True)
+    if not isinstance(compact, bool):
+        raise InvalidParameterError("structured_outputs_config", f"disable_any_whitespace must be true or false, "
+                                    f"got {compact!r}")
+    return compact
 
 
 # -- checks -----------------------------------------------------------------------------------------

@@ -79,8 +79,8 @@ class XGrammarBackend(GrammarBackend):
 
     def _grammar(self, spec: StructuredOutputSpec) -> xgr.CompiledGrammar:
         if spec.kind in ("json", "json_object"):
-            whitespace = dict(any_whitespace=False, separators=(",", ":")) if spec.compact else dict(
-                any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE
+            whitespace = dict(any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE) if spec.free_whitespace else dict(
+                any_whitespace=False, separators=(",", ":")
             )
             # strict mode (no undeclared properties) except for json_object, where it would allow only {}
             schema = json.dumps(_checked_schema(spec)) if spec.kind == "json" else '{"type":"object"}'

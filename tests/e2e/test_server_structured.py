@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -214,3 +215,47 @@ def test_fully_forced_completions_with_n_choices(server, client):
     texts = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]]
     assert "".join(texts) == "yesyes" and events[-1] == "data: [DONE]"
     assert httpx.get(f"{server.base_url}/metrics").status_code == 200
+
+
+# -- whitespace in JSON ------------------------------------------------------------------------------
+FLAGS = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+         "required": ["ok", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def free_server(tmp_path_factory):
+    """Free whitespace in JSON by default, and no jump-forward."""
+    path = tmp_path_factory.mktemp("tiny_free_whitespace_server")
+    write_model_dir(path, "llama", seed=6)
+    proc = start_server(path, "--served-model-name", "tiny", "--kv-cache-memory", "64MiB", "--max-model-len", "256",
+                        "--structured-outputs-config", '{"disable_any_whitespace": false}', "--no-enable-jump-forward")
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+def spaced_answers(client, **extra) -> list[bool]:
+    """Four sampled answers under FLAGS: whether each has whitespace outside its strings."""
+    out = client.chat.completions.create(model="tiny", messages=USER, max_tokens=30, temperature=1.0, seed=3, n=4,
+                                         extra_body=extra)
+    texts = [c.message.content for c in out.choices]
+    assert all(c.finish_reason in ("stop", "length") for c in out.choices), out.choices
+    return [any(ch.isspace() for ch in re.sub(r'"(?:[^"\\]|\\.)*"', "", text)) for text in texts]
+
+
+def test_json_is_compact_unless_free_whitespace_is_asked_for(client):
+    """JSON as OpenAI writes it, no whitespace between tokens: a model free to add whitespace can spend
+    its whole budget on it. A request may ask for free whitespace (vLLM's disable_any_whitespace)."""
+    out = client.chat.completions.create(model="tiny", messages=USER, max_tokens=30, temperature=1.0, seed=3, n=4,
+                                         response_format=json_schema(FLAGS))
+    for choice in out.choices:
+        assert choice.finish_reason == "stop" and re.fullmatch(r'\{"ok":(true|false),"n":[0-9]\}', choice.message.content)
+    assert spaced_answers(client, structured_outputs={"json": FLAGS}) == [False] * 4
+    assert any(spaced_answers(client, structured_outputs={"json": FLAGS, "disable_any_whitespace": False}))
+
+
+def test_the_server_default_for_whitespace_and_forced_output_without_jump_forward(free_server):
+    client = openai.OpenAI(base_url=f"{free_server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert any(spaced_answers(client, response_format=json_schema(FLAGS)))
+    assert spaced_answers(client, structured_outputs={"json": FLAGS, "disable_any_whitespace": True}) == [False] * 4
+    out = client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, extra_body=FORCED)
+    assert (out.choices[0].message.content, out.choices[0].finish_reason) == ("yes", "stop")

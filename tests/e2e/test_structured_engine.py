@@ -100,7 +100,8 @@ def test_sampled_json_always_validates(each_backend):
 
 
 def test_json_object_regex_choice_and_grammar(each_backend):
-    params = [constrained({"json_object": True}, temperature=0.0)] * 4
+    # greedy, this random model closes an object only after whitespace (compact, it writes one endless key)
+    params = [constrained({"json_object": True, "disable_any_whitespace": False}, temperature=0.0)] * 4
     params += [constrained({"regex": r"[0-9]{3}-[a-z]{2,4}"})] * 4 + [constrained({"choice": ["yes", "no", "maybe so"]})] * 4
     params += [constrained({"grammar": EBNF})] * 4
     outputs = [o.outputs[0] for o in each_backend.generate(["Go."] * len(params), params, use_tqdm=False)]
@@ -109,6 +110,30 @@ def test_json_object_regex_choice_and_grammar(each_backend):
     assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", o.text) for o in outputs[4:8])
     assert all(o.text in ("yes", "no", "maybe so") for o in outputs[8:12])
     assert all(re.fullmatch(r"[1-9][0-9]?(\+[1-9][0-9]?)*", o.text) for o in outputs[12:]), outputs[12:]
+
+
+def spaced(text: str) -> bool:
+    """Whitespace outside the JSON strings of the text."""
+    return any(c.isspace() for c in re.sub(r'"(?:[^"\\]|\\.)*"', "", text))
+
+
+def test_json_is_compact_unless_the_request_frees_whitespace(each_backend):
+    """JSON as OpenAI writes it: a tiny random model free to add whitespace spends its budget on it."""
+    compact = [constrained({"json": SCHEMAS["nested"]}, seed=i, max_tokens=80) for i in range(3)]
+    free = [constrained({"json": SCHEMAS["nested"], "disable_any_whitespace": False}, seed=i, max_tokens=20) for i in range(3)]
+    outputs = [o.outputs[0] for o in each_backend.generate(["Reply in JSON."] * 6, compact + free, use_tqdm=False)]
+    assert [spaced(o.text) for o in outputs] == [False] * 3 + [True] * 3, outputs
+    assert all(o.finish_reason == "stop" for o in outputs[:3])
+
+
+def test_the_engine_default_for_whitespace(model_dir):
+    free = make_llm(model_dir, structured_outputs_config={"disable_any_whitespace": False})
+    params = [constrained({"json": SCHEMAS["list"], **w}, seed=1, max_tokens=30) for w in ({}, {"disable_any_whitespace": True})]
+    left, compact = (o.outputs[0] for o in free.generate(["Reply in JSON."] * 2, params, use_tqdm=False))
+    assert spaced(left.text) and not spaced(compact.text) and compact.finish_reason == "stop"
+    with pytest.raises(InvalidParameterError) as e:
+        make_llm(model_dir, structured_outputs_config={"disable_any_whitespace": "yes"})
+    assert e.value.param == "structured_outputs_config"
 
 
 def test_an_invalid_spec_is_refused_at_construction():

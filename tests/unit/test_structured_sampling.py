@@ -54,8 +54,8 @@ def _one_of(choices):
 
 
 CASES = {  # name -> (spec, check, generations that must finish)
-    "json-person": (StructuredOutputSpec.json(PERSON), _validates(PERSON), 1.0),
-    "json-catalog-compact": (StructuredOutputSpec.json(CATALOG, compact=True), _validates(CATALOG), 1.0),
+    "json-person-free-whitespace": (StructuredOutputSpec.json(PERSON, compact=False), _validates(PERSON), 1.0),
+    "json-catalog": (StructuredOutputSpec.json(CATALOG), _validates(CATALOG), 1.0),
     "regex": (StructuredOutputSpec.regex(PHONE), _matches(PHONE), 1.0),
     "choice": (StructuredOutputSpec.choice(CHOICES), _one_of(CHOICES), 1.0),
     "gbnf": (StructuredOutputSpec.grammar(GBNF), _matches(ARITH), 1.0),
@@ -91,6 +91,22 @@ def test_xgrammar_800_control_characters_in_length_bounded_strings_are_refused(n
     for good in ['{"s":"a"}', '{"s":"héllo"}', '{"s":"東京"}']:
         m = b.matcher(compiled)
         assert m.accept_tokens(tok.encode(good)) and m.accept_token(tok.eos_token_id), good
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_json_is_compact_unless_free_whitespace_is_asked_for(name):
+    tok, b = tokenizer("tiny"), backend(name)
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}}, "required": ["a"],
+              "additionalProperties": False}
+
+    def accepts(spec, text):
+        m = b.matcher(b.compile(spec))
+        return m.accept_tokens(tok.encode(text)) and m.accept_token(tok.eos_token_id)
+
+    compact, free = StructuredOutputSpec.json(schema), StructuredOutputSpec.json(schema, compact=False)
+    assert accepts(compact, '{"a":[1,2]}')
+    assert not any(accepts(compact, t) for t in ('{"a": [1,2]}', '{"a":[1, 2]}', '{ "a":[1,2]}', '{"a":[1,2]}\n'))
+    assert accepts(free, '{\n  "a": [1, 2]\n}') and not accepts(free, '{"a":' + " " * 17 + "[1]}")
 
 
 @pytest.mark.parametrize("name", BACKEND_NAMES)

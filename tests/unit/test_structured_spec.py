@@ -10,7 +10,7 @@ import pytest
 
 from banyan.errors import InvalidParameterError
 from banyan.structured import GrammarCache, StructuredOutputError, StructuredOutputSpec
-from banyan.structured.spec import MAX_CHOICES, MAX_REGEX_REPEAT, MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS
+from banyan.structured.spec import MAX_CHOICES, MAX_REGEX_REPEAT, MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS, default_compact
 from tests.unit.structured_helpers import BACKEND_NAMES, backend, tokenizer
 
 SPEC_TIMEOUT_S = 5.0
@@ -22,7 +22,8 @@ def test_specs_are_frozen_and_keyed_canonically():
     assert a == b and a.cache_key == b.cache_key and hash(a) == hash(b)
     reordered = StructuredOutputSpec.json({"properties": {"a": {"type": "integer"}}, "type": "object"})
     assert reordered.cache_key != a.cache_key  # key order orders the generated properties: kept
-    assert StructuredOutputSpec.json(a.schema, compact=True).cache_key != a.cache_key
+    assert StructuredOutputSpec.json(a.schema, compact=False).cache_key != a.cache_key
+    assert StructuredOutputSpec.json(a.schema, compact=True).cache_key == a.cache_key  # left to the engine: compact
     assert StructuredOutputSpec.regex("a").cache_key != StructuredOutputSpec.grammar("a").cache_key
     with pytest.raises(AttributeError):
         a.text = "{}"  # type: ignore[misc]
@@ -37,6 +38,25 @@ def test_from_dict_takes_vllms_shape_and_rejects_the_rest():
         with pytest.raises(StructuredOutputError) as e:
             StructuredOutputSpec.from_dict(bad)  # type: ignore[arg-type]
         assert e.value.param == "structured_outputs"
+    with pytest.raises(StructuredOutputError) as e:
+        StructuredOutputSpec.from_dict({"json_object": True, "disable_any_whitespace": "no"})
+    assert e.value.param == "structured_outputs.disable_any_whitespace"
+
+
+def test_whitespace_in_json_is_the_engines_default_unless_the_request_says():
+    """vLLM's disable_any_whitespace: absent, the engine decides (compact unless configured otherwise)."""
+    left, free = (StructuredOutputSpec.from_dict({"json": {"type": "object"}, **w})
+                  for w in ({}, {"disable_any_whitespace": False}))
+    assert left.compact is None and not left.free_whitespace  # a backend given it alone compiles it compact
+    assert left.with_default_whitespace(False).free_whitespace and left.with_default_whitespace(True).compact
+    assert free.with_default_whitespace(True) == free  # the request's word wins
+    regex = StructuredOutputSpec.regex("a+")
+    assert regex.with_default_whitespace(False) == regex
+    assert [default_compact(o) for o in (None, {}, {"disable_any_whitespace": False})] == [True, True, False]
+    for bad in ({"backend": "xgrammar"}, {"disable_any_whitespace": "no"}, ["disable_any_whitespace"]):
+        with pytest.raises(InvalidParameterError) as e:
+            default_compact(bad)  # type: ignore[arg-type]
+        assert e.value.param == "structured_outputs_config"
 
 
 def test_errors_are_invalid_parameter_errors_with_a_param():
