@@ -140,11 +140,16 @@ class ModelConfig:
     --quantization-group-size inputs), fp8 (e4m3, per channel; torch._scaled_mm), fp16 (float16 weights, float32
     math: FBGEMM on x86 CPUs), gguf (keep a GGUF file's Q4_0/Q4_1/Q8_0 tensors compact instead of dequantizing
     them), or none. Default, for a float32 model on an x86 CPU: a GGUF file's tensors compact for decode (banyan's
-    AVX2 kernel) with float16 copies for prefill, a bf16/fp16 checkpoint in fp16 (nothing the file holds is lost);
-    otherwise none. See docs/quantization.md."""
+    AVX2 kernel) with float16 copies for prefill where the CPU is AVX2-only, fp16 on AVX-512 CPUs; a bf16/fp16
+    checkpoint in fp16 (nothing the file holds is lost); otherwise none. See docs/quantization.md."""
     quantization_group_size: int = 32
     """Inputs per int4 scale and zero: 32 (as GGUF's Q4 blocks), 64 or 128 (it must divide every layer's input
     size)."""
+    batch_invariant: bool = False
+    """Each request's output the same whatever else is in the batch and however its prompt is cut into chunks
+    (as vLLM's VLLM_BATCH_INVARIANT): every matmul row and attention row goes through banyan's CPU kernels in one
+    fixed order. Needs an x86 CPU with AVX2, a float32 model and none/fp16/int8/int4/gguf weights. Off by default:
+    wide batches run slower than on torch's GEMMs (see docs/quantization.md)."""
 
 
 @dataclass(frozen=True)

@@ -165,3 +165,39 @@ void int8_gemv(const float *x, void *scratch, const int8_t *q, const float *scal
         }
     }
 }
+
+/* Float weights, float32 or float16 (widened in registers, F16C), for batch-invariant mode, where every row of
+ * every matmul comes here: each output is 8-lane partial sums over k in order and one fixed horizontal sum, the
+ * same whichever rows share the call (torch's float GEMMs pick their blocking by the number of rows). */
+static inline __attribute__((always_inline)) void float_row(const void *row, const float *x, float *y, const int R,
+                                                            const int half, int N, int K) {
+    __m256 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k += 8) {
+        __m256 w = half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + k)))
+                        : _mm256_loadu_ps((const float *)row + k);
+        for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (size_t)r * K + k), acc[r]);
+    }
+    for (int r = 0; r < R; r++) y[(size_t)r * N] = hsum(acc[r]);
+}
+
+#define FLOAT_ROWS(HALF)                                                                  \
+    switch (M - m) {                                                                      \
+        case 1: float_row(row, x + (size_t)m * K, ym, 1, HALF, N, K); break;              \
+        case 2: float_row(row, x + (size_t)m * K, ym, 2, HALF, N, K); break;              \
+        case 3: float_row(row, x + (size_t)m * K, ym, 3, HALF, N, K); break;              \
+        default: float_row(row, x + (size_t)m * K, ym, 4, HALF, N, K); break;             \
+    }
+
+/* y [M, N] = x [M, K] w^T, w [N, K] float32 (half = 0) or float16 (half = 1), K a multiple of 8. */
+void float_gemv(const float *x, const void *w, int half, float *y, int M, int N, int K, int threads) {
+    const size_t row_bytes = (size_t)K * (half ? 2 : 4);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < N; n++) {
+        const void *row = (const char *)w + (size_t)n * row_bytes;
+        for (int m = 0; m < M; m += 4) {
+            float *ym = y + (size_t)m * N + n;
+            if (half) FLOAT_ROWS(1) else FLOAT_ROWS(0)
+        }
+    }
+}

@@ -5,8 +5,12 @@ loops, and dequantizing a block of rows before each matmul costs more than the b
 kernels keep the weights compact in memory and take integer dot products against x rounded to int8
 per block of 32, which is what a decode step (a few rows of activations, every weight read once) needs.
 
-The library is compiled on first use with the system C compiler (`cc -O3 -mavx2 -mfma -fopenmp`, about
-a second) into ~/.cache/banyan/kernels (or $BANYAN_CACHE_DIR/kernels), named by a hash of the source
+The same library holds a fixed-order causal attention (cpu_attention.c) for batch-invariant mode, where
+every row of every matmul goes through these kernels: a row's result here is independent of the other
+rows (tests/unit/test_quantization.py), unlike torch's float GEMMs and SDPA, whose blocking follows M.
+
+The library is compiled on first use with the system C compiler (`cc -O3 -mavx2 -mfma -mf16c -fopenmp`, about
+a second) into ~/.cache/banyan/kernels (or $BANYAN_CACHE_DIR/kernels), named by a hash of the sources
 and flags, and loaded with ctypes; its OpenMP calls run on the libgomp torch has already loaded.
 Without a compiler, or on a CPU without AVX2, `load()` returns None and callers dequantize instead.
 """
@@ -27,18 +31,21 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_gemv.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+SOURCES = (Path(__file__).with_name("cpu_gemv.c"), Path(__file__).with_name("cpu_attention.c"))
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 
 
-class GemvKernels:
-    """The loaded library: y = x W^T for at most `max_rows` rows of x, W 4-bit blocked or 8-bit per row."""
+class CpuKernels:
+    """The loaded library: y = x W^T with W 4-bit blocked or 8-bit per row (callers send at most `max_rows` rows
+    unless batch-invariant), and causal attention in a fixed order."""
 
     def __init__(self, lib: ctypes.CDLL):
         p, i = ctypes.c_void_p, ctypes.c_int
         lib.int4_gemv.argtypes = [p, p, p, p, p, p, i, i, i, i, i]
         lib.int8_gemv.argtypes = [p, p, p, p, p, i, i, i, i]
-        lib.int4_gemv.restype = lib.int8_gemv.restype = None
+        lib.float_gemv.argtypes = [p, p, i, p, i, i, i, i]
+        lib.attend_rows.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float, i]
+        lib.int4_gemv.restype = lib.int8_gemv.restype = lib.float_gemv.restype = lib.attend_rows.restype = None
         self._lib = lib
         self.max_rows = lib.gemv_max_rows()
 
@@ -62,6 +69,26 @@ class GemvKernels:
         return y
 
 
+    def float(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 contiguous; w [N, K] float32 or float16 contiguous, K a multiple of 8."""
+        m, k = x.shape
+        y = torch.empty(m, w.shape[0], dtype=torch.float32)
+        self._lib.float_gemv(x.data_ptr(), w.data_ptr(), int(w.dtype == torch.float16), y.data_ptr(), m, w.shape[0], k,
+                             torch.get_num_threads())
+        return y
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [S, Q, H, D], k and v [S, C, KVH, D] float32, mask [S, Q, C] bool (the positions each row sees):
+        softmax(q k^T * scale) v per row and head in position order (see cpu_attention.c)."""
+        q, k, v, mask = q.contiguous(), k.contiguous(), v.contiguous(), mask.contiguous()
+        (s, rows, heads, dim), (ctx, kv_heads) = q.shape, k.shape[1:3]
+        out, threads = torch.empty_like(q), torch.get_num_threads()
+        scratch = torch.empty(threads * ctx, dtype=torch.float32)
+        self._lib.attend_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+                              s, rows, ctx, heads, kv_heads, dim, scale, threads)
+        return out
+
+
 def _scratch(m: int, k: int) -> torch.Tensor:
     """Room for x as int8 blocks: m*k bytes, and a scale and a sum per block of 32 (see cpu_gemv.c)."""
     return torch.empty(m * k + 8 * m * (k // 32), dtype=torch.uint8)
@@ -75,21 +102,21 @@ def supported(weight_device: torch.device, dtype: torch.dtype, in_features: int)
 
 
 @functools.cache  # one compiled library per process, like torch's own extension cache
-def load() -> GemvKernels | None:
+def load() -> CpuKernels | None:
     if os.environ.get("BANYAN_DISABLE_CPU_KERNELS") == "1":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         logger.warning("no C compiler (cc) found: 4/8-bit weights are dequantized per matmul, which is slower")
         return None
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     tag = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("BANYAN_CACHE_DIR", Path.home() / ".cache" / "banyan")) / "kernels"
     library = cache / f"cpu_gemv-{tag}.so"
     try:
         if not library.exists():
             _compile(compiler, cache, library)
-        return GemvKernels(ctypes.CDLL(str(library)))
+        return CpuKernels(ctypes.CDLL(str(library)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         logger.warning("could not build the CPU kernels (%s): 4/8-bit weights are dequantized per matmul", detail.strip()[-500:])
@@ -100,6 +127,6 @@ def _compile(compiler: str, cache: Path, library: Path) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: processes may race
         out = Path(tmp) / library.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out)], check=True, capture_output=True, text=True,
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"], check=True, capture_output=True, text=True,
                        timeout=120)
         os.replace(out, library)

@@ -27,7 +27,7 @@ from banyan.errors import InvalidParameterError
 from banyan.kernels import cpu_gemv
 from banyan.layers.linear import checkpoint_shards
 from banyan.quantization.formats import FP16, INT8, WeightFormat
-from banyan.quantization.linear import QuantizedEmbedding, QuantizedLinear, fbgemm_fp16_works
+from banyan.quantization.linear import FixedOrderLinear, QuantizedEmbedding, QuantizedLinear, fbgemm_fp16_works
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ QUANTIZATION_METHODS = ("int8", "int4", "fp8", "fp16", "gguf")
 INT4_GROUP_SIZES = (32, 64, 128)
 
 __all__ = ["QUANTIZATION_METHODS", "Choice", "QuantizedLinear", "default_method", "finish_loading", "model_weight_bytes",
-           "plan_formats", "quantize_linears"]
+           "plan_formats", "quantize_linears", "use_fixed_order"]
 
 
 @dataclass(frozen=True)
@@ -113,17 +113,35 @@ def _check_fits(name: str, module: nn.Linear, fmt: WeightFormat) -> None:
         )
 
 
-def quantize_linears(model: nn.Module, plan: dict[str, WeightFormat], wide_fp16: bool = False) -> None:
+def quantize_linears(model: nn.Module, plan: dict[str, WeightFormat], wide_fp16: bool = False,
+                     batch_invariant: bool = False) -> None:
     """Swap the planned nn.Linear layers for empty QuantizedLinear ones; tie the embeddings to an int8 or
-    fp16 lm_head. wide_fp16: int8/int4 layers keep a float16 copy for batches wider than the CPU kernel's."""
+    fp16 lm_head. wide_fp16: int8/int4 layers keep a float16 copy for batches wider than the CPU kernel's;
+    batch_invariant: int8/int4 layers send every row through the CPU kernel instead (no copy)."""
     for name, fmt in plan.items():
-        parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent)
-        layer = QuantizedLinear.like(getattr(owner, child), fmt)
-        layer.wide_fp16 = wide_fp16
-        setattr(owner, child, layer)
+        layer = QuantizedLinear.like(model.get_submodule(name), fmt)
+        layer.wide_fp16, layer.batch_invariant = wide_fp16, batch_invariant
+        _replace(model, name, layer)
     if model.arch.tie_word_embeddings and plan.get("lm_head") in (INT8, FP16):
         model.model.embed_tokens = QuantizedEmbedding(model.lm_head)
+
+
+def use_fixed_order(model: nn.Module) -> cpu_gemv.CpuKernels:
+    """Batch-invariant mode, after loading: float nn.Linear layers multiply through banyan's CPU kernel, each row
+    in one fixed order (quantized ones already do, from quantize_linears); returns the kernels, whose attention
+    the torch backend then uses too. Raises InvalidParameterError where a layer has no such kernel here."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and cpu_gemv.supported(module.weight.device, module.weight.dtype, module.in_features):
+            _replace(model, name, FixedOrderLinear(module, cpu_gemv.load()))
+        elif isinstance(module, nn.Linear) or isinstance(module, QuantizedLinear) and module.gemv is None:
+            raise InvalidParameterError("batch_invariant", f"{name}: no fixed-order kernel for it here (banyan's CPU "
+                                        "kernels need an x86 CPU with AVX2, a float32 model, none/fp16/int8/int4 weights)")
+    return cpu_gemv.load()
+
+
+def _replace(model: nn.Module, name: str, layer: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, layer)
 
 
 def finish_loading(model: nn.Module) -> None:
@@ -135,7 +153,7 @@ def finish_loading(model: nn.Module) -> None:
     if any(layer.gemv is None for layer in cpu_int):
         logger.warning("int8/int4 weights on a CPU without AVX-512 nor banyan's AVX2 kernel: each matmul "
                        "dequantizes; this saves memory, and decodes slower than float32")
-    elif any(layer.wide is None for layer in cpu_int):
+    elif any(layer.wide is None and not layer.batch_invariant for layer in cpu_int):
         logger.info("int8/int4 weights: batches of more than %d rows (prefill) dequantize a block of rows at a "
                     "time, about 0.8x float32's speed", cpu_gemv.load().max_rows)
 

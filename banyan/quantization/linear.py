@@ -18,6 +18,11 @@ Hopper) for dimensions that are multiples of 16; elsewhere fp8 is dequantized. F
 (`quantized::linear_dynamic_fp16`, in every x86 build of torch) reads half the bytes of a float32
 matmul and converts in registers (F16C): decode, which streams every weight once per step, is
 memory bound, so it runs up to 2x faster there, and no slower at prefill sizes.
+
+None of torch's GEMMs gives a row the same bits whatever the row count (measured over 1-64 rows: MKL's
+float32 and FBGEMM's fp16 both move in the last bits), and the switch at 8 rows changes x's rounding. With
+`batch_invariant` every row goes through banyan's kernel instead (int8/int4, and fp16 through its float
+kernel; float32 layers become `FixedOrderLinear`): each row's result is independent of the others.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class QuantizedLinear(nn.Module):
         self.packed_kernels = packed_kernels  # None: decided from the machine in finish_loading
         self.keep_rows = False  # True when tied embeddings read the weight's rows
         self.wide_fp16 = False  # set before finish_loading: keep a float16 copy for wide batches (CPU)
+        self.batch_invariant = False  # set before finish_loading: every row through the CPU kernel (row-independent)
         self.wide = None  # that copy, FBGEMM-packed
         self.gemv = self._narrow = None  # banyan's CPU kernel for a few rows (int8/int4 on AVX2), when it serves
         self.weight = fmt.empty(out_features, in_features, self.dtype, device=torch.get_default_device())
@@ -90,14 +96,14 @@ class QuantizedLinear(nn.Module):
     @torch.no_grad()
     def finish_loading(self) -> None:
         """Lay the loaded weight out for its kernel; the layer is read-only from here on."""
-        device = self.device
+        device, kind, invariant = self.device, self.fmt.kind, self.batch_invariant
         if self.packed_kernels is None:
-            self.packed_kernels = packed_int_kernels_fast(device)
-        kind = self.fmt.kind
+            self.packed_kernels = packed_int_kernels_fast(device) and not invariant
         gemv = None
-        if kind in ("int8", "int4") and not self.packed_kernels and cpu_gemv.supported(device, self.dtype, self.in_features):
+        wanted = kind in ("int8", "int4") and not self.packed_kernels or kind == "fp16" and invariant
+        if wanted and cpu_gemv.supported(device, self.dtype, self.in_features):
             gemv = cpu_gemv.load()
-        if self.wide_fp16 and kind != "fp16" and fbgemm_fp16_works(device, self.dtype):
+        if self.wide_fp16 and kind != "fp16" and fbgemm_fp16_works(device, self.dtype) and not (gemv and invariant):
             self.wide = torch.ops.quantized.linear_prepack_fp16(self.weight.dequantize(torch.float32), None)
             self.packed_bytes = self.in_features * self.out_features * 2
         if kind == "int8":
@@ -110,11 +116,11 @@ class QuantizedLinear(nn.Module):
             fast = scaled_mm_works(device, self.out_features, self.in_features)
             self._matmul = self._fp8_scaled_mm if fast else self._fp8_dequant
         if gemv is not None:
-            self.gemv, self._narrow = gemv, (self._int8_gemv if kind == "int8" else self._int4_gemv)
+            self.gemv, self._narrow = gemv, {"int8": self._int8_gemv, "int4": self._int4_gemv, "fp16": self._fp16_gemv}[kind]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.gemv is not None and x2.shape[0] <= self.gemv.max_rows:  # decode: a few rows
+        if self.gemv is not None and (x2.shape[0] <= self.gemv.max_rows or self.batch_invariant):  # decode: a few rows
             y = self._narrow(x2.contiguous())
         elif self.wide is not None:
             y = torch.ops.quantized.linear_dynamic_fp16(x2.contiguous(), self.wide)
@@ -179,7 +185,7 @@ class QuantizedLinear(nn.Module):
 
     # -- fp16 --------------------------------------------------------------------------------
     def _finish_fp16(self, device: torch.device) -> None:
-        if not fbgemm_fp16_works(device, self.dtype):
+        if not fbgemm_fp16_works(device, self.dtype) or self.batch_invariant:  # invariant: banyan's kernel reads q
             self._matmul = self._fp16_dequant
             return
         self.packed = torch.ops.quantized.linear_prepack_fp16(self.weight.q.float(), None)  # bias added in forward
@@ -190,6 +196,9 @@ class QuantizedLinear(nn.Module):
 
     def _fp16_fbgemm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
+
+    def _fp16_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemv.float(x, self.weight.q)
 
     def _fp16_dequant(self, x: torch.Tensor) -> torch.Tensor:
         q = self.weight.q
@@ -230,3 +239,19 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return take_rows(self.weight, ids).dequantize(self.dtype)  # [num_tokens, hidden]
+
+
+class FixedOrderLinear(nn.Module):
+    """A float32 nn.Linear's own weight and bias (tied ones stay tied), multiplied by banyan's CPU kernel: each row
+    in one fixed order whatever rows share the call (batch-invariant mode; torch's GEMMs block by the row count)."""
+
+    def __init__(self, linear: nn.Linear, kernels: cpu_gemv.CpuKernels):
+        super().__init__()
+        self.in_features, self.out_features, self.kernels = linear.in_features, linear.out_features, kernels
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernels.float(x.reshape(-1, self.in_features).contiguous(), self.weight)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)

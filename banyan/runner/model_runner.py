@@ -21,7 +21,8 @@ from banyan.layers.attention.base import FP8
 from banyan.layers.sampler import Sampler, compute_prompt_logprobs
 from banyan.models.registry import get_model_class
 from banyan.quantization.formats import FP16
-from banyan.quantization import default_method, finish_loading, model_weight_bytes, plan_formats, quantize_linears
+from banyan.quantization import (default_method, finish_loading, model_weight_bytes, plan_formats, quantize_linears,
+                                 use_fixed_order)
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from banyan.forward_batch import ForwardBatch
 from banyan.runner.memory import GiB, KVCapacity, pages_for_budget, profile_batch, profile_cuda_forward
@@ -80,9 +81,13 @@ class ModelRunner:
             if method is not None:
                 plan = plan_formats(model, method, model_config.quantization_group_size, source.compact_formats(),
                                     fill=FP16 if choice.mix_fp16 else None)
-                quantize_linears(model, plan, wide_fp16=choice.mix_fp16)
+                quantize_linears(model, plan, wide_fp16=choice.mix_fp16, batch_invariant=model_config.batch_invariant)
         model.load_weights(source.iter_weights(compact=method == "gguf"))
         finish_loading(model)
+        if model_config.batch_invariant:
+            if self.attn.name != "torch":
+                raise InvalidParameterError("batch_invariant", f"needs the torch attention backend, not {self.attn.name}")
+            self.attn.fixed_order = use_fixed_order(model)  # attention in a fixed order too
         logger.info("weights: %.1f MiB (%s%s)", model_weight_bytes(model) / 2**20, method or self.dtype,
                     ", float16 for the rest and for wide batches" if choice.mix_fp16 else "")
         return model.eval()

@@ -6,11 +6,13 @@ reference is transformers recomputing each sequence from scratch.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from banyan import LLM, SamplingParams
+from banyan.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tests.factories import reference_greedy, write_model_dir
 
 MAX_NEW = 12
@@ -93,3 +95,28 @@ def test_tiny_page_pool_forces_preemption(tiny):
     assert [o.outputs[0].token_ids for o in outputs] == expected
     llm.engine.kv.check_integrity()
     assert llm.engine.kv.stats().num_in_use == 0
+
+
+def _generate(llm, prompts, **params):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(**params), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("quantization", ["int8", "none"])
+def test_batch_invariant_mode_gives_each_request_its_solo_output(tiny, quantization):
+    """With batch_invariant, a request's greedy tokens are its solo ones in a batch of 12 (more rows than the CPU
+    kernel's 8), with its prompt cut into chunks and after a preemption. Without it int8 breaks this: decode steps
+    of up to 8 rows multiply by x rounded to int8 (banyan's kernel), wider ones by dequantized weights; float32
+    rows move in their last bits with the row count (torch's GEMMs, SDPA), too little to flip this model's tokens."""
+    path, prompts, _ = tiny
+    rng = random.Random(1)
+    prompts = prompts + [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 11, 23, 38)]
+    config = EngineConfig(model=ModelConfig(str(path), num_threads=1, quantization=quantization, batch_invariant=True),
+                          cache=CacheConfig(block_size=4))
+    llm = LLM.from_config(config)
+    solo = [_generate(llm, [p])[0] for p in prompts]
+    assert _generate(llm, prompts) == solo
+    crowded = LLM.from_config(dataclasses.replace(config, cache=CacheConfig(block_size=4, num_pages=40),
+                                                  scheduler=SchedulerConfig(max_num_batched_tokens=16)))
+    assert _generate(crowded, prompts) == solo
+    assert crowded.engine.scheduler.stats.num_preemptions > 0

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from banyan.errors import InvalidParameterError
-from banyan.quantization import plan_formats, quantize_linears
+from banyan.quantization import plan_formats, quantize_linears, use_fixed_order
 from banyan.quantization.formats import FP8, INT8, Int4Weight, Int8Weight, WeightFormat
 from banyan.kernels import cpu_gemv
-from banyan.quantization.linear import QuantizedLinear
+from banyan.quantization.linear import FixedOrderLinear, QuantizedLinear
 
 INT4_64 = WeightFormat("int4", 64)
 
@@ -125,6 +125,59 @@ def test_cpu_gemv_takes_a_few_rows_and_the_float16_copy_the_rest(weight_and_inpu
     wide = torch.randn(layer.gemv.max_rows + 1, 256)
     torch.testing.assert_close(layer(wide), F.linear(wide, values.half().float()), rtol=1e-4, atol=1e-4)
     assert layer.quantized_bytes() > 256 * 96 * 2  # the float16 copy is counted
+
+
+def _rows_alone(layer, x):
+    return torch.cat([layer(row[None]) for row in x])
+
+
+@needs_gemv
+@pytest.mark.parametrize("fmt", [INT8, WeightFormat("int4", 32), WeightFormat("fp16")])
+def test_batch_invariant_layers_give_each_row_its_bits_alone(weight_and_input, fmt):
+    """batch_invariant: every row through banyan's kernel, 40 rows at once bit for bit as one at a time (torch's
+    GEMMs, FBGEMM's and MKL's, pick their blocking by the row count: their rows move in the last bits)."""
+    w, _ = weight_and_input
+    layer = QuantizedLinear(256, 96, fmt, packed_kernels=False)
+    layer.batch_invariant = True
+    layer.load_weight(slice(0, None), w, "w")
+    layer.finish_loading()
+    x = torch.randn(40, 256)
+    assert layer.gemv is not None and layer.wide is None
+    assert torch.equal(layer(x), _rows_alone(layer, x))
+    if fmt.kind == "fp16":  # float accumulation: close to the float32 matmul by the float16 weight
+        torch.testing.assert_close(layer(x), F.linear(x, w.half().float()), rtol=1e-5, atol=1e-5)
+
+
+@needs_gemv
+def test_fixed_order_linear_is_the_float32_matmul_with_rows_independent(weight_and_input):
+    w, _ = weight_and_input
+    model = torch.nn.Sequential(torch.nn.Linear(256, 96))
+    model[0].weight.data.copy_(w)
+    use_fixed_order(model)
+    x = torch.randn(40, 256)
+    assert isinstance(model[0], FixedOrderLinear)
+    assert torch.equal(model(x), _rows_alone(model, x))
+    torch.testing.assert_close(model(x), F.linear(x, w, model[0].bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_gemv
+def test_fixed_order_attention_is_sdpa_with_each_row_alone():
+    """banyan's fixed-order attention against SDPA (the torch backend's reference), and bit for bit the same for a
+    row whatever shares the call: a decode row alone or beside longer sequences, a prompt whole or in chunks."""
+    torch.manual_seed(0)
+    k, v = torch.randn(3, 48, 2, 16), torch.randn(3, 48, 2, 16)  # [seqs, positions, kv_heads, head_dim]
+    q = torch.randn(3, 48, 4, 16)
+    causal = torch.ones(48, 48, dtype=torch.bool).tril()
+    kernels = cpu_gemv.load()
+    whole = kernels.attend(q, k, v, causal.expand(3, 48, 48), 0.25)  # every sequence's 48-token prompt at once
+    reference = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.25,
+                                               is_causal=True, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(whole, reference, rtol=1e-5, atol=1e-5)
+    for end in (1, 17, 48):  # a decode row at position end - 1, alone over its end positions
+        alone = kernels.attend(q[:1, end - 1 : end], k[:1, :end], v[:1, :end], causal[None, end - 1 : end, :end], 0.25)
+        assert torch.equal(alone[0, 0], whole[0, end - 1])
+    chunk = kernels.attend(q[:1, 20:30], k[:1, :30], v[:1, :30], causal[None, 20:30, :30], 0.25)
+    assert torch.equal(chunk[0], whole[0, 20:30])
 
 
 def test_fp16_weights_through_fbgemm_equal_the_rounded_float32_matmul(weight_and_input):

@@ -9,6 +9,11 @@ own (a step holds few). Both gather the request's K/V from its pages and call SD
 
 The rows of each group, the pages to gather and the masks depend only on the batch: the first layer
 of a forward builds them (a `_Plan`) and every other layer reuses them.
+
+SDPA's blocking follows the shapes, so a row's output moves in its last bits with the padding and the
+number of sequences beside it. With `fixed_order` (banyan's CPU kernels, set for batch-invariant mode)
+each row attends over the positions it sees in position order instead: the same bits alone, in a batch,
+in a prefill chunk or in a decode step (banyan/kernels/cpu_attention.c).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, kv_scale: float = 1.0):
         super().__init__(kv_scale)
         self._plan: _Plan | None = None  # the forward in progress, built by its first layer
+        self.fixed_order = None  # banyan's CPU kernels (cpu_gemv.load()) in batch-invariant mode, else SDPA
 
     def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float, sliding_window=None):
         write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping, self.kv_scale)
@@ -71,7 +77,8 @@ class TorchAttentionBackend(AttentionBackend):
         """The group's output rows: [rows, num_heads, head_dim]."""
         rows = q if group.rows is None else q[group.rows]
         padded = rows.unflatten(0, (-1, group.max_query_len))  # [num_seqs, max_query_len, heads, dim]
-        return attend_pages(padded, k_cache, v_cache, group.pages, group.mask, scale, self.kv_scale).flatten(0, 1)
+        out = attend_pages(padded, k_cache, v_cache, group.pages, group.mask, scale, self.kv_scale, self.fixed_order)
+        return out.flatten(0, 1)
 
 
 def make_plan(batch: ForwardBatch, sliding_window: int | None, page_size: int) -> _Plan:
@@ -128,11 +135,14 @@ def paged_layout(
     return pages, mask[:, None]
 
 
-def attend_pages(q, k_cache, v_cache, pages, mask, scale: float, kv_scale: float = 1.0) -> torch.Tensor:
-    """q [num_seqs, max_q, num_heads, head_dim] over the K/V in `pages`, masked (paged_layout's) -> like q."""
+def attend_pages(q, k_cache, v_cache, pages, mask, scale: float, kv_scale: float = 1.0, fixed_order=None) -> torch.Tensor:
+    """q [num_seqs, max_q, num_heads, head_dim] over the K/V in `pages`, masked (paged_layout's) -> like q.
+    fixed_order: banyan's CPU kernels, to attend row by row in position order (float32) instead of SDPA."""
     max_ctx = mask.shape[-1]
     k = read_pages(k_cache, pages, q.dtype, kv_scale).flatten(1, 2)[:, :max_ctx]  # [num_seqs, max_ctx, kv_heads, dim]
     v = read_pages(v_cache, pages, q.dtype, kv_scale).flatten(1, 2)[:, :max_ctx]
+    if fixed_order is not None:
+        return fixed_order.attend(q, k, v, mask[:, 0], scale)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2],
