@@ -260,6 +260,14 @@ def test_continuous_usage_stats_put_the_running_counts_on_every_chunk(client, ro
     assert chunks[-1].choices == []  # include_usage's last chunk still comes
 
 
+def test_continuous_usage_stats_alone_implies_the_last_usage_chunk(client):
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, stream=True,
+                                            stream_options={"continuous_usage_stats": True},
+                                            extra_body={"ignore_eos": True}))
+    assert all(c.usage is not None for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+
+
 def test_without_continuous_usage_stats_only_the_last_chunk_has_usage(client):
     chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, stream=True,
                                             stream_options={"include_usage": True}))
