@@ -256,6 +256,14 @@ def test_a_fully_forced_output_needs_no_forward_pass(llm):
     assert (len(out.token_ids), out.finish_reason, forwards) == (3, "length", 0)
 
 
+@pytest.mark.parametrize("engine", ["llm", "xgrammar_llm", "no_jump_llm"])
+def test_a_fully_forced_output_is_the_forced_text_on_each_backend_with_or_without_jumps(request, engine):
+    """xgrammar holds back a forced token that prefixes a longer one: the model samples it, under the grammar."""
+    params = constrained({"json": {"const": {"a": [1, "b"]}}}, n=2)
+    outputs = request.getfixturevalue(engine).generate(["x", "y"], params, use_tqdm=False)
+    assert [(c.text, c.finish_reason) for o in outputs for c in o.outputs] == [('{"a":[1,"b"]}', "stop")] * 4
+
+
 def test_forced_tokens_have_logprob_zero_and_stream_like_sampled_ones(llm):
     out, _ = generate_one(llm, COMPACT_ORDER, logprobs=2)
     assert len(out.logprobs) == len(out.token_ids)
