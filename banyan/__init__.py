@@ -11,7 +11,7 @@ __all__ = ["LLM", "SamplingParams", "EngineConfig", "ModelConfig", "CacheConfig"
 def __getattr__(name):
     # LLM pulls in torch and the model code; import it only when asked for.
     if name == "LLM":
-        from banyan.engine.llm import LLM
+        from banyan.frontend.llm import LLM
 
         return LLM
     raise AttributeError(name)

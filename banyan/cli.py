@@ -96,7 +96,7 @@ def sampling_params(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from banyan.engine.llm import LLM
+    from banyan.frontend.llm import LLM
 
     prompts = list(args.prompt)
     if args.prompts_file:
@@ -129,8 +129,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from banyan.engine.llm import LLM
-    from banyan.engine.tokenizer import encode_chat
+    from banyan.frontend.llm import LLM
+    from banyan.text.tokenizer import encode_chat
 
     llm = LLM.from_config(engine_config(args))
     params = sampling_params(args)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from banyan.sampling_params import SamplingParams
@@ -156,3 +156,19 @@ class Request:
             f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/"
             f"{self.num_tokens}, prompt={self.num_prompt_tokens})"
         )
+
+
+@dataclass
+class RequestDelta:
+    """What one step changed for one request: new tokens, and how it ended if it did."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    cumulative_logprob: float
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # whole list, once, with the first delta
+    queue_time: float | None = None  # seconds from arrival to first schedule, with the first delta
+    error_param: str | None = None  # finish_reason "error": the request field at fault (stop_reason: the message)

@@ -13,7 +13,7 @@ from banyan.bench.metrics import peak_rss_bytes
 from banyan.bench.workloads import BenchPrompt, make_workload, random_prompts, turns
 from banyan.bench.zero_cost_runner import ZeroCostRunner
 from banyan.config import EngineConfig
-from banyan.engine.llm import LLM
+from banyan.frontend.llm import LLM
 from banyan.sampling_params import SamplingParams
 
 

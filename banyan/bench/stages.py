@@ -47,7 +47,7 @@ def stages_for(plan: Plan) -> tuple[list[tuple[str, Stage]], dict[str, str]]:
 def banyan_offline(plan: Plan) -> list[Run]:
     """Offline throughput through LLM.generate and batch-1 latency through the Engine, one model load."""
     from banyan.bench.offline import generate_all, latency_runs
-    from banyan.engine.llm import LLM
+    from banyan.frontend.llm import LLM
 
     cfg, runs = plan.cfg, []
     if "overhead" in cfg.scenarios:

@@ -10,36 +10,19 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 from banyan.config import EngineConfig
 from banyan.engine.grammar import Grammars
 from banyan.errors import ContextLengthExceededError, InvalidParameterError
 from banyan.kv_cache import KVCacheManager
 from banyan.models.registry import get_model_class
-from banyan.request import Request, RequestStatus, TokenLogprobs
+from banyan.request import Request, RequestDelta, RequestStatus
 from banyan.runner.model_runner import ModelRunner, RunnerLimits
 from banyan.runner.weights import open_model
 from banyan.sampling_params import SamplingParams
 from banyan.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestDelta:
-    """What one step changed for one request: new tokens, and how it ended if it did."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] | None
-    cumulative_logprob: float
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_cached_tokens: int
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # whole list, once, with the first delta
-    queue_time: float | None = None  # seconds from arrival to first schedule, with the first delta
-    error_param: str | None = None  # finish_reason "error": the request field at fault (stop_reason: the message)
 
 
 class Engine:

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from banyan import __version__
 from banyan.config import ServerConfig
-from banyan.engine.client import EngineClient
+from banyan.ipc.client import EngineClient
 from banyan.server import openapi
 from banyan.server.auth import ANONYMOUS, ApiKeyAuth, Tenant
 from banyan.server.errors import APIError, error_body, parse_json_body

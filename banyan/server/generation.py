@@ -25,10 +25,10 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
-from banyan.engine.client import EngineClient
-from banyan.engine.messages import AddRequest
-from banyan.engine.output_processor import SequenceState, best_of
+from banyan.ipc.client import EngineClient
+from banyan.ipc.messages import AddRequest
 from banyan.sampling_params import SamplingParams
+from banyan.text.output_processor import SequenceState, best_of
 
 logger = logging.getLogger("banyan.server")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import uvicorn
 
 from banyan.config import EngineConfig, ServerConfig
-from banyan.engine.client import EngineClient
+from banyan.ipc.client import EngineClient
 from banyan.runner.weights import open_model
 from banyan.server.app import ServerState, build_app
 from banyan.server.auth import ApiKeyAuth, load_api_keys

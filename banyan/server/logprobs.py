@@ -7,7 +7,7 @@ positions so that streams send each position once.
 
 from __future__ import annotations
 
-from banyan.engine.output_processor import SequenceState
+from banyan.text.output_processor import SequenceState
 
 
 def _top(position: dict, k: int) -> list[tuple[int, object]]:

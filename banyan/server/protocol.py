@@ -18,11 +18,11 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from banyan.engine.tokenizer import RESERVED_TEMPLATE_KWARGS
 from banyan.errors import InvalidParameterError
 from banyan.sampling_params import INT64_MAX, INT64_MIN, MAX_N, MAX_STOP_STRING_LEN, SamplingParams
 from banyan.server.errors import MAX_JSON_DEPTH, from_validation_error
 from banyan.structured import StructuredOutputError, StructuredOutputSpec
+from banyan.text.chat_template import RESERVED_TEMPLATE_KWARGS
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from banyan.config import ServerConfig
-from banyan.engine.client import EngineClient, EngineDeadError, RequestError
-from banyan.engine.tokenizer import ChatTemplateError, encode_chat, resolve_template, with_special_tokens
 from banyan.errors import BanyanError
+from banyan.ipc.client import EngineClient, EngineDeadError, RequestError
 from banyan.sampling_params import SamplingParams
 from banyan.server import protocol
 from banyan.server.auth import ApiKeyAuth, RateLimiter, Tenant
@@ -28,6 +27,8 @@ from banyan.server.errors import APIError, error_body, from_banyan_error
 from banyan.server.generation import Choice, Generation
 from banyan.server.logprobs import chat_logprobs, completion_logprobs
 from banyan.server.metrics import ServerMetrics
+from banyan.text.chat_template import ChatTemplateError, resolve_template
+from banyan.text.tokenizer import encode_chat, with_special_tokens
 from banyan.tools import ToolCalling, ToolCallParser, detect_format, format_named, marker_token_ids
 
 

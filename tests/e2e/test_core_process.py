@@ -21,9 +21,9 @@ import msgspec
 import pytest
 
 from banyan.config import CacheConfig, EngineConfig, ModelConfig
-from banyan.engine.client import EngineClient, EngineDeadError, RequestError
 from banyan.engine.engine import Engine
-from banyan.engine.messages import AddRequest
+from banyan.ipc.client import EngineClient, EngineDeadError, RequestError
+from banyan.ipc.messages import AddRequest
 from banyan.sampling_params import SamplingParams
 from tests.factories import write_model_dir
 
@@ -287,7 +287,7 @@ ORPHAN_SERVER = """
 import asyncio, sys
 import msgspec
 from banyan.config import EngineConfig
-from banyan.engine.client import EngineClient
+from banyan.ipc.client import EngineClient
 
 async def main():
     client = await EngineClient.start(msgspec.json.decode(sys.argv[1], type=EngineConfig))
@@ -302,7 +302,7 @@ ORPHAN_SERVER_WHILE_LOADING = """
 import asyncio, sys, tempfile
 import msgspec
 from banyan.config import EngineConfig
-from banyan.engine.client import EngineClient
+from banyan.ipc.client import EngineClient
 
 async def main():
     client = EngineClient(msgspec.json.decode(sys.argv[1], type=EngineConfig), tempfile.mkdtemp(), sys.argv[2])

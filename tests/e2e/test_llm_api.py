@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from banyan import LLM, SamplingParams
-from banyan.engine.tokenizer import DEFAULT_RENDER_TIMEOUT, ChatTemplateError
 from banyan.errors import CacheCapacityError, ContextLengthExceededError, InvalidParameterError
+from banyan.text.chat_template import DEFAULT_RENDER_TIMEOUT, ChatTemplateError
 from tests.factories import write_model_dir
 
 

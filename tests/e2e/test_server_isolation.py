@@ -44,7 +44,7 @@ def server(model_dir, tmp_path_factory):
     if not script.exists():
         pytest.skip("no banyan console script next to the interpreter")
     cwd = tmp_path_factory.mktemp("cwd_with_a_fake_banyan")
-    for package in (cwd / "banyan", cwd / "banyan" / "engine"):
+    for package in (cwd / "banyan", cwd / "banyan" / "ipc", cwd / "banyan" / "engine"):
         package.mkdir()
         (package / "__init__.py").write_text(FAKE_BANYAN)
     proc = start_server(model_dir, *COMMON, "--allow-request-chat-template", "--render-timeout", str(RENDER_TIMEOUT),

@@ -4,7 +4,7 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from banyan.engine.messages import EngineStats
+from banyan.ipc.messages import EngineStats
 from banyan.server.metrics import ServerMetrics
 
 MODEL = "tiny-llama"

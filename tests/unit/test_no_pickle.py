@@ -64,7 +64,7 @@ MODULES = sorted(PACKAGE.rglob("*.py"))
 
 
 def test_the_scan_sees_the_package():
-    assert len(MODULES) > 20 and PACKAGE / "engine" / "core_process.py" in MODULES
+    assert len(MODULES) > 20 and PACKAGE / "ipc" / "core_process.py" in MODULES
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE.parent)))

@@ -7,7 +7,6 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from banyan.engine.tokenizer import ChatTemplateError
 from banyan.errors import (
     BanyanError,
     CacheCapacityError,
@@ -33,6 +32,7 @@ from banyan.server.protocol import (
     parse,
     to_sampling_params,
 )
+from banyan.text.chat_template import ChatTemplateError
 
 USER = [{"role": "user", "content": "hi"}]
 

@@ -203,7 +203,7 @@ def test_lenient_cannot_be_switched_on_from_inside_the_schema(name):
     {"regex": "[a-z]+"}, {"choice": ["x", "y"]}, {"json_object": True, "disable_any_whitespace": True},
 ])
 def test_sampling_params_carry_a_spec_across_the_wire(given):
-    from banyan.engine import messages
+    from banyan.ipc import messages
     from banyan.sampling_params import SamplingParams
 
     params = SamplingParams(structured_outputs=given)

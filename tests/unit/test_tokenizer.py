@@ -12,15 +12,10 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from banyan.engine.tokenizer import (
-    ChatTemplateError,
-    IncrementalDetokenizer,
-    StopStringMatcher,
-    encode_chat,
-    load_tokenizer,
-    render_chat_template,
-)
 from banyan.errors import InvalidParameterError, ModelLoadError
+from banyan.text.chat_template import ChatTemplateError, render_chat_template
+from banyan.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from banyan.text.tokenizer import encode_chat, load_tokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. Hello world, hello there!",

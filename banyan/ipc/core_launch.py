@@ -1,6 +1,6 @@
 """How the engine core process starts: run by file path, tied to its server before anything slow.
 
-    python .../banyan/engine/core_launch.py --parent-pid PID --input ipc://... --output ipc://... ARGS
+    python .../banyan/ipc/core_launch.py --parent-pid PID --input ipc://... --output ipc://... ARGS
 
 Only the standard library is imported until step 3, because importing banyan takes seconds:
 
@@ -72,7 +72,7 @@ def main() -> int:
             os.write(2, b"engine-core: the server process is gone; exiting\n")
 
     exit_with_parent(args.parent_pid, orphaned)
-    from banyan.engine.core_process import main as core_main
+    from banyan.ipc.core_process import main as core_main
 
     return core_main()
 

@@ -1,7 +1,4 @@
-"""Text in and out of the engine: tokenizer loading, chat templates, incremental detokenizing, stop strings.
-
-Everything here works for any transformers `PreTrainedTokenizerBase` (fast, slow, or the ones built
-from GGUF metadata) and needs no model and no GPU.
+"""Chat templates: banyan's own sandboxed renderer, with typed errors and caps on output and time.
 
 Chat templates are untrusted code (a request may carry one; a model repository ships one), so banyan
 renders them itself in jinja2's immutable sandbox, with the same helpers Hugging Face provides
@@ -10,19 +7,19 @@ time cap. A sandbox bounds what a template can reach, not how long it runs, so t
 own work: every loop turn and every call, attribute or item lookup goes through the sandbox, which
 looks at the clock (and a cancel event) every few hundred of them and stops the render there
 (RELIABILITY M1). A render past its cap ends in its own thread and uses no CPU after.
+
+Works for any transformers `PreTrainedTokenizerBase` (fast, slow, or built from GGUF metadata).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from datetime import datetime
-from functools import lru_cache, partial
-from pathlib import Path
+from functools import lru_cache
 from typing import Any
 
 import jinja2
@@ -31,22 +28,12 @@ import jinja2.nodes
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from banyan.errors import InvalidParameterError, ModelLoadError
+from banyan.errors import InvalidParameterError
 
 DEFAULT_MAX_CHARS = 4 * 1024 * 1024
 """Longest rendered chat, in characters."""
 DEFAULT_RENDER_TIMEOUT = 5.0
 """Longest a chat template may render, in seconds."""
-
-
-def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
-    """The Hugging Face tokenizer of a model directory (a `PreTrainedTokenizerBase`)."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e
 
 
 # -- chat templates -------------------------------------------------------------------------------
@@ -353,228 +340,3 @@ def _cut_at_final_message(text: str, final_text: str) -> str:
     return text[:at] if text[at:].startswith(_CONTINUE_TAG) else text[:at].rstrip()
 
 
-# -- chat to token ids, with control tokens in user text kept as text (RELIABILITY M5) ------------
-_MARK_START, _MARK_END = "\U000f0000", "\U000f0001"  # private-use code points around user control tokens
-
-
-def encode_chat(tokenizer, messages: Sequence[Mapping[str, Any]], **render_kwargs: Any) -> tuple[str, list[int]]:
-    """Render (as `render_chat_template`) and tokenize a chat. Control tokens the template writes (like
-    `<|im_start|>`) become control token ids; the same text inside messages, tools, documents or template
-    kwargs is tokenized as plain text, so a user cannot inject a role. Returns (prompt text, token ids);
-    for a chat without such text the ids equal `tokenizer.encode(text, add_special_tokens=False)`."""
-    controls = _control_tokens(tokenizer)
-    control_re = re.compile("|".join(map(re.escape, sorted(controls, key=len, reverse=True))) or "(?!)")
-    mark = lambda value: _mark(value, control_re)  # noqa: E731
-    for key in ("tools", "documents", "chat_template_kwargs"):
-        if render_kwargs.get(key) is not None:
-            render_kwargs[key] = mark(render_kwargs[key])
-    marked = render_chat_template(tokenizer, mark(list(messages)), **render_kwargs)
-    # [text, marked control, text, marked control, ..., text]; None where a lone marker was left behind
-    pieces = re.split(f"{_MARK_START}({control_re.pattern}){_MARK_END}|[{_MARK_START}{_MARK_END}]", marked)
-    ids = tokenizer.encode(pieces[0], add_special_tokens=False)
-    for i, piece in enumerate(pieces[1:], start=1):
-        if piece:
-            ids += _encode_piece(tokenizer, piece, as_text=i % 2 == 1)
-    return "".join(p for p in pieces if p), ids
-
-
-def _control_tokens(tokenizer) -> set[str]:
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    return {t.content for t in added.values() if getattr(t, "special", False)} | set(tokenizer.all_special_tokens)
-
-
-def _mark(value: Any, control_re: re.Pattern) -> Any:
-    if isinstance(value, str):  # drop markers already there, so a user cannot forge a marked token
-        value = value.replace(_MARK_START, "").replace(_MARK_END, "")
-        return control_re.sub(lambda m: _MARK_START + m.group(0) + _MARK_END, value)
-    if isinstance(value, Mapping):
-        return {k: _mark(v, control_re) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_mark(v, control_re) for v in value]
-    return value
-
-
-def _encode_piece(tokenizer, piece: str, as_text: bool) -> list[int]:
-    """Encode a piece from the middle of a chat; `as_text` ignores special tokens in it. Encoded after a
-    newline (then removed) so SentencePiece does not add the space it puts at the start of a text."""
-    def encode(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=as_text)
-
-    newline = tokenizer.encode("\n", add_special_tokens=False)
-    ids = encode("\n" + piece)
-    ids = ids[len(newline):] if ids[: len(newline)] == newline else encode(piece)
-    if as_text and tokenizer.convert_tokens_to_ids(piece) in ids:
-        raise InvalidParameterError("messages", f"cannot encode {piece!r} as plain text with this tokenizer")
-    return ids
-
-
-def with_special_tokens(tokenizer, ids: list[int]) -> list[int]:
-    """`ids` between the special tokens (BOS, ...) the tokenizer adds around a text, found by encoding
-    a probe with and without them; `ids` themselves stay as they are (a rendered chat's, say)."""
-    probe, full = tokenizer.encode("a", add_special_tokens=False), tokenizer.encode("a", add_special_tokens=True)
-    start = next((i for i in range(len(full) - len(probe) + 1) if full[i:i + len(probe)] == probe), None)
-    if start is None:  # a tokenizer that rewrites the text itself: add nothing rather than guess
-        return ids
-    return full[:start] + ids + full[start + len(probe):]
-
-
-# -- detokenizing ---------------------------------------------------------------------------------
-def special_token_ids(tokenizer) -> frozenset[int]:
-    """Ids that `decode(..., skip_special_tokens=True)` drops."""
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    return frozenset(i for i, t in added.items() if getattr(t, "special", False)) | set(tokenizer.all_special_ids)
-
-
-class IncrementalDetokenizer:
-    """Turns output token ids into text deltas, O(window) per token.
-
-    Tokens are taken one at a time. Each decodes two short windows of ids and emits the difference:
-
-        self._ids:  | prefix window (already emitted) | new tokens (held) |
-                    0                             read_offset            end
-        prefix = decode(ids[:read_offset]);  text = decode(ids);  delta = text[len(prefix):]
-        after emitting, the new tokens become the prefix window (the old one is dropped).
-
-    The first prefix window is the prompt's last few tokens, so a SentencePiece "▁word" right after
-    the prompt keeps its space (the continuation of the prompt, as vLLM). While `text` ends in U+FFFD a
-    multi-byte character is incomplete and nothing is emitted (for at most MAX_HOLD tokens, so a model
-    emitting invalid bytes cannot grow the window without bound). Skipped special tokens never enter
-    the windows. Concatenated deltas equal decode(prompt tail + output)[len(decode(prompt tail)):]:
-    decode(output) for byte-level BPE, and for SentencePiece too except for that first space.
-    Decoding uses clean_up_tokenization_spaces=False.
-    """
-
-    PROMPT_WINDOW = 5
-    MAX_HOLD = 16
-
-    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.spaces_between_special_tokens = spaces_between_special_tokens
-        self._skip = special_token_ids(tokenizer) if skip_special_tokens else frozenset()
-        self._decode = _plain_decode(tokenizer, skip_special_tokens) or self._decode
-        tail = [t for t in prompt_token_ids[-4 * self.PROMPT_WINDOW:] if t not in self._skip]
-        self._ids: list[int] = tail[-self.PROMPT_WINDOW:]
-        self._read_offset = len(self._ids)  # the prefix window is self._ids[:read_offset]
-
-    def add(self, new_token_ids: Sequence[int]) -> str:
-        """The new text the tokens add (possibly empty while a character is incomplete)."""
-        return "".join(self._step(t) for t in new_token_ids if t not in self._skip)
-
-    def flush(self) -> str:
-        """At the end of the output: whatever is still held back (an incomplete character as U+FFFD)."""
-        return self._emit() if len(self._ids) > self._read_offset else ""
-
-    def _step(self, token_id: int) -> str:
-        self._ids.append(token_id)
-        if len(self._ids) - self._read_offset >= self.MAX_HOLD:
-            return self._emit()
-        return self._emit(unless_incomplete=True)
-
-    def _emit(self, unless_incomplete: bool = False) -> str:
-        prefix = self._decode(self._ids[: self._read_offset])
-        text = self._decode(self._ids)
-        if unless_incomplete and text.endswith("\ufffd"):
-            return ""
-        del self._ids[: self._read_offset]  # the new tokens become the next prefix window
-        self._read_offset = len(self._ids)
-        return text[len(prefix):]
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False,
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
-        )
-
-
-def _plain_decode(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str] | None:
-    """The Rust tokenizer's own decode when `tokenizer.decode(ids, clean_up_tokenization_spaces=False)`
-    is exactly that call (a fast tokenizer that overrides nothing); None otherwise. transformers'
-    wrapper costs three times the decode itself, and the detokenizer decodes twice per token."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    base = _fast_tokenizer_class()
-    if backend is None or base is None or not isinstance(tokenizer, base):
-        return None
-    cls = type(tokenizer)
-    if cls.decode is not base.decode or cls._decode is not base._decode:
-        return None
-    return partial(backend.decode, skip_special_tokens=skip_special_tokens)
-
-
-@lru_cache(maxsize=None)
-def _fast_tokenizer_class() -> type | None:
-    try:  # transformers >= 5
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend as fast
-    except ImportError:
-        try:
-            from transformers import PreTrainedTokenizerFast as fast
-        except ImportError:
-            return None
-    return fast
-
-
-# -- stop strings ---------------------------------------------------------------------------------
-class StopStringMatcher:
-    """Finds stop strings in streamed text without ever emitting part of one.
-
-    `feed(delta)` returns the text that is safe to emit and, on a match, the stop string; the text after
-    a match is dropped and later feeds return nothing. The match is the stop string completed first in
-    the stream, so the result does not depend on how the text was cut into deltas. Trailing characters
-    that could begin a stop string (at most max(len(stop)) - 1) are held back until they cannot;
-    `flush()` returns them at the end.
-    """
-
-    def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool):
-        self.stop = [s for s in stop if s]
-        self.include_stop_str_in_output = include_stop_str_in_output
-        self.stopped_on: str | None = None
-        self._held = ""
-        # for each stop string, the prefix lengths k by their last character: s[k - 1] -> [k, ...] descending
-        self._prefix_ends: list[tuple[str, dict[str, list[int]]]] = []
-        for s in self.stop:
-            ends: dict[str, list[int]] = {}
-            for k in range(len(s) - 1, 0, -1):
-                ends.setdefault(s[k - 1], []).append(k)
-            self._prefix_ends.append((s, ends))
-
-    def feed(self, delta: str) -> tuple[str, str | None]:
-        if self.stopped_on is not None:
-            return "", None
-        text = self._held + delta
-        match = self._first_match(text)
-        if match is not None:
-            at, s = match
-            self.stopped_on, self._held = s, ""
-            return text[: at + len(s)] if self.include_stop_str_in_output else text[:at], s
-        hold = self._partial_match_len(text)
-        self._held = text[len(text) - hold:] if hold else ""
-        return text[: len(text) - hold], None
-
-    def flush(self) -> str:
-        held, self._held = self._held, ""
-        return held
-
-    def _first_match(self, text: str) -> tuple[int, str] | None:
-        """The stop string completed first (then the one starting first): what a token-by-token stream
-        would have found, however the text was cut into deltas."""
-        best = None
-        for s in self.stop:
-            at = text.find(s)
-            if at >= 0 and (best is None or (at + len(s), at) < (best[0] + len(best[1]), best[0])):
-                best = (at, s)
-        return best
-
-    def _partial_match_len(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        if not text:
-            return 0
-        longest = 0
-        for s, ends in self._prefix_ends:
-            for k in ends.get(text[-1], ()):
-                if k <= longest:
-                    break
-                if k <= len(text) and text.endswith(s[:k]):
-                    longest = k
-                    break
-        return longest

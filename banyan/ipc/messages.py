@@ -14,7 +14,7 @@ from typing import Union
 
 import msgspec
 
-from banyan.engine.engine import RequestDelta
+from banyan.request import RequestDelta
 from banyan.sampling_params import SamplingParams
 
 

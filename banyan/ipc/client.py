@@ -34,10 +34,10 @@ import zmq
 import zmq.asyncio
 
 from banyan.config import EngineConfig
-from banyan.engine import core_launch
-from banyan.engine import messages as m
-from banyan.engine.engine import RequestDelta
 from banyan.errors import BanyanError
+from banyan.ipc import core_launch
+from banyan.ipc import messages as m
+from banyan.request import RequestDelta
 
 logger = logging.getLogger(__name__)
 

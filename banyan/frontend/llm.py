@@ -12,13 +12,14 @@ from tqdm import tqdm
 
 from banyan.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from banyan.engine.engine import Engine
-from banyan.engine.output_processor import OutputProcessor, PromptState, SequenceState
-from banyan.engine.outputs import RequestOutput
-from banyan.engine.tokenizer import encode_chat, resolve_template
 from banyan.errors import InvalidParameterError
 from banyan.request import RequestStatus
 from banyan.runner.model_runner import ModelRunner
 from banyan.sampling_params import SamplingParams
+from banyan.text.chat_template import resolve_template
+from banyan.text.output_processor import OutputProcessor, PromptState, SequenceState
+from banyan.text.outputs import RequestOutput
+from banyan.text.tokenizer import encode_chat
 from banyan.tools import JSON_LIST, ToolCalling, detect_format, format_named, marker_token_ids
 
 PromptInput = str | Sequence[int] | dict[str, Any]

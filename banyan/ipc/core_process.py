@@ -1,6 +1,6 @@
 """The engine core in its own process: a busy loop around `Engine.step()`, msgspec over ZeroMQ.
 
-    python .../banyan/engine/core_launch.py --parent-pid PID --config-json JSON --input ipc://... --output ipc://...
+    python .../banyan/ipc/core_launch.py --parent-pid PID --config-json JSON --input ipc://... --output ipc://...
 
 The API server's `EngineClient` starts this process (through core_launch.py, which ties it to the
 server before anything slow), binds both sockets in a private directory and owns the process's
@@ -34,11 +34,11 @@ import msgspec
 import zmq
 
 from banyan.config import EngineConfig
-from banyan.engine import messages as m
-from banyan.engine.core_launch import remove_ipc_files
-from banyan.engine.engine import Engine, RequestDelta
+from banyan.engine.engine import Engine
 from banyan.errors import CacheCapacityError, ContextLengthExceededError, InvalidParameterError
-from banyan.request import Request
+from banyan.ipc import messages as m
+from banyan.ipc.core_launch import remove_ipc_files
+from banyan.request import Request, RequestDelta
 
 logger = logging.getLogger("banyan.engine.core")
 

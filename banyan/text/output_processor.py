@@ -11,11 +11,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from banyan.engine.engine import RequestDelta
-from banyan.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from banyan.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
-from banyan.request import RequestMetrics, TokenLogprobs
+from banyan.request import RequestDelta, RequestMetrics, TokenLogprobs
 from banyan.sampling_params import SamplingParams
+from banyan.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from banyan.text.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 
 T = TypeVar("T")
 
