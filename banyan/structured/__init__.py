@@ -9,7 +9,6 @@ from banyan.structured.backend import (
     GrammarMatcher,
     make_backend,
 )
-from banyan.structured.bitmask import allocate_bitmask, apply_bitmask
 from banyan.structured.cache import GrammarCache
 from banyan.structured.spec import StructuredOutputError, StructuredOutputSpec
 
@@ -26,3 +25,12 @@ __all__ = [
     "apply_bitmask",
     "make_backend",
 ]
+
+
+def __getattr__(name):
+    # The bitmask needs torch; import it only when asked for, so SamplingParams (-> spec) stays torch-free.
+    if name in ("allocate_bitmask", "apply_bitmask"):
+        from banyan.structured import bitmask
+
+        return getattr(bitmask, name)
+    raise AttributeError(name)

@@ -26,11 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-import torch
-
 from banyan.structured.spec import StructuredOutputSpec
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 DEFAULT_BACKEND = "llguidance"
@@ -109,6 +108,8 @@ class GrammarBackend(ABC):
     def compile(self, spec: StructuredOutputSpec) -> CompiledGrammar:
         """Compile and check the spec; StructuredOutputError names what is unsupported or wrong.
         Thread-safe; may take a while for big grammars, so call it through GrammarCache."""
+        import torch  # here, not at the top: `import banyan` (SamplingParams -> spec) stays torch-free
+
         compiled = self._compile(spec)
         probe = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
         matcher = self.matcher(compiled)
