@@ -3,70 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import logging
-import re
 import sys
 import time
 
 from banyan.bench.cli import add_bench_parser
-from banyan.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, field_docs
+from banyan.config import ServerConfig
+from banyan.config_args import add_config_args, add_engine_args, config_from_args, engine_config
 from banyan.errors import BanyanError
-
-SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
-HIDDEN = {"trust_remote_code", "num_pages"}
-
-
-def parse_size(text: str) -> int:
-    """'4GiB', '4G', '512MB', '1073741824' -> bytes (G and GiB are powers of 1024; GB of 1000)."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?B)?)?", text.strip(), re.IGNORECASE)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4GiB)")
-    number, unit, suffix = match.groups()
-    base = 1000 if (suffix or "").lower() == "b" else 1024
-    power = "KMGT".index(unit.upper()) + 1 if unit else 0
-    return int(float(number) * base**power)
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    for section, cls in SECTIONS.items():
-        add_config_args(parser, section, cls)
-
-
-def add_config_args(parser: argparse.ArgumentParser, section: str, cls) -> None:
-    """One flag per config field, named as vLLM names it, with the field's docstring as help."""
-    group = parser.add_argument_group(section)
-    docs = field_docs(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in HIDDEN:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kind = str(f.type)
-        help_text = docs.get(f.name, "")
-        if kind == "bool":
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-        elif kind.startswith("tuple"):
-            group.add_argument(flag, action="append", default=[], help=help_text)
-        elif kind.startswith("dict"):
-            group.add_argument(flag, type=json.loads, default=f.default, metavar="JSON", help=help_text)
-        else:
-            convert = parse_size if f.name in ("kv_cache_memory", "max_body_bytes") else int if "int" in kind else float if "float" in kind else str
-            group.add_argument(flag, type=convert, default=f.default, help=help_text)
-
-
-def server_config(args: argparse.Namespace) -> ServerConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)}
-    values["api_key"] = tuple(values["api_key"])
-    return ServerConfig(**values)
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    parts = {
-        section: cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name not in HIDDEN})
-        for section, cls in SECTIONS.items()
-    }
-    return EngineConfig(**parts)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -165,7 +109,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from banyan.server.launch import serve
 
-    return asyncio.run(serve(engine_config(args), server_config(args), fault=args.fault))
+    return asyncio.run(serve(engine_config(args), config_from_args(ServerConfig, args), fault=args.fault))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--fault", default=None, help=argparse.SUPPRESS)  # fault injection, for tests only
     srv.set_defaults(func=cmd_serve)
 
-    add_bench_parser(commands, add_engine_args, engine_config)
+    add_bench_parser(commands)
     return parser
 
 

@@ -1,6 +1,6 @@
 """Configuration: one frozen dataclass per component, composed into EngineConfig.
 
-Each field's docstring (the string below it) is its `--help` text in the CLI.
+Each field's docstring (the string below it) is its `--help` text in the CLI (banyan/config_args.py).
 """
 
 from __future__ import annotations
@@ -220,22 +220,6 @@ def default_num_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # macOS
         return max(1, os.cpu_count() or 1)
-
-
-def field_docs(cls) -> dict[str, str]:
-    """The string under each dataclass field, which the CLI shows as that flag's help."""
-    import ast
-    import inspect
-    import textwrap
-
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for node, following in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
-                docs[node.target.id] = " ".join(str(following.value.value).split())
-    return docs
 
 
 @dataclass(frozen=True)

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import sys
 from collections.abc import Callable
 
 from banyan.bench.plan import CompareConfig
 from banyan.bench.results import emit, make_report
 from banyan.bench.workloads import WORKLOADS
+from banyan.config_args import add_config_args, add_engine_args, config_from_args, engine_config
 
 
-def add_bench_parser(commands, add_engine_args: Callable, engine_config: Callable) -> None:
+def add_bench_parser(commands) -> None:
     bench = commands.add_parser("bench", help="benchmark banyan (offline, latency, overhead) or any OpenAI server")
     kinds = bench.add_subparsers(dest="bench", required=True)
 
@@ -25,7 +25,7 @@ def add_bench_parser(commands, add_engine_args: Callable, engine_config: Callabl
         parser.add_argument("--no-progress", action="store_true", help="no progress bar")
         if engine:
             add_engine_args(parser)
-        parser.set_defaults(func=lambda args: _run(name, run, args, engine_config))
+        parser.set_defaults(func=lambda args: _run(name, run, args))
         return parser
 
     tput = add("throughput", "offline requests/s and tokens/s through LLM.generate", _throughput)
@@ -52,13 +52,11 @@ def add_bench_parser(commands, add_engine_args: Callable, engine_config: Callabl
     srv.add_argument("--goodput", nargs="*", default=[], help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000")
     _workload_args(srv, input_len=128, output_len=128, num_prompts=64)
 
-    from banyan.cli import add_config_args  # banyan.cli is loaded by now: it is what calls this function
-
     cmp = kinds.add_parser("compare", help="banyan and the installed peers on the same workloads, one after the "
                                            "other; writes JSON, markdown and PNG plots")
     add_engine_args(cmp)
     add_config_args(cmp, "compare", CompareConfig)
-    cmp.set_defaults(func=lambda args: _compare(args, engine_config))
+    cmp.set_defaults(func=_compare)
 
 
 def _workload_args(parser: argparse.ArgumentParser, input_len: int, output_len: int, num_prompts: int) -> None:
@@ -77,32 +75,32 @@ def _workload_args(parser: argparse.ArgumentParser, input_len: int, output_len: 
                         help="sharegpt: generate this many tokens instead of each reply's length")
 
 
-def _run(name: str, run, args: argparse.Namespace, engine_config: Callable) -> int:
-    config, results = run(args, engine_config)
+def _run(name: str, run, args: argparse.Namespace) -> int:
+    config, results = run(args)
     emit(make_report(name, config, results), args.output_json)
     failed = results.get("failed", 0)
     return 1 if failed else 0
 
 
-def _throughput(args, engine_config):
+def _throughput(args):
     from banyan.bench.offline import run_throughput
 
     return run_throughput(engine_config(args), args)
 
 
-def _latency(args, engine_config):
+def _latency(args):
     from banyan.bench.offline import run_latency
 
     return run_latency(engine_config(args), args)
 
 
-def _overhead(args, engine_config):
+def _overhead(args):
     from banyan.bench.offline import run_overhead
 
     return run_overhead(engine_config(args), args)
 
 
-def _serve(args, engine_config):
+def _serve(args):
     from banyan.bench.metrics import parse_goodput
     from banyan.bench.serve import run_serve
     from banyan.bench.workloads import make_workload
@@ -117,28 +115,17 @@ def _serve(args, engine_config):
     return config, results
 
 
-def _compare(args, engine_config) -> int:
+def _compare(args) -> int:
     """Prints the report; exits 1 when a peer asked for was skipped or any run failed."""
     from banyan.bench.compare import run_compare
     from banyan.bench.compare_report import markdown, peer_failures
 
-    report = run_compare(engine_config(args), compare_config(args))
+    report = run_compare(engine_config(args), config_from_args(CompareConfig, args))
     print(markdown(report))
     problems = peer_failures(report)
     for problem in problems:
         print(f"banyan bench compare: {problem}", file=sys.stderr)
     return 1 if problems else 0
-
-
-def compare_config(args: argparse.Namespace) -> CompareConfig:
-    """CompareConfig from parsed flags; a repeatable flag given no times keeps its default."""
-    values = {}
-    for f in dataclasses.fields(CompareConfig):
-        value = getattr(args, f.name)
-        if isinstance(f.default, tuple):
-            value = tuple(type(f.default[0])(v) for v in value) if value else f.default
-        values[f.name] = value
-    return CompareConfig(**values)
 
 
 def _encoder(model: str | None) -> Callable[[str], list[int]] | None:

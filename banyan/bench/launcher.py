@@ -5,7 +5,6 @@ subprocess on a free local port, ready once GET /health answers 200, stopped wit
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import signal
 import socket
 import subprocess
@@ -16,8 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from banyan.config import EngineConfig
-
-SKIPPED_FIELDS = ("trust_remote_code", "num_pages")  # not flags of `banyan serve`
+from banyan.config_args import engine_flags
 
 
 class ServerStartError(RuntimeError):
@@ -58,24 +56,6 @@ def launched(cmd: list[str], port: int, *, ready_timeout: float) -> Iterator[str
 def banyan_serve_cmd(config: EngineConfig, port: int) -> list[str]:
     """`banyan serve` with this engine config (the fields that differ from their defaults)."""
     return [sys.executable, "-m", "banyan.cli", "serve", "--port", str(port), *engine_flags(config)]
-
-
-def engine_flags(config: EngineConfig) -> list[str]:
-    """Command-line flags that rebuild `config` through `banyan serve`'s parser."""
-    flags = []
-    for section in (config.model, config.cache, config.scheduler):
-        for f in dataclasses.fields(section):
-            value = getattr(section, f.name)
-            if f.name in SKIPPED_FIELDS or value == f.default:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            if isinstance(value, bool):
-                flags.append(flag if value else "--no-" + flag[2:])
-            elif isinstance(value, tuple):
-                flags += [part for item in value for part in (flag, str(item))]
-            else:
-                flags += [flag, str(value)]
-    return flags
 
 
 def wait_ready(proc: subprocess.Popen, base_url: str, timeout: float, log: Path) -> None:

@@ -10,7 +10,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from banyan.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from banyan.config import DEFAULT_MODEL, EngineConfig
+from banyan.config_args import config_from_kwargs
 from banyan.engine.engine import Engine
 from banyan.errors import InvalidParameterError
 from banyan.request import RequestStatus
@@ -32,72 +33,13 @@ class LLM:
     >>> llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
     """
 
-    def __init__(
-        self,
-        model: str = DEFAULT_MODEL,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 2048,
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        num_pages: int | None = None,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        scheduling_policy: str = "fcfs",
-        seed: int = 0,
-        device: str = "auto",
-        attention_backend: str = "torch",
-        num_threads: int | None = None,
-        enforce_eager: bool = False,
-        kv_cache_dtype: str = "auto",
-        quantization: str | None = None,
-        quantization_group_size: int = 32,
-        trust_remote_code: bool = False,
-        tensor_parallel_size: int = 1,
-        structured_output_backend: str = "llguidance",
-        structured_outputs_config: dict[str, Any] | None = None,
-        enable_jump_forward: bool = True,
-    ):
+    def __init__(self, model: str = DEFAULT_MODEL, *, tensor_parallel_size: int = 1, **settings: Any):
+        """`settings`: any engine setting by vLLM's name, as `banyan serve --help` lists them (max_model_len=...,
+        gpu_memory_utilization=..., scheduling_policy=...; also num_pages and trust_remote_code, which are not
+        flags); see banyan/config_args.py. An unknown name is a TypeError naming it."""
         if tensor_parallel_size != 1:
             raise InvalidParameterError("tensor_parallel_size", "only 1 is supported so far")
-        config = EngineConfig(
-            model=ModelConfig(
-                model=model,
-                tokenizer=tokenizer,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                seed=seed,
-                device=device,
-                attention_backend=attention_backend,
-                num_threads=num_threads,
-                enforce_eager=enforce_eager,
-                quantization=quantization,
-                quantization_group_size=quantization_group_size,
-                trust_remote_code=trust_remote_code,
-                structured_output_backend=structured_output_backend,
-                structured_outputs_config=structured_outputs_config,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory=kv_cache_memory,
-                gpu_memory_utilization=gpu_memory_utilization,
-                num_pages=num_pages,
-                enable_prefix_caching=enable_prefix_caching,
-                kv_cache_dtype=kv_cache_dtype,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_chunked_prefill=enable_chunked_prefill,
-                policy=scheduling_policy,
-                enable_jump_forward=enable_jump_forward,
-            ),
-        )
-        self._start(config)
+        self._start(config_from_kwargs(dict(settings, model=model)))
 
     @classmethod
     def from_config(cls, config: EngineConfig, runner_factory: Callable[..., Any] = ModelRunner) -> LLM:

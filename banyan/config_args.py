@@ -1,0 +1,148 @@
+"""The engine's settings: one table read from the config dataclasses (banyan/config.py), each field once, its
+docstring as help, under the one name every surface gives it (vLLM's):
+
+    ModelConfig.max_model_len ──► --max-model-len           banyan generate | chat | serve | bench
+                              ──► LLM(max_model_len=...)    the offline API (config_from_kwargs)
+                              ──► engine_flags(config)      bench compare's `banyan serve` launcher
+
+The engine core process gets the EngineConfig itself, as JSON (msgspec reads the same dataclasses).
+Also here: flags for any other config dataclass (ServerConfig, bench's CompareConfig) and back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import difflib
+import inspect
+import json
+import re
+import textwrap
+import typing
+from typing import Any
+
+from banyan.config import EngineConfig
+
+RENAMED = {"policy": "scheduling_policy"}  # field -> vLLM's name (its flag keeps the field's name too)
+NOT_FLAGS = {"trust_remote_code", "num_pages"}  # set from Python only
+SIZES = {"kv_cache_memory", "max_body_bytes"}  # flags that take 4GiB, 512MB, ...
+SECTIONS: dict[str, type] = typing.get_type_hints(EngineConfig)  # model -> ModelConfig, cache -> ..., ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One engine field: EngineConfig.<section>.<field>, known outside as `name`."""
+
+    section: str
+    field: str
+    name: str
+    default: Any
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+SETTINGS: dict[str, Setting] = {
+    RENAMED.get(f.name, f.name): Setting(section, f.name, RENAMED.get(f.name, f.name), f.default)
+    for section, cls in SECTIONS.items()
+    for f in dataclasses.fields(cls)
+}
+
+
+def config_from_kwargs(kwargs: dict[str, Any], caller: str = "LLM()") -> EngineConfig:
+    """EngineConfig from settings by name; an unknown name is a TypeError naming it, as Python's own."""
+    for name in kwargs:
+        if name not in SETTINGS:
+            close = difflib.get_close_matches(name, SETTINGS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"{caller} got an unexpected keyword argument {name!r}{hint}")
+    parts: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+    for name, value in kwargs.items():
+        parts[SETTINGS[name].section][SETTINGS[name].field] = value
+    return EngineConfig(**{section: cls(**parts[section]) for section, cls in SECTIONS.items()})
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    for section, cls in SECTIONS.items():
+        add_config_args(parser, section, cls)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from flags that add_engine_args added (the settings set from Python only keep their defaults)."""
+    return EngineConfig(**{section: config_from_args(cls, args) for section, cls in SECTIONS.items()})
+
+
+def engine_flags(config: EngineConfig) -> list[str]:
+    """Command-line flags that rebuild `config` through `banyan serve`'s parser (the settings off their defaults)."""
+    flags = []
+    for s in SETTINGS.values():
+        value = getattr(getattr(config, s.section), s.field)
+        if s.field in NOT_FLAGS or value == s.default:
+            continue
+        if isinstance(value, bool):
+            flags.append(s.flag if value else "--no-" + s.flag[2:])
+        elif isinstance(value, tuple):
+            flags += [part for item in value for part in (s.flag, str(item))]
+        else:
+            flags += [s.flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return flags
+
+
+def add_config_args(parser: argparse.ArgumentParser, title: str, cls: type) -> None:
+    """One flag per field of the dataclass `cls`, named as vLLM names it, with the field's docstring as help."""
+    group = parser.add_argument_group(title)
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in NOT_FLAGS:
+            continue
+        names = ["--" + name.replace("_", "-") for name in dict.fromkeys((RENAMED.get(f.name, f.name), f.name))]
+        options = dict(dest=f.name, default=f.default, help=docs.get(f.name, ""))
+        group.add_argument(*names, **(options | _parse_as(f.name, hints[f.name])))
+
+
+def config_from_args(cls: type, args: argparse.Namespace) -> Any:
+    """The dataclass `cls` from flags that add_config_args added; a repeatable flag given no times keeps its default."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in NOT_FLAGS:
+            value = getattr(args, f.name)
+            values[f.name] = (tuple(value) or f.default) if isinstance(value, list) else value
+    return cls(**values)
+
+
+def _parse_as(name: str, hint: Any) -> dict[str, Any]:
+    """argparse options for a field of this type."""
+    if type(None) in typing.get_args(hint):  # X | None parses as X
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    if hint is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(hint) is tuple:
+        return {"action": "append", "default": [], "type": typing.get_args(hint)[0]}
+    if typing.get_origin(hint) is dict:
+        return {"type": json.loads, "metavar": "JSON"}
+    return {"type": parse_size if name in SIZES else hint}
+
+
+def parse_size(text: str) -> int:
+    """'4GiB', '4G', '512MB', '1073741824' -> bytes (G and GiB are powers of 1024; GB of 1000)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?B)?)?", text.strip(), re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4GiB)")
+    number, unit, suffix = match.groups()
+    base = 1000 if (suffix or "").lower() == "b" else 1024
+    power = "KMGT".index(unit.upper()) + 1 if unit else 0
+    return int(float(number) * base**power)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The string under each dataclass field, which the CLI shows as that flag's help."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(following.value.value).split())
+    return docs

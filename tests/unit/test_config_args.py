@@ -1,0 +1,64 @@
+"""One table of engine settings: the same names and values through the CLI, LLM's keywords and bench's launcher."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from banyan.bench.plan import CompareConfig
+from banyan.cli import build_parser
+from banyan.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from banyan.config_args import SETTINGS, config_from_args, config_from_kwargs, engine_config, engine_flags
+from banyan.errors import InvalidParameterError
+from banyan.frontend.llm import LLM
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_every_engine_field_is_one_setting():
+    fields = [(s, f.name) for s, cls in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
+              for f in dataclasses.fields(cls)]
+    assert sorted((s.section, s.field) for s in SETTINGS.values()) == sorted(fields)
+    assert SETTINGS["scheduling_policy"].field == "policy"
+
+
+def test_keywords_reach_their_sections_including_the_newest_fields():
+    config = config_from_kwargs({"model": "m", "max_model_len": 64, "batch_invariant": True, "num_pages": 8,
+                                 "structured_output_cache_size": 7, "scheduling_policy": "priority"})
+    assert config == EngineConfig(ModelConfig("m", max_model_len=64, batch_invariant=True, structured_output_cache_size=7),
+                                  CacheConfig(num_pages=8), SchedulerConfig(policy="priority"))
+
+
+def test_an_unknown_keyword_is_a_type_error_naming_it():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_modle_len'.*'max_model_len'"):
+        LLM("unused", max_modle_len=64)
+    with pytest.raises(InvalidParameterError, match="tensor_parallel_size"):
+        LLM("unused", tensor_parallel_size=2)
+
+
+def test_flags_and_keywords_build_the_same_config():
+    args = parse("--model", "m", "--max-model-len", "64", "--kv-cache-memory", "1MiB", "--no-enable-prefix-caching",
+                 "--policy", "priority", "--structured-outputs-config", '{"disable_any_whitespace": false}',
+                 "--batch-invariant")
+    assert engine_config(args) == config_from_kwargs({
+        "model": "m", "max_model_len": 64, "kv_cache_memory": 1 << 20, "enable_prefix_caching": False,
+        "scheduling_policy": "priority", "structured_outputs_config": {"disable_any_whitespace": False},
+        "batch_invariant": True})
+    assert engine_config(parse("--scheduling-policy", "priority")).scheduler.policy == "priority"
+
+
+def test_engine_flags_rebuild_every_kind_of_value():
+    config = engine_config(parse("--model", "m", "--dtype", "float32", "--gpu-memory-utilization", "0.5",
+                                 "--structured-outputs-config", '{"disable_any_whitespace": false}',
+                                 "--no-enable-jump-forward", "--scheduling-policy", "priority"))
+    assert engine_config(parse(*engine_flags(config))) == config
+    assert engine_flags(EngineConfig()) == []
+
+
+def test_repeatable_flags_keep_their_default_unless_given():
+    args = build_parser().parse_args(["bench", "compare", "--concurrencies", "2", "--concurrencies", "8"])
+    cfg = config_from_args(CompareConfig, args)
+    assert cfg.concurrencies == (2, 8) and cfg.peers == CompareConfig().peers
