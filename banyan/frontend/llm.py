@@ -12,10 +12,8 @@ from tqdm import tqdm
 
 from banyan.config import DEFAULT_MODEL, EngineConfig
 from banyan.config_args import config_from_kwargs
-from banyan.engine.engine import Engine
 from banyan.errors import InvalidParameterError
 from banyan.request import RequestStatus
-from banyan.runner.model_runner import ModelRunner
 from banyan.sampling_params import SamplingParams
 from banyan.text.chat_template import resolve_template
 from banyan.text.output_processor import OutputProcessor, PromptState, SequenceState
@@ -42,13 +40,18 @@ class LLM:
         self._start(config_from_kwargs(dict(settings, model=model)))
 
     @classmethod
-    def from_config(cls, config: EngineConfig, runner_factory: Callable[..., Any] = ModelRunner) -> LLM:
+    def from_config(cls, config: EngineConfig, runner_factory: Callable[..., Any] | None = None) -> LLM:
         llm = cls.__new__(cls)
         llm._start(config, runner_factory)
         return llm
 
-    def _start(self, config: EngineConfig, runner_factory: Callable[..., Any] = ModelRunner) -> None:
-        self.engine = Engine(config, runner_factory)
+    def _start(self, config: EngineConfig, runner_factory: Callable[..., Any] | None = None) -> None:
+        """runner_factory: the engine's (None: ModelRunner). Torch and the model code load here, with the first
+        LLM, not with `import banyan.frontend.llm`."""
+        from banyan.engine.engine import Engine
+        from banyan.runner.model_runner import ModelRunner
+
+        self.engine = Engine(config, runner_factory or ModelRunner)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

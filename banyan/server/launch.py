@@ -16,9 +16,9 @@ from pathlib import Path
 
 import uvicorn
 
+from banyan.checkpoint import open_checkpoint
 from banyan.config import EngineConfig, ServerConfig
 from banyan.ipc.client import EngineClient
-from banyan.runner.weights import open_model
 from banyan.server.app import ServerState, build_app
 from banyan.server.auth import ApiKeyAuth, load_api_keys
 from banyan.server.connection import DeadlineH11Protocol
@@ -66,7 +66,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, *, fau
     keys = load_api_keys(server_config.api_key, os.environ, server_config.api_key_file)
     auth = ApiKeyAuth(keys, share_prefix_cache=server_config.share_prefix_cache)
     model = engine_config.model
-    tokenizer = open_model(model.model, model.trust_remote_code, model.tokenizer).tokenizer
+    tokenizer = open_checkpoint(model.model, model.trust_remote_code, model.tokenizer).tokenizer  # no torch here
     client = await EngineClient.start(engine_config, fault=fault)
     names = (server_config.served_model_name or engine_config.model.model).split(",")
     names = [n.strip() for n in names if n.strip()]

