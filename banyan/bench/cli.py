@@ -131,6 +131,6 @@ def _compare(args) -> int:
 def _encoder(model: str | None) -> Callable[[str], list[int]] | None:
     if model is None:
         return None
-    from banyan.runner.weights import open_model
+    from banyan.checkpoint import open_checkpoint
 
-    return open_model(model).tokenizer.encode
+    return open_checkpoint(model).tokenizer.encode

@@ -34,10 +34,10 @@ def run_compare(engine: EngineConfig, cfg: CompareConfig) -> dict:
 
     The files are rewritten after each stage, so that a long run cut short keeps what it measured.
     """
-    from banyan.runner.weights import open_model
+    from banyan.checkpoint import open_checkpoint
 
     cfg = cfg.resolved()
-    source = open_model(engine.model.model)
+    source = open_checkpoint(engine.model.model)
     plan = Plan(engine, cfg, Workloads.draw(cfg, source.arch.vocab_size), source.path,
                 engine.model.num_threads or default_num_threads())
     todo, skipped = stages_for(plan)

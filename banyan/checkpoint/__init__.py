@@ -5,8 +5,8 @@
 
 Needs no torch: the API server opens the model through here for its tokenizer, and the runner
 (runner/weights.py) adds the tensor reading on top. config.json is read as plain JSON (a config's
-auto_map is never imported); a GGUF's metadata through gguf_metadata, its tokenizer built by
-gguf_tokenizer.
+auto_map is never imported), a directory's tokenizer by text/tokenizer.py; a GGUF's metadata
+through gguf_metadata, its tokenizer built by gguf_tokenizer.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from banyan.checkpoint.gguf_tokenizer import tokenizer_from_gguf
 from banyan.config import ModelArch
 from banyan.errors import ModelLoadError, UnsupportedModelError
 from banyan.models.registry import supported_architectures
+from banyan.text.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -57,7 +58,7 @@ def open_tokenizer(tokenizer: str, trust_remote_code: bool = False) -> PreTraine
     path = resolve_model(tokenizer)
     if path.is_file():
         return tokenizer_from_gguf(gguf_metadata.read_metadata(gguf_metadata.open_reader(path), path), path)
-    return hf_tokenizer(path, trust_remote_code)
+    return load_tokenizer(path, trust_remote_code)
 
 
 def resolve_model(model: str) -> Path:
@@ -146,55 +147,7 @@ def _open_hf_dir(path: Path, trust_remote_code: bool) -> Checkpoint:
     _check_supported(arch, config_path)
     gen_path = path / "generation_config.json"
     generation_config = read_json(gen_path) if gen_path.is_file() else {}
-    return Checkpoint(path, arch, hf_tokenizer(path, trust_remote_code), generation_config)
-
-
-def hf_tokenizer(path: Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """The tokenizer AutoTokenizer loads from a Hugging Face directory, loaded without torch where the
-    class it picks is known from the files (see _tokenizer_class)."""
-    import transformers
-
-    name = _tokenizer_class(path)
-    try:
-        if name is not None:
-            return getattr(transformers, name).from_pretrained(str(path))
-        return transformers.AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    except Exception as e:  # transformers raises many kinds; the user needs one
-        raise ModelLoadError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
-
-
-# tokenizer_config.json's tokenizer_class -> the class AutoTokenizer (transformers 5) loads for it
-_HUB_TOKENIZER_CLASSES = {
-    "GPT2Tokenizer": "GPT2Tokenizer",
-    "Qwen2Tokenizer": "Qwen2Tokenizer",
-    "PreTrainedTokenizer": "TokenizersBackend",  # PreTrainedTokenizerFast, "Fast" taken off
-    "TokenizersBackend": "TokenizersBackend",
-}
-
-
-def _tokenizer_class(path: Path) -> str | None:
-    """The transformers class AutoTokenizer would load from `path`, where that follows from the files
-    alone; None otherwise (then AutoTokenizer itself loads it, which imports torch: its model-type
-    tables sit beside the model configs). Known: a tokenizer.json, no remote code, and config.json's
-    model_type one of banyan's, or no config.json (a --tokenizer directory). Qwen2's class is fixed by
-    the model type; otherwise the hub's class stands (tests/unit/test_import_light.py checks this
-    against AutoTokenizer)."""
-    tokenizer_config = path / "tokenizer_config.json"
-    if not (path / "tokenizer.json").is_file() or not tokenizer_config.is_file():
-        return None
-    try:
-        config = read_json(tokenizer_config)
-        model_type = read_json(path / "config.json").get("model_type") if (path / "config.json").is_file() else ""
-    except ModelLoadError:
-        return None  # AutoTokenizer says what is wrong
-    if "auto_map" in config:
-        return None
-    if model_type == "qwen2":
-        return "Qwen2Tokenizer"
-    if model_type not in ("", "llama", "qwen3"):
-        return None
-    hub = config.get("tokenizer_class")
-    return _HUB_TOKENIZER_CLASSES.get(hub.removesuffix("Fast")) if isinstance(hub, str) else None
+    return Checkpoint(path, arch, load_tokenizer(path, trust_remote_code), generation_config)
 
 
 # -- GGUF files: parsed by gguf_metadata, tokenizer built by gguf_tokenizer ----------------------

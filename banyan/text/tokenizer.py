@@ -6,6 +6,7 @@ from GGUF metadata) and needs no model and no GPU.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -16,13 +17,55 @@ from banyan.text.chat_template import render_chat_template
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
-    """The Hugging Face tokenizer of a model directory (a `PreTrainedTokenizerBase`)."""
-    from transformers import AutoTokenizer
+    """The tokenizer (a `PreTrainedTokenizerBase`) AutoTokenizer loads from a Hugging Face directory, loaded
+    without torch where the class AutoTokenizer picks follows from the files (see _tokenizer_class)."""
+    import transformers
 
+    path = Path(path)
+    name = _tokenizer_class(path)
     try:
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e
+        if name is not None:
+            return getattr(transformers, name).from_pretrained(str(path))
+        return transformers.AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers raises many kinds; the user needs one
+        raise ModelLoadError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
+
+
+# tokenizer_config.json's tokenizer_class ("Fast" taken off) -> the class AutoTokenizer (transformers 5) loads
+_HUB_TOKENIZER_CLASSES = {
+    "GPT2Tokenizer": "GPT2Tokenizer",
+    "Qwen2Tokenizer": "Qwen2Tokenizer",
+    "PreTrainedTokenizer": "TokenizersBackend",
+    "TokenizersBackend": "TokenizersBackend",
+}
+
+
+def _tokenizer_class(path: Path) -> str | None:
+    """The transformers class AutoTokenizer would load from `path`, where that follows from the files
+    alone; None otherwise (then AutoTokenizer itself loads it, which imports torch: its model-type
+    tables sit beside the model configs). Known: a tokenizer.json, no remote code, and config.json's
+    model_type one of banyan's, or no config.json (a --tokenizer directory). Qwen2's class is fixed by
+    the model type; otherwise the hub's class stands (tests/unit/test_import_light.py checks this
+    against AutoTokenizer)."""
+    config = _json_object(path / "tokenizer_config.json")
+    model_config = _json_object(path / "config.json") if (path / "config.json").exists() else {}
+    if config is None or model_config is None or "auto_map" in config or not (path / "tokenizer.json").is_file():
+        return None  # unreadable files: AutoTokenizer says what is wrong
+    model_type = model_config.get("model_type", "")
+    if model_type == "qwen2":
+        return "Qwen2Tokenizer"
+    hub = config.get("tokenizer_class")
+    if model_type not in ("", "llama", "qwen3") or not isinstance(hub, str):
+        return None
+    return _HUB_TOKENIZER_CLASSES.get(hub.removesuffix("Fast"))
+
+
+def _json_object(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 # -- chat to token ids, with control tokens in user text kept as text (RELIABILITY M5) ------------

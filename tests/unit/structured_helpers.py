@@ -72,10 +72,10 @@ def tiny_tokenizer():
 
 @functools.cache
 def default_tokenizer():
-    from banyan.runner.weights import open_model
+    from banyan.checkpoint import open_checkpoint
 
     try:
-        return open_model("smollm2-135m-instruct").tokenizer
+        return open_checkpoint("smollm2-135m-instruct").tokenizer
     except ModelLoadError:
         return None
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from banyan.checkpoint import _tokenizer_class
 from banyan.runner.weights import open_model
+from banyan.text.tokenizer import _tokenizer_class
 from tests.unit.test_weights import CHAT_TEMPLATE, make_gguf, save_hf_model, train_byte_level_bpe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,7 +96,7 @@ def write_tokenizer_dir(path, tokenizer_class, model_type):
 @pytest.mark.parametrize("tokenizer_class", ["PreTrainedTokenizerFast", "TokenizersBackend", "GPT2Tokenizer",
                                              "GPT2TokenizerFast", "Qwen2Tokenizer", "LlamaTokenizer", None])  # fmt: skip
 def test_tokenizer_class_is_autotokenizers(tmp_path, model_type, tokenizer_class):
-    """Where banyan.checkpoint names the class without AutoTokenizer (whose tables import torch), it is
+    """Where banyan.text.tokenizer names the class without AutoTokenizer (whose tables import torch), it is
     the class AutoTokenizer loads; elsewhere it leaves the choice to AutoTokenizer."""
     write_tokenizer_dir(tmp_path, tokenizer_class, model_type)
     name = _tokenizer_class(tmp_path)
