@@ -149,7 +149,7 @@ class ModelConfig:
     """Each request's output the same whatever else is in the batch and however its prompt is cut into chunks
     (as vLLM's VLLM_BATCH_INVARIANT): every matmul row and attention row goes through banyan's CPU kernels in one
     fixed order. Needs an x86 CPU with AVX2, a float32 model and none/fp16/int8/int4/gguf weights. Off by default:
-    wide batches run slower than on torch's GEMMs (see docs/quantization.md)."""
+    prefill runs up to 2x slower than on torch's GEMMs and SDPA, decode about as fast (docs/quantization.md)."""
 
 
 @dataclass(frozen=True)
