@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from banyan.errors import InvalidParameterError
+from banyan.registry import UnknownChoiceError
+from banyan.tools.formats import FORMATS as TOOL_FORMATS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -269,9 +271,8 @@ class ServerConfig:
     is aborted."""
 
     def __post_init__(self):
-        if self.tool_call_parser not in ("auto", "hermes", "llama3_json", "json_list"):
-            raise InvalidParameterError("tool_call_parser", f"must be auto, hermes, llama3_json or json_list, "
-                                        f"got {self.tool_call_parser!r}")
+        if self.tool_call_parser != "auto" and self.tool_call_parser not in TOOL_FORMATS:
+            raise UnknownChoiceError("tool_call_parser", self.tool_call_parser, ["auto", *TOOL_FORMATS.names()])
         for name in ("request_read_timeout", "response_write_timeout", "max_buffered_events"):
             if not getattr(self, name) > 0:
                 raise InvalidParameterError(name, f"must be positive, got {getattr(self, name)}")

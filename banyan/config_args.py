@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import itertools
 import json
 import re
 import textwrap
@@ -99,7 +100,7 @@ def add_config_args(parser: argparse.ArgumentParser, title: str, cls: type) -> N
         if f.name in NOT_FLAGS:
             continue
         names = ["--" + name.replace("_", "-") for name in dict.fromkeys((RENAMED.get(f.name, f.name), f.name))]
-        options = dict(dest=f.name, default=f.default, help=docs.get(f.name, ""))
+        options = {"dest": f.name, "default": f.default, "help": docs.get(f.name, "")}
         group.add_argument(*names, **(options | _parse_as(f.name, hints[f.name])))
 
 
@@ -141,8 +142,8 @@ def field_docs(cls: type) -> dict[str, str]:
     """The string under each dataclass field, which the CLI shows as that flag's help."""
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {}
-    for node, following in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
-                docs[node.target.id] = " ".join(str(following.value.value).split())
+    for node, following in itertools.pairwise(body):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)):
+            docs[node.target.id] = " ".join(str(following.value.value).split())
     return docs

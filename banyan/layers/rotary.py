@@ -15,7 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from banyan.errors import UnsupportedModelError
+from banyan.registry import Registry
+
+ROPE_KINDS = Registry("rope_scaling")  # rope_type -> (dim, base, max_position, scaling) -> (inv_freq, attention scaling)
 
 
 class RotaryEmbedding(nn.Module):
@@ -29,9 +31,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         scaling = rope_scaling or {}
         kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind not in _INV_FREQ:
-            raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported; supported: {sorted(_INV_FREQ)}")
-        inv_freq, attention_scaling = _INV_FREQ[kind](head_dim, base, max_position, scaling)
+        inv_freq, attention_scaling = ROPE_KINDS.get(kind)(head_dim, base, max_position, scaling)
         if "original_max_position_embeddings" in scaling and scaling.get("factor"):
             max_position = max(max_position, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq  # [max_position, head_dim / 2]
@@ -72,15 +72,18 @@ def _default(dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # [dim / 2]
 
 
+@ROPE_KINDS.register("default")
 def _default_kind(dim, base, max_position, scaling):
     return _default(dim, base), 1.0
 
 
+@ROPE_KINDS.register("linear")
 def _linear(dim, base, max_position, scaling):
     """Position interpolation: positions divided by `factor`."""
     return _default(dim, base) / scaling["factor"], 1.0
 
 
+@ROPE_KINDS.register("llama3")
 def _llama3(dim, base, max_position, scaling):
     """Llama 3.1: long wavelengths divided by `factor`, short ones kept, a smooth ramp between."""
     inv_freq = _default(dim, base)
@@ -94,6 +97,7 @@ def _llama3(dim, base, max_position, scaling):
     return torch.where(is_medium, smoothed, scaled), 1.0
 
 
+@ROPE_KINDS.register("yarn")
 def _yarn(dim, base, max_position, scaling):
     """YaRN (Peng et al., 2023): interpolate low frequencies, extrapolate high ones, scale cos/sin."""
     old_len = scaling.get("original_max_position_embeddings", max_position)
@@ -121,6 +125,3 @@ def _yarn(dim, base, max_position, scaling):
     pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq, attention_factor
-
-
-_INV_FREQ = {"default": _default_kind, "linear": _linear, "llama3": _llama3, "yarn": _yarn}

@@ -26,12 +26,13 @@ from torch import nn
 from banyan.errors import InvalidParameterError
 from banyan.kernels import cpu_gemv
 from banyan.layers.linear import checkpoint_shards
-from banyan.quantization.formats import FP16, INT8, WeightFormat
+from banyan.quantization.formats import FP16, INT8, WEIGHT_KINDS, WeightFormat
 from banyan.quantization.linear import FixedOrderLinear, QuantizedEmbedding, QuantizedLinear, fbgemm_fp16_works
+from banyan.registry import UnknownChoiceError
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("int8", "int4", "fp8", "fp16", "gguf")
+QUANTIZATION_METHODS = (*WEIGHT_KINDS.names(), "gguf")  # gguf: a GGUF file's own int4/int8 tensors, kept compact
 INT4_GROUP_SIZES = (32, 64, 128)
 
 __all__ = ["QUANTIZATION_METHODS", "Choice", "QuantizedLinear", "default_method", "finish_loading", "model_weight_bytes",
@@ -72,7 +73,7 @@ def plan_formats(model: nn.Module, method: str, group_size: int = 32,
     format of each checkpoint tensor a GGUF file keeps compact, by its Hugging Face name (None: not GGUF);
     fill: the format of the layers the file does not keep compact (None: the model's dtype)."""
     if method not in QUANTIZATION_METHODS:
-        raise InvalidParameterError("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)} or none, got {method!r}")
+        raise UnknownChoiceError("quantization", method, [*QUANTIZATION_METHODS, "none"])
     if method == "gguf" and file_formats is None:
         raise InvalidParameterError("quantization", "gguf keeps a GGUF file's tensors compact: the model is not a .gguf")
     if method == "int4" and group_size not in INT4_GROUP_SIZES:

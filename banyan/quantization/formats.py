@@ -19,6 +19,8 @@ from typing import ClassVar
 
 import torch
 
+from banyan.registry import Registry
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP16_MAX = 65504.0  # largest finite float16
 
@@ -103,7 +105,9 @@ class Fp16Weight:
 
 
 QuantizedWeight = Int8Weight | Int4Weight | Fp8Weight | Fp16Weight
-_KINDS = {"int8": Int8Weight, "int4": Int4Weight, "fp8": Fp8Weight, "fp16": Fp16Weight}
+WEIGHT_KINDS: Registry[type] = Registry("quantization")  # a WeightFormat's kind -> the class holding its tensors
+for _kind, _weight in (("int8", Int8Weight), ("int4", Int4Weight), ("fp8", Fp8Weight), ("fp16", Fp16Weight)):
+    WEIGHT_KINDS.register(_kind, _weight)
 
 
 @dataclass(frozen=True)
@@ -136,10 +140,10 @@ class WeightFormat:
             weight = weight.dequantize()
         if self.kind == "int4":
             return Int4Weight.quantize(weight, self.group_size)
-        return _KINDS[self.kind].quantize(weight)
+        return WEIGHT_KINDS.get(self.kind).quantize(weight)
 
     def holds(self, weight: torch.Tensor | QuantizedWeight) -> bool:
-        if not isinstance(weight, _KINDS[self.kind]):
+        if not isinstance(weight, WEIGHT_KINDS.get(self.kind)):
             return False
         return self.kind != "int4" or weight.group_size == self.group_size
 

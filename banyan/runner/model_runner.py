@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ from banyan.models.registry import get_model_class
 from banyan.quantization.formats import FP16
 from banyan.quantization import (default_method, finish_loading, model_weight_bytes, plan_formats, quantize_linears,
                                  use_fixed_order)
+from banyan.registry import UnknownChoiceError
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from banyan.forward_batch import ForwardBatch
 from banyan.runner.memory import GiB, KVCapacity, pages_for_budget, profile_batch, profile_cuda_forward
@@ -278,35 +278,16 @@ def cpu_has_bf16_matmul() -> bool:
     return any(probe is not None and probe() for probe in probes)
 
 
-TRITON_MIN_CAPABILITY = (8, 0)  # Triton 3 supports NVIDIA GPUs from Ampere on
-FP8_MIN_CAPABILITY = (8, 9)  # Triton converts to float8_e4m3fn only on Ada and Hopper
-
-
 def _attention_backend(name: str, device: torch.device, kv_dtype: torch.dtype | None = None) -> AttentionBackend:
-    """The backend asked for; on a GPU where triton cannot run (not installed, failing to import, too old
-    a GPU), `torch` with a warning."""
-    if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise InvalidParameterError("attention_backend", "'triton' needs a CUDA device (on CPU: 'torch')")
-    if name != "triton" or device.type != "cuda":
-        return get_attention_backend(name)
+    """The backend asked for; on a GPU where it cannot run (its unavailable_reason: not installed, too old a GPU;
+    or it fails to import), `torch` with a warning. Elsewhere the reason is the error."""
     try:
-        backend = get_attention_backend(name)
-        reason = _triton_unsupported(device, kv_dtype)
+        return get_attention_backend(name, device, kv_dtype)
     except (InvalidParameterError, ImportError, RuntimeError) as e:
-        reason = str(e)
-    if reason is None:
-        return backend
-    logger.warning("%s; falling back to the 'torch' attention backend", reason)
-    return get_attention_backend("torch")
-
-
-def _triton_unsupported(device: torch.device, kv_dtype: torch.dtype | None) -> str | None:
-    capability = torch.cuda.get_device_capability(device)
-    if capability < TRITON_MIN_CAPABILITY:
-        return f"triton needs compute capability 8.0 or newer; this GPU has {capability[0]}.{capability[1]}"
-    if kv_dtype == FP8 and capability < FP8_MIN_CAPABILITY:
-        return f"triton's fp8 KV cache needs compute capability 8.9 or newer; this GPU has {capability[0]}.{capability[1]}"
-    return None
+        if device.type != "cuda" or isinstance(e, UnknownChoiceError):
+            raise
+        logger.warning("%s; falling back to the 'torch' attention backend", e)
+        return get_attention_backend("torch", device, kv_dtype)
 
 
 @contextlib.contextmanager

@@ -6,20 +6,28 @@ preemption is always the request that would be served last: the latest, or the l
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
+from banyan.registry import Registry
 from banyan.request import Request
+
+POLICIES: Registry[Callable[[Request], tuple]] = Registry("policy")  # name -> sort key: smaller is served first
+
+
+@POLICIES.register("fcfs")
+def _arrival(request: Request) -> tuple:
+    return (request.metrics.arrival_time, request.seq_no)
+
+
+@POLICIES.register("priority")
+def _priority(request: Request) -> tuple:
+    return (request.priority, request.metrics.arrival_time, request.seq_no)
 
 
 class SchedulingPolicy:
     def __init__(self, name: str = "fcfs"):
-        self.use_priority = name == "priority"
-
-    def key(self, request: Request) -> tuple:
-        """Sort key: smaller is served first."""
-        if self.use_priority:
-            return (request.priority, request.metrics.arrival_time, request.seq_no)
-        return (request.metrics.arrival_time, request.seq_no)
+        self.key = POLICIES.get(name)
+        """Sort key of a request: smaller is served first."""
 
     def pick_victim(self, running: Iterable[Request]) -> Request:
         """The running request to preempt: the one served last."""

@@ -19,13 +19,13 @@ Backend modules are imported only when chosen, so the library of the other backe
 
 from __future__ import annotations
 
-import importlib
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from banyan.registry import Registry
 from banyan.structured.spec import StructuredOutputSpec
 
 if TYPE_CHECKING:
@@ -33,10 +33,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 DEFAULT_BACKEND = "llguidance"
-BACKENDS = {  # name -> (module, class, how to install its library)
-    "llguidance": ("banyan.structured.llguidance_backend", "LLGuidanceBackend", "pip install llguidance"),
-    "xgrammar": ("banyan.structured.xgrammar_backend", "XGrammarBackend", 'pip install --no-deps "xgrammar>=0.2.9"'),
-}
+BACKENDS: Registry[type[GrammarBackend]] = Registry("structured_output_backend")
+BACKENDS.register("llguidance", "banyan.structured.llguidance_backend:LLGuidanceBackend")
+BACKENDS.register("xgrammar", "banyan.structured.xgrammar_backend:XGrammarBackend")
+INSTALL = {"llguidance": "pip install llguidance", "xgrammar": 'pip install --no-deps "xgrammar>=0.2.9"'}
+"""How to install each backend's library, for the error when it is missing."""
 MAX_WHITESPACE = 16
 """Longest whitespace run between JSON tokens where a spec asks for free whitespace (compact=False):
 enough for pretty-printing, and a model cannot loop on whitespace forever."""
@@ -162,14 +163,12 @@ def _library_failed(matcher: GrammarMatcher, e: Exception) -> None:
 def make_backend(
     name: str, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: Sequence[int] | None = None
 ) -> GrammarBackend:
-    """The backend called `name` (see BACKENDS), importing its library only now."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown structured-output backend {name!r}; choose one of: {', '.join(BACKENDS)}")
-    module, cls, install = BACKENDS[name]
+    """The backend called `name` (see BACKENDS), importing its library only now; ValueError when it is unknown
+    (UnknownChoiceError) or its library is missing."""
     try:
-        backend_class = getattr(importlib.import_module(module), cls)
+        backend_class = BACKENDS.get(name)
     except ImportError as e:
-        raise ValueError(f"the {name} structured-output backend needs its library ({e}): {install}") from None
+        raise ValueError(f"the {name} structured-output backend needs its library ({e}): {INSTALL[name]}") from None
     return backend_class(tokenizer, vocab_size, eos_token_ids)
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from banyan.registry import Registry
+
 
 @dataclass(frozen=True)
 class ToolCallFormat:
@@ -56,15 +58,15 @@ JSON_LIST = ToolCallFormat(
     name="json_list", section_open="<tool_call>[", call_open="", call_close="", call_separator=", ",
     section_close="]</tool_call>", arguments_key="arguments", trigger="<tool_call>", renders_tools=False,
 )
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, JSON_LIST)}
+FORMATS: Registry[ToolCallFormat] = Registry("tool_call_parser")
+for _format in (HERMES, LLAMA3_JSON, JSON_LIST):
+    FORMATS.register(_format.name, _format)
 PYTHON_TAG = "<|python_tag|>"
 """Llama 3's marker before a tool call; a special token, optional before the JSON."""
 
 
 def format_named(name: str) -> ToolCallFormat:
-    if name not in FORMATS:
-        raise ValueError(f"unknown tool-call format {name!r}; choose one of: {', '.join(FORMATS)}")
-    return FORMATS[name]
+    return FORMATS.get(name)
 
 
 def detect_format(template: str) -> ToolCallFormat:

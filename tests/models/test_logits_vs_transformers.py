@@ -14,9 +14,10 @@ import torch
 import transformers
 
 from banyan.config import ModelArch
-from banyan.errors import ModelLoadError, UnsupportedModelError
+from banyan.errors import ModelLoadError
 from banyan.layers.attention import get_attention_backend
 from banyan.models.registry import get_model_class
+from banyan.registry import UnknownChoiceError
 from banyan.forward_batch import ForwardBatch
 
 TINY = dict(
@@ -162,5 +163,5 @@ def test_load_weights_rejects_bad_checkpoints():
 
 def test_registry_names_supported_architectures():
     assert get_model_class("MistralForCausalLM").__name__ == "MistralForCausalLM"
-    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM"):
+    with pytest.raises(UnknownChoiceError, match="architecture: unknown 'GPT2LMHeadModel'; choose from .*LlamaForCausalLM"):
         get_model_class("GPT2LMHeadModel")

@@ -33,6 +33,12 @@ class AttentionBackend(ABC):
     def __init__(self, kv_scale: float = 1.0):
         self.kv_scale = kv_scale  # fp8 caches hold K/V divided by this (one scale for the whole cache)
 
+    @classmethod
+    def unavailable_reason(cls, device: torch.device | None = None, kv_dtype: torch.dtype | None = None) -> str | None:
+        """Why this backend cannot run on `device` with a `kv_dtype` cache (None: it can; a None argument: not
+        asked), without importing its kernels."""
+        return None
+
     @abstractmethod
     def forward(
         self,

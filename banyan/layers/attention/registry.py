@@ -2,30 +2,27 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import torch
 
 from banyan.errors import InvalidParameterError
 from banyan.layers.attention.base import AttentionBackend
+from banyan.registry import Registry
 
-_BACKENDS = {  # name -> (module, class)
-    "torch": ("banyan.layers.attention.torch_backend", "TorchAttentionBackend"),
-    "triton": ("banyan.layers.attention.triton_backend", "TritonAttentionBackend"),
-}
-_NEEDS = {"triton": "triton"}  # name -> the package its kernels import
+ATTENTION_BACKENDS: Registry[type[AttentionBackend]] = Registry("attention_backend")
+ATTENTION_BACKENDS.register("torch", "banyan.layers.attention.torch_backend:TorchAttentionBackend")
+ATTENTION_BACKENDS.register("triton", "banyan.layers.attention.triton_backend:TritonAttentionBackend")
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
-    if name not in _BACKENDS:
-        raise InvalidParameterError("attention_backend", f"unknown backend {name!r}; choose from {sorted(_BACKENDS)}")
-    needed = _NEEDS.get(name)
-    if needed is not None and importlib.util.find_spec(needed) is None:
-        raise InvalidParameterError(
-            "attention_backend", f"backend {name!r} needs the {needed!r} package: pip install 'banyan[gpu]'"
-        )
-    module, cls = _BACKENDS[name]
-    return getattr(importlib.import_module(module), cls)()
+def get_attention_backend(name: str, device: torch.device | None = None,
+                          kv_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """The backend called `name`; InvalidParameterError with the backend's own reason when it cannot run on
+    `device` with a `kv_dtype` cache (None: not asked)."""
+    backend = ATTENTION_BACKENDS.get(name)
+    reason = backend.unavailable_reason(device, kv_dtype)
+    if reason is not None:
+        raise InvalidParameterError("attention_backend", reason)
+    return backend()
 
 
 def attention_backend_names() -> list[str]:
-    return sorted(_BACKENDS)
+    return ATTENTION_BACKENDS.names()

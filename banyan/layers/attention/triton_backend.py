@@ -9,24 +9,51 @@ The decode path is CUDA-graph safe: no host sync, no allocation or launch shaped
 
 from __future__ import annotations
 
-from banyan.kernels.decode_attention import decode_attention
-from banyan.kernels.kv_store import store_kv
-from banyan.kernels.prefill_attention import prefill_attention
-from banyan.layers.attention.base import AttentionBackend
+import importlib.util
+import os
+
+import torch
+
 from banyan.forward_batch import ForwardBatch
+from banyan.layers.attention.base import FP8, AttentionBackend
+
+MIN_CAPABILITY = (8, 0)  # Triton 3 supports NVIDIA GPUs from Ampere on
+FP8_MIN_CAPABILITY = (8, 9)  # Triton converts to float8_e4m3fn only on Ada and Hopper
 
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
 
+    @classmethod
+    def unavailable_reason(cls, device: torch.device | None = None, kv_dtype: torch.dtype | None = None) -> str | None:
+        if device is not None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return "'triton' needs a CUDA device (on CPU: 'torch')"
+        if importlib.util.find_spec("triton") is None:
+            return "backend 'triton' needs the 'triton' package: pip install 'banyan[gpu]'"
+        if device is None or device.type != "cuda":
+            return None
+        major, minor = capability = torch.cuda.get_device_capability(device)
+        if capability < MIN_CAPABILITY:
+            return f"triton needs compute capability 8.0 or newer; this GPU has {major}.{minor}"
+        if kv_dtype == FP8 and capability < FP8_MIN_CAPABILITY:
+            return f"triton's fp8 KV cache needs compute capability 8.9 or newer; this GPU has {major}.{minor}"
+        return None
+
+    def __init__(self, kv_scale: float = 1.0):
+        super().__init__(kv_scale)
+        from banyan.kernels import decode_attention, kv_store, prefill_attention  # triton: imported once built
+
+        self._store_kv, self._decode = kv_store.store_kv, decode_attention.decode_attention
+        self._prefill = prefill_attention.prefill_attention
+
     def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float, sliding_window=None):
-        store_kv(k, v, k_cache, v_cache, batch.slot_mapping, self.kv_scale)
+        self._store_kv(k, v, k_cache, v_cache, batch.slot_mapping, self.kv_scale)
         if batch.is_decode_only:
             # The split grid is sized from the block table's width, not the host lengths: under a CUDA graph
             # the table is the static one (max_model_len wide) and the lengths change at every replay.
             max_keys = batch.block_tables.shape[1] * batch.page_size
-            return decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
-                                    max_keys, scale, sliding_window, kv_scale=self.kv_scale)
-        return prefill_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
-                                 batch.max_query_len, scale, sliding_window, kv_scale=self.kv_scale)
+            return self._decode(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                                max_keys, scale, sliding_window, kv_scale=self.kv_scale)
+        return self._prefill(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                             batch.max_query_len, scale, sliding_window, kv_scale=self.kv_scale)
