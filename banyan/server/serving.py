@@ -10,7 +10,6 @@ import asyncio
 import json
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,12 +23,12 @@ from banyan.sampling_params import SamplingParams
 from banyan.server import protocol
 from banyan.server.auth import ApiKeyAuth, RateLimiter, Tenant
 from banyan.server.errors import APIError, error_body, from_banyan_error
-from banyan.server.generation import Choice, Generation
-from banyan.server.logprobs import chat_logprobs, completion_logprobs
+from banyan.server.generation import Generation
 from banyan.server.metrics import ServerMetrics
+from banyan.server.renderers import ChatRender, CompletionRender
 from banyan.text.chat_template import ChatTemplateError, resolve_template
 from banyan.text.tokenizer import encode_chat, with_special_tokens
-from banyan.tools import ToolCalling, ToolCallParser, detect_format, format_named, marker_token_ids
+from banyan.tools import ToolCalling, detect_format, format_named, marker_token_ids
 
 
 class OpenAIServing:
@@ -56,10 +55,10 @@ class OpenAIServing:
         prompts = await self._offload(self._tokenize_prompts, req.prompt)
         params = protocol.to_sampling_params(req, default_max_tokens=None)
         gen = self._start(prompts, params, req, tenant, http)
-        texts = [self._prompt_text(p) for p in prompts] if req.echo else None
-        render = _CompletionRender(self, gen, req, texts)
+        texts = [self.tokenizer.decode(p) for p in prompts] if req.echo else None
+        render = CompletionRender(gen, req, self.tokenizer, self.model_names[0], texts)
         if req.stream:
-            return self._sse(gen, render.chunks(), http, _continuous_usage(req))
+            return self._sse(gen, render.stream(), http)
         return await self._respond(gen, render.response, http)
 
     async def chat(self, body: dict, tenant: Tenant, http: Request) -> Response:
@@ -76,9 +75,9 @@ class OpenAIServing:
         gen = self._start([prompt_ids], params, req, tenant, http)
         if tool_spec is not None:
             gen.structured_param = "tools"
-        render = _ChatRender(self, gen, req, calling)
+        render = ChatRender(gen, req, self.tokenizer, self.model_names[0], calling)
         if req.stream:
-            return self._sse(gen, render.chunks(), http, _continuous_usage(req))
+            return self._sse(gen, render.stream(), http)
         return await self._respond(gen, render.response, http)
 
     async def tokenize(self, body: dict) -> Response:
@@ -211,9 +210,6 @@ class OpenAIServing:
             raise ChatTemplateError("chat_template", str(e).removeprefix(f"{e.param}: ")) from None
         return ids
 
-    def _prompt_text(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)
-
     # -- running --------------------------------------------------------------------------------
     def _start(self, prompts, params: SamplingParams, req, tenant: Tenant, http: Request) -> Generation:
         self._check_lengths(prompts, params)
@@ -263,12 +259,10 @@ class OpenAIServing:
             raise _error_of(errors[0].error, gen.structured_param)
         return JSONResponse(build())
 
-    def _sse(self, gen: Generation, chunks: AsyncIterator[dict], http: Request, running_usage: bool) -> StreamingResponse:
+    def _sse(self, gen: Generation, chunks: AsyncIterator[dict], http: Request) -> StreamingResponse:
         async def stream():
             try:
                 async for chunk in chunks:
-                    if running_usage and "usage" not in chunk:
-                        chunk["usage"] = usage(gen, gen.read_completion_tokens)
                     yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
             except Exception as e:  # request-scoped failure mid-stream: an error event, then [DONE]
                 err = _error_of(e, gen.structured_param)
@@ -315,153 +309,3 @@ def _error_of(e: BaseException, structured_param: str | None = None) -> APIError
         return from_banyan_error(e)
     return APIError(500, "internal error", type="server_error")
 
-
-def usage(gen: Generation, completion_tokens: int | None = None) -> dict:
-    """The request's usage; `completion_tokens` given: a running count in the middle of a stream."""
-    if completion_tokens is None:
-        completion_tokens = gen.completion_tokens
-    return {
-        "prompt_tokens": gen.prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": gen.prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
-    }
-
-
-class _CompletionRender:
-    """/v1/completions bodies and chunks."""
-
-    def __init__(self, serving: OpenAIServing, gen: Generation, req, prompt_texts: list[str] | None):
-        self.serving, self.gen, self.req, self.prompt_texts = serving, gen, req, prompt_texts
-        self.id = f"cmpl-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.model = req.model or serving.model_names[0]
-
-    def _head(self, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "choices": choices}
-
-    def _logprobs(self, c: Choice):
-        if self.req.logprobs is None:
-            return None
-        return completion_logprobs(c.seq, self.serving.tokenizer, self.req.logprobs)
-
-    def response(self) -> dict:
-        choices = []
-        for c in self.gen.returned(self.req.n):
-            echo = self.prompt_texts[c.prompt_index] if self.prompt_texts else ""
-            choices.append({"index": c.index, "text": echo + c.seq.text, "logprobs": self._logprobs(c),
-                            "finish_reason": c.seq.finish_reason, "stop_reason": c.seq.stop_reason})
-        return self._head(choices) | {"usage": usage(self.gen)}
-
-    async def chunks(self) -> AsyncIterator[dict]:
-        echoed: set[int] = set()
-        sent = {c.index: 0 for c in self.gen.choices}  # logprob positions already sent
-        async for event in self.gen.events():
-            if event.error is not None:
-                raise event.error
-            c, text = event.choice, event.text
-            if self.prompt_texts and c.index not in echoed:
-                echoed.add(c.index)
-                text = self.prompt_texts[c.prompt_index] + text
-            logprobs = None
-            if self.req.logprobs is not None:
-                logprobs = completion_logprobs(c.seq, self.serving.tokenizer, self.req.logprobs, sent[c.index], event.num_tokens)
-                sent[c.index] = event.num_tokens
-            if text or logprobs or event.finish_reason:
-                yield self._head([{"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": event.finish_reason}])
-        if _include_usage(self.req):
-            yield self._head([]) | {"usage": usage(self.gen)}
-
-
-class _ChatRender:
-    """/v1/chat/completions bodies and chunks; with tools, each choice's reply is read for tool calls."""
-
-    def __init__(self, serving: OpenAIServing, gen: Generation, req, calling: ToolCalling):
-        self.serving, self.gen, self.req, self.calling = serving, gen, req, calling
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.model = req.model or serving.model_names[0]
-
-    def _head(self, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": choices}
-
-    def _logprobs(self, c: Choice, start: int = 0, end: int | None = None):
-        if not self.req.logprobs:
-            return None
-        return chat_logprobs(c.seq, self.serving.tokenizer, self.req.top_logprobs or 0, start, end)
-
-    def _message(self, c: Choice) -> tuple[dict, str | None]:
-        """The reply as a message, and its finish reason ("tool_calls" when it ended with calls)."""
-        parser = self.calling.parser()
-        if parser is None:
-            return {"role": "assistant", "content": c.seq.text}, c.seq.finish_reason
-        content, calls = parser.parse(c.seq.text)
-        if not calls:
-            return {"role": "assistant", "content": content}, c.seq.finish_reason
-        message = {"role": "assistant", "content": content if content.strip() else None, "tool_calls": [
-            {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}} for t in calls]}
-        return message, _tool_finish_reason(c.seq.finish_reason, parser)
-
-    def response(self) -> dict:
-        choices = []
-        for c in self.gen.choices:
-            message, finish_reason = self._message(c)
-            choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c),
-                            "finish_reason": finish_reason, "stop_reason": c.seq.stop_reason})
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage(self.gen)}
-
-    async def chunks(self) -> AsyncIterator[dict]:
-        for c in self.gen.choices:  # OpenAI sends the role first, with empty content
-            yield self._head([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-        sent = {c.index: 0 for c in self.gen.choices}  # logprob positions already sent
-        parsers = {c.index: self.calling.parser() for c in self.gen.choices}
-        async for event in self.gen.events():
-            if event.error is not None:
-                raise event.error
-            c, parser = event.choice, parsers[event.choice.index]
-            logprobs = self._logprobs(c, sent[c.index], event.num_tokens)
-            sent[c.index] = event.num_tokens
-            delta = _stream_delta(parser, event.text, done=event.finish_reason is not None)
-            if delta or logprobs:
-                yield self._head([{"index": c.index, "delta": delta or {"content": ""}, "logprobs": logprobs, "finish_reason": None}])
-            if event.finish_reason is not None:
-                finish_reason = _tool_finish_reason(event.finish_reason, parser) if parser else event.finish_reason
-                yield self._head([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
-        if _include_usage(self.req):
-            yield self._head([]) | {"usage": usage(self.gen)}
-
-
-def _stream_delta(parser: ToolCallParser | None, text: str, done: bool) -> dict:
-    """One chunk's delta: new content, and tool-call pieces (id and name first, then arguments)."""
-    if parser is None:
-        return {"content": text} if text else {}
-    content, pieces = parser.feed(text)
-    if done:
-        content += parser.finish()[0]
-    delta: dict = {"content": content} if content else {}
-    if pieces:
-        delta["tool_calls"] = [_tool_call_piece(p) for p in pieces]
-    return delta
-
-
-def _tool_call_piece(piece) -> dict:
-    if piece.id is None:
-        return {"index": piece.index, "function": {"arguments": piece.arguments}}
-    return {"index": piece.index, "id": piece.id, "type": "function",
-            "function": {"name": piece.name, "arguments": piece.arguments}}
-
-
-def _tool_finish_reason(finish_reason: str | None, parser: ToolCallParser) -> str | None:
-    """OpenAI's "tool_calls" when a reply that ended normally holds calls, none of them cut short;
-    else the reason stays ("length": max_tokens cut a call; "stop": a stop string did)."""
-    return "tool_calls" if finish_reason == "stop" and parser.all_complete else finish_reason
-
-
-def _include_usage(req) -> bool:
-    return bool(req.stream_options and (req.stream_options.include_usage or req.stream_options.continuous_usage_stats))
-
-
-def _continuous_usage(req) -> bool:
-    """Every chunk carries the running usage (vLLM's; here it implies include_usage, which vLLM requires)."""
-    return bool(req.stream_options and req.stream_options.continuous_usage_stats)
