@@ -33,6 +33,13 @@ class RowScaledWeight:
     scale: torch.Tensor  # [out]
 
     limit: ClassVar[float]  # the largest |q|
+    storage: ClassVar[torch.dtype]  # q's dtype
+    scale_dtype: ClassVar[torch.dtype | None] = None  # None: the model's
+
+    @classmethod
+    def empty(cls, out: int, cols: int, scale_dtype: torch.dtype, device=None, group_size: int = 0) -> RowScaledWeight:
+        return cls(torch.zeros(out, cols, dtype=cls.storage, device=device),
+                   torch.zeros(out, dtype=cls.scale_dtype or scale_dtype, device=device))
 
     @classmethod
     def quantize(cls, w: torch.Tensor) -> RowScaledWeight:
@@ -49,6 +56,7 @@ class RowScaledWeight:
 
 class Int8Weight(RowScaledWeight):
     limit = 127.0
+    storage = torch.int8
 
     @staticmethod
     def encode(x: torch.Tensor) -> torch.Tensor:
@@ -57,6 +65,8 @@ class Int8Weight(RowScaledWeight):
 
 class Fp8Weight(RowScaledWeight):
     limit = FP8_MAX
+    storage = torch.float8_e4m3fn
+    scale_dtype = torch.float32
 
     @staticmethod
     def encode(x: torch.Tensor) -> torch.Tensor:
@@ -72,6 +82,13 @@ class Int4Weight:
     @property
     def group_size(self) -> int:
         return self.q.shape[1] // self.scale.shape[1]
+
+    @classmethod
+    def empty(cls, out: int, cols: int, scale_dtype: torch.dtype, device=None, group_size: int = 32) -> Int4Weight:
+        groups = cols // group_size
+        return cls(torch.zeros(out, cols, dtype=torch.uint8, device=device),
+                   torch.zeros(out, groups, dtype=scale_dtype, device=device),
+                   torch.zeros(out, groups, dtype=scale_dtype, device=device))
 
     @classmethod
     def quantize(cls, w: torch.Tensor, group_size: int) -> Int4Weight:
@@ -97,6 +114,10 @@ class Fp16Weight:
     q: torch.Tensor  # [out, in], float16
 
     @classmethod
+    def empty(cls, out: int, cols: int, scale_dtype: torch.dtype, device=None, group_size: int = 0) -> Fp16Weight:
+        return cls(torch.zeros(out, cols, dtype=torch.float16, device=device))
+
+    @classmethod
     def quantize(cls, w: torch.Tensor) -> Fp16Weight:
         return cls(w.float().clamp(-FP16_MAX, FP16_MAX).to(torch.float16))
 
@@ -119,18 +140,7 @@ class WeightFormat:
 
     def empty(self, out: int, cols: int, scale_dtype: torch.dtype, device=None) -> QuantizedWeight:
         """Zeroed storage for an [out, cols] weight, filled row by row while loading."""
-        if self.kind == "int8":
-            return Int8Weight(torch.zeros(out, cols, dtype=torch.int8, device=device),
-                              torch.zeros(out, dtype=scale_dtype, device=device))
-        if self.kind == "fp8":
-            return Fp8Weight(torch.zeros(out, cols, dtype=torch.float8_e4m3fn, device=device),
-                             torch.zeros(out, dtype=torch.float32, device=device))
-        if self.kind == "fp16":
-            return Fp16Weight(torch.zeros(out, cols, dtype=torch.float16, device=device))
-        groups = cols // self.group_size
-        return Int4Weight(torch.zeros(out, cols, dtype=torch.uint8, device=device),
-                          torch.zeros(out, groups, dtype=scale_dtype, device=device),
-                          torch.zeros(out, groups, dtype=scale_dtype, device=device))
+        return WEIGHT_KINDS.get(self.kind).empty(out, cols, scale_dtype, device, self.group_size)
 
     def convert(self, weight: torch.Tensor | QuantizedWeight) -> QuantizedWeight:
         """`weight` in this format: taken as is when it already is, else (de)quantized into it."""
