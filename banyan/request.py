@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from banyan.errors import ErrorInfo
 from banyan.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -97,8 +98,7 @@ class Request:
         constrained = sampling_params.structured_outputs is not None
         self.status = RequestStatus.WAITING_FOR_GRAMMAR if constrained else RequestStatus.WAITING
         self.stop_reason: int | str | None = None
-        self.error: str | None = None  # why it ended with FINISHED_ERROR
-        self.error_param: str | None = None  # the request field the error is about, if any
+        self.error: ErrorInfo | None = None  # why it ended with FINISHED_ERROR
         self.grammar: Future[GrammarMatcher] | None = None  # set by the engine while WAITING_FOR_GRAMMAR
         self.matcher: GrammarMatcher | None = None  # the grammar's position; advances with each output token
         self.cumulative_logprob = 0.0
@@ -147,9 +147,9 @@ class Request:
         return FINISH_REASONS.get(self.status)
 
     def fail(self, message: str, param: str | None = None) -> None:
-        """End with finish_reason "error"; the message reaches the client."""
+        """End with finish_reason "error": a 400 invalid_request_error about `param`, the message for the client."""
         self.status = RequestStatus.FINISHED_ERROR
-        self.error, self.error_param = message, param
+        self.error = ErrorInfo(message, param=param)
 
     def __repr__(self) -> str:
         return (
@@ -160,7 +160,8 @@ class Request:
 
 @dataclass
 class RequestDelta:
-    """What one step changed for one request: new tokens, and how it ended if it did."""
+    """What one step changed for one request: new tokens, and how it ended if it did (finish_reason
+    "error": `error` says why)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -171,4 +172,9 @@ class RequestDelta:
     num_cached_tokens: int
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # whole list, once, with the first delta
     queue_time: float | None = None  # seconds from arrival to first schedule, with the first delta
-    error_param: str | None = None  # finish_reason "error": the request field at fault (stop_reason: the message)
+    error: ErrorInfo | None = None
+
+    @classmethod
+    def failed(cls, request_id: str, error: ErrorInfo) -> RequestDelta:
+        """The only delta of a request that failed before it ran."""
+        return cls(request_id, [], None, 0.0, "error", None, 0, error=error)

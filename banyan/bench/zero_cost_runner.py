@@ -30,8 +30,11 @@ class ZeroCostRunner:
         self._logits = torch.randn(1, self._vocab_size, generator=generator)  # grown to the batch on demand
         self.sampler_seconds = 0.0  # time spent in the real sampler, to split it from the rest
 
+    def use_grammar(self, backend) -> None:
+        """Grammar masks are skipped here."""
+
     @torch.inference_mode()
-    def execute(self, batch: Batch, page_tables, *_grammar) -> StepResult:
+    def execute(self, batch: Batch) -> StepResult:
         """One fixed logits row per sampling request; prompt logprobs and grammar masks are skipped."""
         requests = [item.request for item in batch.scheduled if item.samples]
         result = StepResult()

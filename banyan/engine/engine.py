@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from banyan.config import EngineConfig
 from banyan.engine.grammar import Grammars
+from banyan.engine.stats import EngineSnapshot
 from banyan.errors import ContextLengthExceededError, InvalidParameterError
 from banyan.kv_cache import KVCacheManager
 from banyan.models.registry import get_model_class
@@ -43,7 +44,9 @@ class Engine:
         self.grammars = Grammars(
             config.model.structured_output_backend, self.tokenizer, self.arch.vocab_size, self.eos_token_ids,
             cache_size=config.model.structured_output_cache_size, options=config.model.structured_outputs_config,
+            on_build=self.runner.use_grammar,
         )
+        self.before_step: list[Callable[[Engine], None]] = []  # test hooks (engine/faults.py); empty otherwise
         gc.collect()
         gc.freeze()  # start-up objects never need collecting: keeps GC pauses out of the step loop
 
@@ -95,12 +98,48 @@ class Engine:
                 f"{self.max_model_len}, which leaves no room to generate"
             )
 
-    def abort_requests(self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        """End requests now (client gone, stop string seen); their pages are freed at once."""
-        self.scheduler.finish_requests(request_ids, status)
+    def abort_requests(
+        self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> list[RequestDelta]:
+        """End requests now (client gone, stop string seen); their pages are freed at once. Returns the
+        last delta of each that was still running (unknown or finished ids are skipped)."""
+        return [make_delta(request) for request in self.scheduler.finish_requests(request_ids, status)]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.scheduler.requests)
+
+    # -- state --------------------------------------------------------------------------------
+    def stats(self) -> EngineSnapshot:
+        """Load and counters. O(cached pages): for a few times a second, not for every step."""
+        kv, sched, grammars = self.kv.stats(), self.scheduler, self.grammars.stats()
+        return EngineSnapshot(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            kv_usage=kv.usage,
+            num_pages=kv.num_pages,
+            num_free_pages=kv.num_free,
+            prefix_query_tokens=sched.stats.prefix_query_tokens,
+            prefix_hit_tokens=sched.stats.prefix_hit_tokens,
+            num_preemptions=sched.stats.num_preemptions,
+            grammar_cache_entries=grammars.get("entries", 0),
+            grammar_cache_bytes=grammars.get("bytes", 0),
+            grammar_cache_evictions=grammars.get("evictions", 0),
+        )
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv.num_pages
+
+    @property
+    def device(self) -> str:
+        return str(self.runner.device)
+
+    @property
+    def dtype(self) -> str:
+        return str(self.runner.dtype).removeprefix("torch.")
 
     def close(self) -> None:
         """Stop the grammar compile threads (queued compiles are cancelled). Idempotent."""
@@ -108,21 +147,23 @@ class Engine:
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
+        for hook in self.before_step:
+            hook(self)
         batch = self.scheduler.schedule()
         ended = [make_delta(request) for request in batch.finished]  # never ran
         if batch.is_empty:
             if not ended:  # only grammars compiling: wait for one rather than spin
                 self.grammars.wait(self.scheduler.waiting_for_grammar, timeout=0.01)
             return ended
-        result = self.runner.execute(batch, self.kv.page_table, self.grammars.backend)
+        result = self.runner.execute(batch)
         advanced = self.scheduler.update(batch, result)
         return ended + [make_delta(request) for request in advanced]
 
 
 def make_delta(request: Request) -> RequestDelta:
     """The request's output tokens not yet reported: one per step, more where the grammar forced
-    some (jump-forward). A request that failed (finish_reason "error") sends no token; stop_reason
-    carries the message. Marks the tokens as reported."""
+    some (jump-forward). A request that failed (finish_reason "error") sends no token, and its
+    `error`. Marks the tokens as reported."""
     failed = request.status == RequestStatus.FINISHED_ERROR
     start, request.num_reported_tokens = request.num_reported_tokens, request.num_output_tokens
     first = start == 0 and not failed
@@ -133,11 +174,11 @@ def make_delta(request: Request) -> RequestDelta:
         new_logprobs=None if request.logprobs is None else [] if failed else request.logprobs[start:],
         cumulative_logprob=request.cumulative_logprob,
         finish_reason=request.finish_reason,
-        stop_reason=request.error if failed else request.stop_reason,
+        stop_reason=request.stop_reason,
         num_cached_tokens=request.num_cached_tokens,
         prompt_logprobs=list(request.prompt_logprobs) if first and request.prompt_logprobs is not None else None,
         queue_time=scheduled - request.metrics.arrival_time if first and scheduled is not None else None,
-        error_param=request.error_param if failed else None,
+        error=request.error,
     )
 
 

@@ -3,14 +3,15 @@
     engine.add_request -> grammars.start(request)   request.grammar: a future of its matcher (JSON left
                                                     to the engine's whitespace default gets it here)
     scheduler.schedule -> a done future moves the request from WAITING_FOR_GRAMMAR to WAITING
-    runner.execute     -> grammars.backend fills the constrained rows' bitmask
+    runner.execute     -> the backend (handed to the runner once, through on_build) fills the constrained
+                          rows' bitmask
 
 Unconstrained traffic never loads a grammar library.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from banyan.errors import InvalidParameterError
@@ -28,14 +29,17 @@ class Grammars:
         eos_token_ids: Sequence[int],
         cache_size: int = 512,
         options: dict | None = None,
+        on_build: Callable[[GrammarBackend], None] | None = None,
     ):
-        """options: ModelConfig.structured_outputs_config (checked here: InvalidParameterError)."""
+        """options: ModelConfig.structured_outputs_config (checked here: InvalidParameterError).
+        on_build(backend): called once, when the first constrained request loads the backend."""
         self.backend_name = backend_name
         self.compact = default_compact(options)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids) or None
         self.cache_size = cache_size
+        self.on_build = on_build
         self.backend: GrammarBackend | None = None
         self.cache: GrammarCache | None = None
 
@@ -76,3 +80,5 @@ class Grammars:
         except ValueError as e:
             raise InvalidParameterError("structured_outputs", str(e)) from None
         self.cache = GrammarCache(self.backend, max_entries=self.cache_size)
+        if self.on_build is not None:
+            self.on_build(self.backend)

@@ -34,7 +34,7 @@ import zmq
 import zmq.asyncio
 
 from banyan.config import EngineConfig
-from banyan.errors import BanyanError
+from banyan.errors import BanyanError, ErrorInfo
 from banyan.ipc import core_launch
 from banyan.ipc import messages as m
 from banyan.request import RequestDelta
@@ -48,22 +48,19 @@ STDERR_TAIL_LINES = 40
 class EngineDeadError(BanyanError):
     """The engine core is gone (crashed, killed or shut down); no request can be served."""
 
+    code = "engine_dead"
+    public_message = "the engine stopped; the server is restarting"
+
 
 class RequestError(BanyanError):
-    """One request failed in the core (RequestFailed); carries the OpenAI error fields."""
+    """One request failed in the core (its last delta carried `error`): the OpenAI error fields, as sent."""
 
-    def __init__(self, message: str, *, error_type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, status: int = 400):  # fmt: skip
-        super().__init__(message)
-        self.message = message
-        self.error_type = error_type
-        self.param = param
-        self.code = code
-        self.status = status
+    public_message = None
 
-    @classmethod
-    def from_message(cls, msg: m.RequestFailed) -> RequestError:
-        return cls(msg.message, error_type=msg.error_type, param=msg.param, code=msg.code, status=msg.status)
+    def __init__(self, error: ErrorInfo):
+        super().__init__(error.message)
+        self.error = error
+        self.status, self.type, self.param, self.code = error.status, error.type, error.param, error.code
 
 
 class EngineClient:
@@ -146,13 +143,13 @@ class EngineClient:
     async def generate(self, request: m.AddRequest) -> AsyncIterator[RequestDelta]:
         """Send the request and yield its deltas, the last one with finish_reason.
 
-        Raises RequestError (the core refused it) or EngineDeadError. Leaving early aborts it in the core.
+        Raises RequestError (the core refused it, or it failed on the way) or EngineDeadError. Leaving early aborts it in the core.
         """
         request_id = request.request_id
         if self._dead is not None or self._closing:
             raise EngineDeadError(self._dead or "the engine is shutting down")
         if request_id in self._streams:
-            raise RequestError(f"request {request_id!r} is already running", param="request_id")
+            raise RequestError(ErrorInfo(f"request {request_id!r} is already running", param="request_id"))
         if not self._streams:
             self._progress_at = time.monotonic()  # idle until now: the wedge clock starts here
         queue: asyncio.Queue = asyncio.Queue()
@@ -227,11 +224,10 @@ class EngineClient:
         msg = self._decoder.decode(raw)
         if isinstance(msg, m.StepOutputs):
             for delta in msg.deltas:
-                self._route(delta.request_id, delta, delta.finish_reason is not None)
+                item = delta if delta.error is None else RequestError(delta.error)
+                self._route(delta.request_id, item, delta.finish_reason is not None)
         elif isinstance(msg, m.EngineStats):
             self._on_stats(msg)
-        elif isinstance(msg, m.RequestFailed):
-            self._route(msg.request_id, RequestError.from_message(msg), True)
         elif isinstance(msg, m.Ready):
             self._stats_at = self._progress_at = time.monotonic()  # the heartbeat clock starts now
             if not self._ready.done():

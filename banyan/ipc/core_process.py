@@ -7,8 +7,9 @@ server before anything slow), binds both sockets in a private directory and owns
 life. The loop, one turn:
 
     1. drain every pending input message (block up to IDLE_WAIT_MS only when there is no work)
-    2. AddRequest -> engine.add_request (a bad request fails alone: RequestFailed), AbortRequests, Shutdown
-    3. one engine step -> one StepOutputs with every request's delta
+    2. AddRequest -> engine.add_request (a bad request fails alone: a delta with its error), AbortRequests
+       (the aborted requests' last deltas), Shutdown
+    3. one engine step -> one StepOutputs with every request's delta (one that failed carries its error)
     4. EngineStats every STATS_INTERVAL seconds, busy or idle (the client's heartbeat)
 
 Anything that escapes a step is fatal: the core sends EngineDead and exits 1, and the client fails
@@ -28,17 +29,17 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 
 import msgspec
 import zmq
 
 from banyan.config import EngineConfig
 from banyan.engine.engine import Engine
-from banyan.errors import CacheCapacityError, ContextLengthExceededError, InvalidParameterError
+from banyan.engine.faults import Fault
+from banyan.errors import BanyanError, InvalidRequestError, error_info
 from banyan.ipc import messages as m
 from banyan.ipc.core_launch import remove_ipc_files
-from banyan.request import Request, RequestDelta
+from banyan.request import RequestDelta
 
 logger = logging.getLogger("banyan.engine.core")
 
@@ -52,66 +53,11 @@ class Orphaned(Exception):
     """The process that started the core is gone."""
 
 
-@dataclass(frozen=True)
-class Fault:
-    """Fault injection for tests: `raise-after-steps=N` or `sleep-after-steps=N:SECONDS` (the N-th step),
-    `grammar-raise-after-tokens=N` (the grammar library of every constrained request with N output tokens
-    raises on its next token), `sleep-while-loading=SECONDS` (before the model loads)."""
-
-    kind: str  # "raise" | "sleep" | "grammar" | "load"
-    step: int  # grammar: output tokens
-    seconds: float = 0.0
-
-    @classmethod
-    def parse(cls, spec: str) -> Fault:
-        name, _, value = spec.partition("=")
-        if name == "raise-after-steps":
-            return cls("raise", int(value))
-        if name == "sleep-after-steps":
-            step, _, seconds = value.partition(":")
-            return cls("sleep", int(step), float(seconds))
-        if name == "grammar-raise-after-tokens":
-            return cls("grammar", int(value))
-        if name == "sleep-while-loading":
-            return cls("load", 0, float(value))
-        raise ValueError(f"unknown fault {spec!r}")
-
-    def while_loading(self) -> None:
-        if self.kind == "load":
-            logger.warning("injected fault: sleeping %.1f s while loading", self.seconds)
-            time.sleep(self.seconds)
-
-    def before_step(self, step: int, engine: Engine) -> None:
-        if self.kind == "load":
-            return
-        if self.kind == "grammar":
-            _break_grammars(engine, self.step)
-            return
-        if step != self.step:
-            return
-        if self.kind == "raise":
-            raise RuntimeError(f"injected fault at step {step}")
-        logger.warning("injected fault: sleeping %.1f s in step %d", self.seconds, step)
-        time.sleep(self.seconds)
-
-
-def _break_grammars(engine: Engine, num_tokens: int) -> None:
-    for request in engine.scheduler.running:
-        if request.matcher is not None and request.num_output_tokens >= num_tokens:
-            request.matcher.accept_token = _library_crash  # this request's matcher only
-
-
-def _library_crash(token_id: int) -> bool:
-    raise RuntimeError("injected grammar library fault")
-
-
 class EngineCore:
-    def __init__(self, engine: Engine, input_sock: zmq.Socket, output_sock: zmq.Socket, fault: Fault | None = None,
-                 parent_pid: int | None = None):  # fmt: skip
+    def __init__(self, engine: Engine, input_sock: zmq.Socket, output_sock: zmq.Socket, parent_pid: int | None = None):
         self.engine = engine
         self.input = input_sock
         self.output = output_sock
-        self.fault = fault
         self.parent_pid = os.getppid() if parent_pid is None else parent_pid
         self.num_steps = 0
         self.stopping = False
@@ -132,7 +78,7 @@ class EngineCore:
                     self._step()
                 if time.monotonic() >= self._next_stats:
                     self._send_stats()
-            self._abort(list(self.engine.scheduler.requests))
+            self._abort(self.engine.unfinished_request_ids())
         finally:
             self.engine.close()
         return 0
@@ -174,15 +120,13 @@ class EngineCore:
                 group_id=msg.group_id,
             )
         except Exception as e:  # request-scoped: this request fails, the engine carries on
-            self.send(request_failed(msg.request_id, e))
+            self.send(m.StepOutputs([failed_delta(msg.request_id, e)]))
 
     def _abort(self, request_ids: list[str]) -> None:
         """Abort and tell the client, so that each aborted stream ends with finish_reason "abort"."""
-        requests = self.engine.scheduler.requests
-        live = [requests[rid] for rid in request_ids if rid in requests and not requests[rid].is_finished]
-        self.engine.abort_requests(request_ids)
-        if live:
-            self.send(m.StepOutputs([aborted_delta(r) for r in live]))
+        deltas = self.engine.abort_requests(request_ids)
+        if deltas:
+            self.send(m.StepOutputs(deltas))
 
     def _reject_undecodable(self, raw: bytes, error: Exception) -> None:
         try:
@@ -193,41 +137,18 @@ class EngineCore:
         if not isinstance(request_id, str):
             logger.warning("dropped an undecodable message: %s", error)
             return
-        self.send(request_failed(request_id, error.__cause__ or error))
+        self.send(m.StepOutputs([failed_delta(request_id, error.__cause__ or error)]))
 
     # -- the loop -----------------------------------------------------------------------------
     def _step(self) -> None:
-        if self.fault is not None:
-            self.fault.before_step(self.num_steps + 1, self.engine)
         deltas = self.engine.step()
         self.num_steps += 1
-        for failed in [d for d in deltas if d.finish_reason == "error"]:  # e.g. a grammar that did not compile
-            self.send(m.RequestFailed(failed.request_id, str(failed.stop_reason), param=failed.error_param))
-        deltas = [d for d in deltas if d.finish_reason != "error"]
         if deltas:
             self.send(m.StepOutputs(deltas))
 
     def _send_stats(self) -> None:
-        kv = self.engine.kv.stats()
-        sched = self.engine.scheduler
-        grammars = self.engine.grammars.stats()
-        self.send(
-            m.EngineStats(
-                time=time.time(),
-                num_steps=self.num_steps,
-                num_running=len(sched.running),
-                num_waiting=len(sched.waiting),
-                kv_usage=kv.usage,
-                num_pages=kv.num_pages,
-                num_free_pages=kv.num_free,
-                prefix_query_tokens=sched.stats.prefix_query_tokens,
-                prefix_hit_tokens=sched.stats.prefix_hit_tokens,
-                num_preemptions=sched.stats.num_preemptions,
-                grammar_cache_entries=grammars.get("entries", 0),
-                grammar_cache_bytes=grammars.get("bytes", 0),
-                grammar_cache_evictions=grammars.get("evictions", 0),
-            )
-        )
+        stats = self.engine.stats()
+        self.send(m.EngineStats(time=time.time(), num_steps=self.num_steps, **msgspec.structs.asdict(stats)))
         self._next_stats = time.monotonic() + STATS_INTERVAL
 
     # -- output -------------------------------------------------------------------------------
@@ -251,39 +172,24 @@ def ready_message(engine: Engine) -> m.Ready:
         architecture=engine.arch.architecture,
         vocab_size=engine.arch.vocab_size,
         max_model_len=engine.max_model_len,
-        num_pages=engine.kv.num_pages,
+        num_pages=engine.num_pages,
         page_size=engine.config.cache.block_size,
         eos_token_ids=list(engine.eos_token_ids),
-        device=str(engine.runner.device),
+        device=engine.device,
         structured_output_backend=engine.config.model.structured_output_backend,
-        dtype=str(engine.runner.dtype).removeprefix("torch."),
+        dtype=engine.dtype,
     )
 
 
-def request_failed(request_id: str, error: BaseException) -> m.RequestFailed:
-    """The OpenAI-shaped error for one failed request; anything untyped is a 500 (and logged)."""
-    if isinstance(error, ContextLengthExceededError):
-        return m.RequestFailed(request_id, str(error), param=error.param, code="context_length_exceeded")
-    if isinstance(error, InvalidParameterError):
-        return m.RequestFailed(request_id, str(error), param=error.param)
-    if isinstance(error, CacheCapacityError):
-        return m.RequestFailed(request_id, str(error), code="request_too_large")
-    if isinstance(error, (ValueError, msgspec.DecodeError)):
-        return m.RequestFailed(request_id, f"invalid request: {error}")
-    logger.error("request %s failed", request_id, exc_info=error)
-    return m.RequestFailed(request_id, "internal error", error_type="server_error", status=500)
-
-
-def aborted_delta(request: Request) -> RequestDelta:
-    return RequestDelta(
-        request_id=request.request_id,
-        new_token_ids=[],
-        new_logprobs=[] if request.logprobs is not None else None,
-        cumulative_logprob=request.cumulative_logprob,
-        finish_reason=request.finish_reason,
-        stop_reason=None,
-        num_cached_tokens=request.num_cached_tokens,
-    )
+def failed_delta(request_id: str, error: BaseException) -> RequestDelta:
+    """The delta of a request refused before it ran; an untyped ValueError (a malformed message) is the
+    client's, anything else untyped is a 500 (and logged)."""
+    if isinstance(error, ValueError) and not isinstance(error, BanyanError):  # msgspec's DecodeError included
+        error = InvalidRequestError(f"invalid request: {error}")
+    info = error_info(error)
+    if info.status >= 500:
+        logger.error("request %s failed", request_id, exc_info=error)
+    return RequestDelta.failed(request_id, info)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", required=True, help="address to pull requests from")
     parser.add_argument("--output", required=True, help="address to push outputs to")
     parser.add_argument("--parent-pid", type=int, help="the server's pid (default: the parent's now)")
-    parser.add_argument("--fault", help="tests only: see Fault")
+    parser.add_argument("--fault", help="tests only: see banyan/engine/faults.py")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
     # The server owns shutdown (it drains first, then sends Shutdown). Signals sent to the whole
@@ -312,7 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         config = msgspec.json.decode(args.config_json, type=EngineConfig)
         if fault is not None:
             fault.while_loading()
-        core = EngineCore(Engine(config), input_sock, output_sock, fault, args.parent_pid)
+        engine = Engine(config)
+        if fault is not None:
+            engine.before_step.append(fault)
+        core = EngineCore(engine, input_sock, output_sock, args.parent_pid)
         return core.run()
     except Orphaned:
         logger.error("the server process is gone; exiting")

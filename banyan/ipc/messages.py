@@ -5,7 +5,9 @@ peer on the socket can send data, never code. A request's data crosses once (Add
 that only per-step deltas come back, batched per step.
 
     server -> core:  AddRequest | AbortRequests | Shutdown
-    core -> server:  Ready | StepOutputs | RequestFailed | EngineStats | EngineDead
+    core -> server:  Ready | StepOutputs | EngineStats | EngineDead
+
+A request that fails, at once or mid-generation, ends with a delta whose `error` says why.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Union
 
 import msgspec
 
+from banyan.engine.stats import EngineSnapshot
 from banyan.request import RequestDelta
 from banyan.sampling_params import SamplingParams
 
@@ -52,38 +55,16 @@ class Ready(msgspec.Struct, tag=True):
 
 
 class StepOutputs(msgspec.Struct, tag=True):
-    """The deltas of one engine step, for every request that advanced."""
+    """The deltas of one engine step, for every request that advanced or ended (aborted, failed)."""
 
     deltas: list[RequestDelta]
 
 
-class RequestFailed(msgspec.Struct, tag=True):
-    """One request ended with an error; the engine and every other request carry on."""
-
-    request_id: str
-    message: str
-    error_type: str = "invalid_request_error"  # OpenAI error type
-    param: str | None = None
-    code: str | None = None
-    status: int = 400
-
-
-class EngineStats(msgspec.Struct, tag=True):
-    """A snapshot the core sends a few times a second, busy or idle (it doubles as a heartbeat)."""
+class EngineStats(EngineSnapshot, tag=True, kw_only=True):
+    """Engine.stats(), sent a few times a second, busy or idle (it doubles as a heartbeat)."""
 
     time: float
     num_steps: int  # grows while the core makes progress: a wedged core stops counting
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_pages: int
-    num_free_pages: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    num_preemptions: int
-    grammar_cache_entries: int = 0  # compiled grammars held (bounded: RELIABILITY C4 G5)
-    grammar_cache_bytes: int = 0
-    grammar_cache_evictions: int = 0
 
 
 class EngineDead(msgspec.Struct, tag=True):
@@ -93,7 +74,7 @@ class EngineDead(msgspec.Struct, tag=True):
 
 
 ToCore = Union[AddRequest, AbortRequests, Shutdown]
-FromCore = Union[Ready, StepOutputs, RequestFailed, EngineStats, EngineDead]
+FromCore = Union[Ready, StepOutputs, EngineStats, EngineDead]
 
 
 def encoder() -> msgspec.msgpack.Encoder:

@@ -1,14 +1,13 @@
 """ModelRunner: Batch -> ragged tensors -> model -> sampler -> StepResult.
 
 It owns the device side: the model's weights, the paged KV cache tensors and the sampler. It
-knows requests only through the Batch and the page tables the KV manager hands it.
+knows requests only through the Batch, which carries each request's page ids.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +33,6 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 1 << 30
-
-PageTables = Callable[[str], Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -69,6 +66,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not model_config.enforce_eager:
             self.start_decode_graphs(capture=True)
         self.sampler = Sampler(self.arch.vocab_size, default_seed=model_config.seed)
+        self.grammar: GrammarBackend | None = None  # fills the masks of rows with a matcher (structured output)
         self._bitmask: torch.Tensor | None = None  # grammar masks, grown on demand
 
     def _load_model(self, source: ModelSource, model_config: ModelConfig) -> torch.nn.Module:
@@ -143,13 +141,16 @@ class ModelRunner:
         if capture:
             self.decode_graphs.capture_all()
 
+    def use_grammar(self, backend: GrammarBackend) -> None:
+        """The grammar backend, given once, when the first constrained request builds it."""
+        self.grammar = backend
+
     # -- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: Batch, page_tables: PageTables, grammar: GrammarBackend | None = None) -> StepResult:
-        """grammar: the backend that fills the masks of requests with a matcher (structured output)."""
-        fb, plan = self._prepare(batch, page_tables)
+    def execute(self, batch: Batch) -> StepResult:
+        fb, plan = self._prepare(batch)
         hidden = self._forward(fb)  # [num_tokens, hidden]
-        masks = self._grammar_masks(plan, grammar)  # on a GPU, filled on the CPU while the forward runs
+        masks = self._grammar_masks(plan)  # on a GPU, filled on the CPU while the forward runs
         logits = self.model.compute_logits(hidden[fb.logits_indices])  # [num_logits, vocab] fp32
         return self._sample(logits, plan, masks)
 
@@ -158,23 +159,22 @@ class ModelRunner:
             return self.decode_graphs.run(fb)
         return self.model(fb, self.kv_caches)
 
-    def _grammar_masks(self, plan: _LogitsPlan, grammar: GrammarBackend | None) -> tuple[torch.Tensor, list[int]] | None:
+    def _grammar_masks(self, plan: _LogitsPlan) -> tuple[torch.Tensor, list[int]] | None:
         """(bitmask, sampler rows): bitmask row j masks sampler row rows[j]. None when no row is constrained."""
         rows = [i for i, request in enumerate(plan.sample_requests) if request.matcher is not None]
         if not rows:
             return None
         if self._bitmask is None or self._bitmask.shape[0] < len(rows):
             self._bitmask = allocate_bitmask(max(16, 2 * len(rows)), self.arch.vocab_size)
-        grammar.fill_bitmasks(self._bitmask, [(j, plan.sample_requests[i].matcher) for j, i in enumerate(rows)])
+        self.grammar.fill_bitmasks(self._bitmask, [(j, plan.sample_requests[i].matcher) for j, i in enumerate(rows)])
         return self._bitmask, rows
 
-    def _prepare(self, batch: Batch, page_tables: PageTables) -> tuple[ForwardBatch, _LogitsPlan]:
+    def _prepare(self, batch: Batch) -> tuple[ForwardBatch, _LogitsPlan]:
         P = self.page_size
         ids, positions, slots, query_start, context_lens, tables = [], [], [], [0], [], []
         plan = _LogitsPlan()
         for item in batch.scheduled:
-            request, start, end = item.request, item.start, item.end
-            pages = page_tables(request.request_id)[: -(-end // P)]
+            request, start, end, pages = item.request, item.start, item.end, item.page_ids
             row0 = len(ids)
             ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))

@@ -1,7 +1,9 @@
-"""Batch: what one step runs, handed from the scheduler to the model runner and back."""
+"""Batch: what one step runs, handed from the scheduler to the model runner and back; self-contained
+(tokens, positions and page ids), so a runner needs nothing else from the scheduler or the cache."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from banyan.request import Request
@@ -9,16 +11,19 @@ from banyan.request import Request
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step: its next `num_new_tokens` tokens starting at `start`.
+    """One request's share of a step: its next `num_new_tokens` tokens starting at `start`, and the
+    pages its tokens [0, end) live in (so the runner never asks the cache).
 
         all_token_ids:  [ computed (KV in cache) | new this step | not yet ]
-                        0                  start      start + num_new_tokens
+                        0                  start      start + num_new_tokens = end
+        page_ids:       [ p0 | p1 | ... ]  ceil(end / page_size) pages, token t in page_ids[t // page_size]
     A request samples a token when the step brings it level with all its tokens.
     """
 
     request: Request
     start: int
     num_new_tokens: int
+    page_ids: Sequence[int] = ()
 
     @property
     def end(self) -> int:

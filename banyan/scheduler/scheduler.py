@@ -112,7 +112,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, batch):
                 break  # the request itself was the last in line and got preempted
-            batch.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            batch.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             i += 1
         if not batch.preempted:  # short of pages: admitting more would only thrash
@@ -180,10 +180,16 @@ class Scheduler:
             if not self.kv.allocate_slots(request.request_id, prefix.num_tokens + num_new, prefix):
                 return  # head-of-line: later requests wait too, so none overtakes it
             self._start(request, prefix.num_tokens)
-            batch.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            batch.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             if request.group_id is not None and prefix.num_tokens < self._shareable_tokens(request):
                 prefilling_groups.add(request.group_id)
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        """The request's share of this step, with the pages of its tokens [0, end) (allocated by now)."""
+        start = request.num_computed_tokens
+        num_pages = -(-(start + num_new) // self.kv.page_size)
+        return ScheduledRequest(request, start, num_new, self.kv.page_table(request.request_id)[:num_pages])
 
     def _cached_prefix(self, request: Request) -> PrefixMatch:
         if request.prompt_logprobs is not None:

@@ -5,7 +5,8 @@
 
 `param` names the offending field as a path (`messages[0].content`), `code` is set where OpenAI sets
 one (`invalid_json`, `context_length_exceeded`, `model_not_found`). Messages never echo more than a
-short, truncated piece of what the client sent.
+short, truncated piece of what the client sent. banyan's own errors carry their status, type and code
+(banyan/errors.py); `from_banyan_error` reads them through `error_info`, the one mapping.
 
 `parse_json_body` is the first thing a route does with a body: it turns bytes into a dict, or raises
 APIError for anything that is not a JSON object of finite numbers, 64-bit integers and valid strings,
@@ -20,13 +21,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from banyan.errors import (
-    BanyanError,
-    CacheCapacityError,
-    ContextLengthExceededError,
-    InvalidParameterError,
-    ModelLoadError,
-)
+from banyan.errors import BanyanError, InvalidParameterError, error_info
 
 MAX_JSON_DEPTH = 64
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -35,6 +30,8 @@ _MAX_ECHO = 80  # characters of a client's value quoted back in a message
 
 class APIError(BanyanError):
     """An error to answer with: HTTP status plus OpenAI's error fields (and Retry-After, for 429/503)."""
+
+    public_message = None
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, retry_after: float | None = None):
@@ -55,19 +52,12 @@ def model_not_found(model: str) -> APIError:
     return APIError(404, f"the model {_echo(model)} does not exist", param="model", code="model_not_found")
 
 
-def from_banyan_error(e: Exception) -> APIError:
+def from_banyan_error(e: BaseException) -> APIError:
     """The answer for an error raised while handling a request (anything not banyan's own is a 500)."""
     if isinstance(e, APIError):
         return e
-    if isinstance(e, ContextLengthExceededError):
-        return APIError(400, str(e), param=e.param, code="context_length_exceeded")
-    if isinstance(e, InvalidParameterError):  # ChatTemplateError included: the template is the request's input
-        return APIError(400, str(e), param=e.param)
-    if isinstance(e, CacheCapacityError):
-        return APIError(400, str(e))
-    if isinstance(e, ModelLoadError):
-        return APIError(500, str(e), type="server_error")
-    return APIError(500, "internal server error", type="server_error")
+    info = error_info(e)
+    return APIError(info.status, info.message, type=info.type, param=info.param, code=info.code)
 
 
 def from_validation_error(e: ValidationError) -> APIError:

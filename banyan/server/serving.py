@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from banyan.config import ServerConfig
 from banyan.errors import BanyanError
-from banyan.ipc.client import EngineClient, EngineDeadError, RequestError
+from banyan.ipc.client import EngineClient, RequestError
 from banyan.sampling_params import SamplingParams
 from banyan.server import protocol
 from banyan.server.auth import ApiKeyAuth, RateLimiter, Tenant
@@ -296,16 +296,8 @@ async def _client_disconnected(http: Request) -> None:
 
 def _error_of(e: BaseException, structured_param: str | None = None) -> APIError:
     """structured_param: the field a structured-output error from the core (param structured_outputs*) is about."""
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, RequestError):
-        param = e.param
-        if structured_param and param and param.startswith("structured_outputs"):
-            param = structured_param
-        return APIError(e.status, e.message, type=e.error_type, param=param, code=e.code)
-    if isinstance(e, EngineDeadError):
-        return APIError(500, "the engine stopped; the server is restarting", type="server_error", code="engine_dead")
-    if isinstance(e, BanyanError):
-        return from_banyan_error(e)
-    return APIError(500, "internal error", type="server_error")
+    error = from_banyan_error(e)
+    if isinstance(e, RequestError) and structured_param and (error.param or "").startswith("structured_outputs"):
+        error.param = structured_param
+    return error
 

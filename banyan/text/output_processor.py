@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from banyan.errors import ErrorInfo
 from banyan.request import RequestDelta, RequestMetrics, TokenLogprobs
 from banyan.sampling_params import SamplingParams
 from banyan.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -36,6 +37,7 @@ class SequenceState:
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.error: ErrorInfo | None = None  # finish_reason "error": why
 
     def apply(self, delta: RequestDelta) -> tuple[str, bool]:
         """Take one delta; returns (new text, whether a stop string ended the sequence here)."""
@@ -56,7 +58,7 @@ class SequenceState:
             self.finish_reason, self.stop_reason = "stop", stopped_on
             return new_text, True
         if delta.finish_reason is not None:
-            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+            self.finish_reason, self.stop_reason, self.error = delta.finish_reason, delta.stop_reason, delta.error
         return new_text, False
 
     def output(self) -> CompletionOutput:
@@ -68,6 +70,7 @@ class SequenceState:
             logprobs=self.logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            error=self.error,
         )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from banyan.errors import ErrorInfo
 from banyan.request import RequestMetrics
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: ErrorInfo | None = None  # finish_reason "error": why (OpenAI's error fields; banyan/errors.py)
     # LLM.chat with tools: the reply read back as text before the calls, and the calls (complete or not)
     content: str | None = None
     tool_calls: list[ToolCall] | None = None

@@ -175,7 +175,7 @@ def test_bad_requests_fail_alone(loop, client):
         return too_big.value, out_of_vocab.value, too_long.value, tokens, reason
 
     too_big, out_of_vocab, too_long, tokens, reason = loop.run_until_complete(asyncio.wait_for(run(), 30))
-    assert (too_big.status, too_big.error_type, too_big.code) == (400, "invalid_request_error", "request_too_large")
+    assert (too_big.status, too_big.type, too_big.code) == (400, "invalid_request_error", "request_too_large")
     assert (out_of_vocab.status, out_of_vocab.param) == (400, "prompt")
     assert (too_long.status, too_long.code) == (400, "context_length_exceeded")
     assert len(tokens) == 20 and reason == "length"

@@ -147,7 +147,8 @@ def test_a_grammar_that_fails_to_compile_ends_only_its_request(each_backend):
     good = constrained({"choice": ["alpha", "beta"]})
     failed, ok = each_backend.generate(["a", "b"], [bad, good], use_tqdm=False)
     assert failed.outputs[0].finish_reason == "error"
-    assert "uniqueItems" in failed.outputs[0].stop_reason  # the message
+    error = failed.outputs[0].error  # OpenAI's fields, as the server would answer
+    assert "uniqueItems" in error.message and (error.status, error.type) == (400, "invalid_request_error")
     assert ok.outputs[0].finish_reason == "stop" and ok.outputs[0].text in ("alpha", "beta")
     assert not each_backend.engine.has_unfinished_requests()
 
@@ -156,7 +157,7 @@ def test_xgrammar_refuses_what_it_would_silently_ignore(xgrammar_llm):
     """xgrammar drops a length limit next to `pattern`: refused, never a string longer than asked."""
     schema = {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}
     out = xgrammar_llm.generate(["a"], constrained({"json": schema}), use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "error" and "maxLength" in out.stop_reason
+    assert out.finish_reason == "error" and "maxLength" in out.error.message
 
 
 def test_mixed_batch_leaves_unconstrained_outputs_unchanged(llm):

@@ -434,7 +434,7 @@ def test_tokenize_requests():
     (ContextLengthExceededError("prompt (9000 tokens) + max_tokens (16) > max_model_len (8192)"), 400, "prompt",
      "context_length_exceeded"),
     (ChatTemplateError("chat_template", "does not compile"), 400, "chat_template", None),
-    (CacheCapacityError("needs 900 pages, the cache holds 800"), 400, None, None),
+    (CacheCapacityError("needs 900 pages, the cache holds 800"), 400, None, "request_too_large"),
     (ModelLoadError("no such file"), 500, None, None),
     (RuntimeError("secret internals"), 500, None, None),
 ])

@@ -293,5 +293,19 @@ def test_a_grammar_library_that_raises_ends_its_request_only():
 
     broken.matcher.accept_token = crash
     step(s)
-    assert broken.finish_reason == "error" and "library panic" in broken.error
+    assert broken.finish_reason == "error" and "library panic" in broken.error.message
     assert plain.status == RequestStatus.RUNNING and plain.num_output_tokens == 2
+
+
+def test_each_scheduled_request_carries_the_pages_of_its_tokens():
+    """The Batch is self-contained: page_ids cover tokens [0, end), in the order the cache holds them."""
+    s = make_scheduler(page_size=4, max_num_batched_tokens=8)
+    a, b = make_requests(2, prompt_len=10, max_tokens=3)
+    for r in (a, b):
+        s.add_request(r)
+    for _ in range(5):
+        batch = s.schedule()
+        for item in batch.scheduled:
+            assert list(item.page_ids) == list(s.kv.page_table(item.request.request_id))[: -(-item.end // 4)]
+        s.update(batch, StepResult(sampled={i.request.request_id: SampledToken(NEXT_TOKEN, -0.5)
+                                            for i in batch.scheduled if i.samples}))

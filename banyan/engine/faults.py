@@ -1,0 +1,65 @@
+"""Fault injection for the reliability tests: used only when the core starts with --fault, never otherwise.
+
+    raise-after-steps=N            the N-th step raises (a fatal engine error)
+    sleep-after-steps=N:SECONDS    the N-th step sleeps first (a wedged engine)
+    grammar-raise-after-tokens=N   each constrained request's grammar fails once it has N output tokens
+    sleep-while-loading=SECONDS    the core sleeps before it loads the model
+
+A fault is a hook the engine calls before each step (`Engine.before_step`). The grammar fault marks
+the request's matcher failed, as the scheduler's guard does when the grammar library raises
+(`matcher.error`): the request ends with finish_reason "error" on its next token, the others carry
+on. Nothing is patched.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from banyan.engine.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+GRAMMAR_FAULT = "the grammar library failed: injected grammar library fault"
+
+
+class Fault:
+    def __init__(self, kind: str, step: int, seconds: float = 0.0):
+        self.kind = kind  # "raise" | "sleep" | "grammar" | "load"
+        self.step = step  # grammar: output tokens
+        self.seconds = seconds
+        self.num_steps = 0  # steps begun
+
+    @classmethod
+    def parse(cls, spec: str) -> Fault:
+        name, _, value = spec.partition("=")
+        if name == "raise-after-steps":
+            return cls("raise", int(value))
+        if name == "sleep-after-steps":
+            step, _, seconds = value.partition(":")
+            return cls("sleep", int(step), float(seconds))
+        if name == "grammar-raise-after-tokens":
+            return cls("grammar", int(value))
+        if name == "sleep-while-loading":
+            return cls("load", 0, float(value))
+        raise ValueError(f"unknown fault {spec!r}")
+
+    def while_loading(self) -> None:
+        if self.kind == "load":
+            logger.warning("injected fault: sleeping %.1f s while loading", self.seconds)
+            time.sleep(self.seconds)
+
+    def __call__(self, engine: Engine) -> None:
+        """Before each step."""
+        self.num_steps += 1
+        if self.kind == "grammar":
+            for request in engine.scheduler.running:
+                if request.matcher is not None and request.num_output_tokens >= self.step:
+                    request.matcher.error = request.matcher.error or GRAMMAR_FAULT
+        elif self.num_steps == self.step and self.kind == "raise":
+            raise RuntimeError(f"injected fault at step {self.num_steps}")
+        elif self.num_steps == self.step and self.kind == "sleep":
+            logger.warning("injected fault: sleeping %.1f s in step %d", self.seconds, self.num_steps)
+            time.sleep(self.seconds)

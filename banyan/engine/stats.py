@@ -1,0 +1,21 @@
+"""EngineSnapshot: what `Engine.stats()` reports (a msgspec struct, so the core sends it as is)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineSnapshot(msgspec.Struct, kw_only=True):
+    """The engine's load now, and its counters since start-up."""
+
+    num_running: int
+    num_waiting: int  # queued or preempted (not those whose grammar is compiling)
+    kv_usage: float  # pages held by requests / all pages
+    num_pages: int
+    num_free_pages: int
+    prefix_query_tokens: int  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int  # of those, tokens found there
+    num_preemptions: int
+    grammar_cache_entries: int = 0  # compiled grammars held (bounded: RELIABILITY C4 G5)
+    grammar_cache_bytes: int = 0
+    grammar_cache_evictions: int = 0
