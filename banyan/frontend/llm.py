@@ -13,13 +13,11 @@ from tqdm import tqdm
 from banyan.config import DEFAULT_MODEL, EngineConfig
 from banyan.config_args import config_from_kwargs
 from banyan.errors import InvalidParameterError
+from banyan.frontend.prepare import ChatInput, fan_out, prepare_chat
 from banyan.request import RequestStatus
 from banyan.sampling_params import SamplingParams
-from banyan.text.chat_template import resolve_template
 from banyan.text.output_processor import OutputProcessor, PromptState, SequenceState
 from banyan.text.outputs import RequestOutput
-from banyan.text.tokenizer import encode_chat
-from banyan.tools import JSON_LIST, ToolCalling, detect_format, format_named, marker_token_ids
 
 PromptInput = str | Sequence[int] | dict[str, Any]
 
@@ -101,42 +99,22 @@ class LLM:
         {"type": "function", "function": {"name": ...}} constrains calls to the tools' schemas, and each
         output's `tool_calls` and `content` hold the reply read back (see banyan/tools)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        calling = self._tool_calling(chat_template, tools, tool_choice, parallel_tool_calls, tool_call_parser)
-        prompts = []
-        for conversation in conversations:
-            conversation, template_tools = calling.template_inputs(conversation)
-            # The template writes any BOS itself; control tokens typed inside messages stay plain text.
-            text, token_ids = encode_chat(
-                self.tokenizer,
-                conversation,
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tools=template_tools,
-                chat_template_kwargs=chat_template_kwargs,
-            )
-            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
-        spec = calling.spec(marker_token_ids(self.tokenizer, calling.fmt))
-        if spec is not None:
-            params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
-            sampling_params = [p.clone(structured_outputs=spec) for p in params]
-        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        params = _per_prompt(sampling_params or SamplingParams(), len(conversations), "sampling_params")
+        chat = ChatInput(chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs,
+                         tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
+        structured = "structured_outputs" if any(p.structured_outputs is not None for p in params) else None
+        prepared = prepare_chat(self.tokenizer, conversations, chat, parser=tool_call_parser, structured_param=structured,
+                                backend=self.engine.config.model.structured_output_backend)
+        if prepared.grammar is not None:
+            params = [p.clone(structured_outputs=prepared.grammar) for p in params]
+        prompts = [{"prompt": text, "prompt_token_ids": ids} for text, ids in prepared.prompts]
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        calling = prepared.calling
         if calling.active:
             for output in outputs:
                 for completion in output.outputs:
                     completion.content, completion.tool_calls = calling.parser().parse(completion.text)
         return outputs
-
-    def _tool_calling(self, chat_template, tools, tool_choice, parallel_tool_calls, parser: str) -> ToolCalling:
-        if parser == "auto":
-            fmt = detect_format(resolve_template(self.tokenizer, chat_template, tools)) if tools else JSON_LIST
-        else:
-            fmt = format_named(parser)
-        calling = ToolCalling.from_request(fmt, tools, tool_choice, parallel_tool_calls)
-        backend = self.engine.config.model.structured_output_backend
-        if calling.active and backend != "llguidance":
-            raise InvalidParameterError("tools", f"tool calling needs the llguidance structured-output backend, not {backend}")
-        return calling
 
     def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one completion as it is generated (the first of its n sequences)."""
@@ -160,14 +138,12 @@ class LLM:
     def _add(self, processor: OutputProcessor, prompt: PromptInput, params: SamplingParams, priority: int) -> str:
         text, token_ids = self._tokenize(prompt)
         request_id = str(next(self._ids))
-        sequences = [SequenceState(i, params, self.tokenizer, token_ids) for i in range(params.num_sequences)]
+        sequences = fan_out(request_id, params)
         self.engine.check_prompt(token_ids)
-        child_ids = processor.add(PromptState(request_id, text, token_ids, sequences, metrics=None))
-        requests = []
-        group = request_id if len(child_ids) > 1 else None
-        for i, child_id in enumerate(child_ids):
-            child_params = params.sequence_params(i)
-            requests.append(self.engine.add_request(child_id, token_ids, child_params, priority=priority, group_id=group))
+        states = [SequenceState(s.index, params, self.tokenizer, token_ids) for s in sequences]
+        processor.add(PromptState(request_id, text, token_ids, states, metrics=None), [s.request_id for s in sequences])
+        requests = [self.engine.add_request(s.request_id, token_ids, s.params, priority=priority, group_id=s.group_id)
+                    for s in sequences]
         processor.prompts[request_id].metrics = requests[0].metrics
         return request_id
 

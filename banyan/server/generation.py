@@ -6,7 +6,7 @@ SequenceState, shared with the offline API) and puts events on one queue, so str
 non-streaming responses read the same events:
 
     choice index = prompt index * n + j            (OpenAI's numbering for several prompts)
-    engine id    = f"{http request id}.{serial}-{prompt index}-{j}"
+    engine id    = f"{http request id}.{serial}-{prompt index}-{j}"   (frontend.prepare.fan_out, key f"{...}-{p}")
 
 The HTTP request id (the client's X-Request-Id, if sane) is a label for logs: two requests may carry
 the same one, so a per-process serial keeps the engine ids unique.
@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
+from banyan.frontend.prepare import fan_out
 from banyan.ipc.client import EngineClient
 from banyan.ipc.messages import AddRequest
 from banyan.sampling_params import SamplingParams
@@ -93,19 +94,11 @@ class Generation:
         key = f"{http_request_id}.{next(_serials)}"  # unique, whatever the client's id
         n = params.num_sequences  # best_of candidates, or the n choices
         for p, prompt in enumerate(prompts):
-            for j in range(n):
-                child = params.sequence_params(j)
-                request_id = f"{key}-{p}-{j}"
-                choice = Choice(p * n + j, request_id, p, SequenceState(p * n + j, child, tokenizer, prompt), now)
-                add = AddRequest(
-                    request_id,
-                    prompt,
-                    child,
-                    arrival_time=now,
-                    priority=priority,
-                    cache_salt=cache_salt,
-                    group_id=f"{key}-{p}" if n > 1 else None,
-                )
+            for s in fan_out(f"{key}-{p}", params):
+                index = p * n + s.index
+                choice = Choice(index, s.request_id, p, SequenceState(index, s.params, tokenizer, prompt), now)
+                add = AddRequest(s.request_id, prompt, s.params, arrival_time=now, priority=priority,
+                                 cache_salt=cache_salt, group_id=s.group_id)
                 self.choices.append(choice)
                 self._tasks.append(asyncio.ensure_future(self._pump(choice, add)))
 

@@ -7,10 +7,11 @@ lengths against the model, admit (rate limits, queue), run a Generation, then an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from starlette.requests import Request
@@ -18,6 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from banyan.config import ServerConfig
 from banyan.errors import BanyanError
+from banyan.frontend.prepare import ChatInput, PreparedChat, prepare_chat, render_chat, tool_calling
 from banyan.ipc.client import EngineClient, RequestError
 from banyan.sampling_params import SamplingParams
 from banyan.server import protocol
@@ -26,9 +28,8 @@ from banyan.server.errors import APIError, error_body, from_banyan_error
 from banyan.server.generation import Generation
 from banyan.server.metrics import ServerMetrics
 from banyan.server.renderers import ChatRender, CompletionRender
-from banyan.text.chat_template import ChatTemplateError, resolve_template
-from banyan.text.tokenizer import encode_chat, with_special_tokens
-from banyan.tools import ToolCalling, detect_format, format_named, marker_token_ids
+from banyan.text.chat_template import ChatTemplateError
+from banyan.text.tokenizer import with_special_tokens
 
 
 class OpenAIServing:
@@ -66,16 +67,14 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.chat_template is not None and not self.config.allow_request_chat_template:
             raise APIError(400, "request chat templates are disabled on this server", param="chat_template")
-        calling = self._tool_calling(req)
-        prompt_ids = await self._offload(self._render_chat, req, calling)
+        prepared = await self._offload(self._prepare_chat, req)
         params = protocol.to_sampling_params(req, default_max_tokens=None)
-        tool_spec = calling.spec(self._marker_ids(calling))
-        if tool_spec is not None:
-            params = params.clone(structured_outputs=tool_spec)
-        gen = self._start([prompt_ids], params, req, tenant, http)
-        if tool_spec is not None:
+        if prepared.grammar is not None:
+            params = params.clone(structured_outputs=prepared.grammar)
+        gen = self._start([ids for _, ids in prepared.prompts], params, req, tenant, http)
+        if prepared.grammar is not None:
             gen.structured_param = "tools"
-        render = ChatRender(gen, req, self.tokenizer, self.model_names[0], calling)
+        render = ChatRender(gen, req, self.tokenizer, self.model_names[0], prepared.calling)
         if req.stream:
             return self._sse(gen, render.stream(), http)
         return await self._respond(gen, render.response, http)
@@ -158,57 +157,48 @@ class OpenAIServing:
             return [list(prompt)]
         return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
-    def _tool_calling(self, req) -> ToolCalling:
-        """How the request's tools reach the prompt and its reply (400 for a bad tool or tool_choice)."""
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    def _prepare_chat(self, req: protocol.ChatCompletionRequest) -> PreparedChat:
+        with self._template_errors(req):
+            return prepare_chat(self.tokenizer, [protocol.messages_for_template(req.messages)], self._chat_input(req),
+                                backend=self.client.info.structured_output_backend, parser=self.config.tool_call_parser,
+                                structured_param=req.structured_param, timeout=self.config.render_timeout,
+                                cancel=self._stop_renders)
+
+    def _render_chat(self, req: protocol.TokenizeChatRequest) -> list[int]:
+        """The prompt ids alone (/tokenize): the tools in the prompt, no grammar."""
+        chat = self._chat_input(req)
+        with self._template_errors(req):
+            calling = tool_calling(self.tokenizer, chat, backend=self.client.info.structured_output_backend,
+                                   parser=self.config.tool_call_parser)
+            _, ids = render_chat(self.tokenizer, protocol.messages_for_template(req.messages), chat, calling,
+                                 timeout=self.config.render_timeout, cancel=self._stop_renders)
+        return ids
+
+    def _chat_input(self, req) -> ChatInput:
         tool_choice = getattr(req, "tool_choice", None)
         if isinstance(tool_choice, protocol.NamedToolChoice):
             tool_choice = tool_choice.model_dump()
-        try:
-            calling = ToolCalling.from_request(self._tool_format(req), tools, tool_choice,
-                                               getattr(req, "parallel_tool_calls", None))
-        except BanyanError as e:
-            raise from_banyan_error(e) from e
-        if calling.active and getattr(req, "structured_param", None):
-            raise APIError(400, "cannot be combined with tools unless tool_choice is 'none'", param=req.structured_param)
-        if calling.active and self.client.info.structured_output_backend != "llguidance":
-            raise APIError(400, "tool calling needs the llguidance structured-output backend "
-                           f"(this server runs {self.client.info.structured_output_backend})", param="tools")
-        return calling
+        return ChatInput(
+            chat_template=req.chat_template or self.chat_template,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template_kwargs=req.chat_template_kwargs,
+            documents=req.documents,
+            tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+            tool_choice=tool_choice,
+            parallel_tool_calls=getattr(req, "parallel_tool_calls", None),
+        )
 
-    def _tool_format(self, req):
-        if self.config.tool_call_parser != "auto":
-            return format_named(self.config.tool_call_parser)
+    @staticmethod
+    @contextlib.contextmanager
+    def _template_errors(req) -> Iterator[None]:
+        """Whatever the request's own chat template does wrong is about that field."""
         try:
-            template = resolve_template(self.tokenizer, getattr(req, "chat_template", None) or self.chat_template, req.tools)
-        except BanyanError as e:
-            raise from_banyan_error(e) from e
-        return detect_format(template)
-
-    def _marker_ids(self, calling: ToolCalling) -> dict[str, int]:
-        return marker_token_ids(self.tokenizer, calling.fmt) if calling.active else {}
-
-    def _render_chat(self, req, calling: ToolCalling | None = None) -> list[int]:
-        calling = calling or self._tool_calling(req)
-        messages, tools = calling.template_inputs(protocol.messages_for_template(req.messages))
-        try:
-            _, ids = encode_chat(
-                self.tokenizer,
-                messages,
-                chat_template=getattr(req, "chat_template", None) or self.chat_template,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                tools=tools,
-                documents=getattr(req, "documents", None),
-                chat_template_kwargs=req.chat_template_kwargs,
-                timeout=self.config.render_timeout,
-                cancel=self._stop_renders,
-            )
-        except ChatTemplateError as e:  # whatever the request's own template did wrong is about that field
-            if getattr(req, "chat_template", None) is None:
+            yield
+        except ChatTemplateError as e:
+            if req.chat_template is None:
                 raise
             raise ChatTemplateError("chat_template", str(e).removeprefix(f"{e.param}: ")) from None
-        return ids
 
     # -- running --------------------------------------------------------------------------------
     def _start(self, prompts, params: SamplingParams, req, tenant: Tenant, http: Request) -> Generation:
@@ -300,4 +290,3 @@ def _error_of(e: BaseException, structured_param: str | None = None) -> APIError
     if isinstance(e, RequestError) and structured_param and (error.param or "").startswith("structured_outputs"):
         error.param = structured_param
     return error
-

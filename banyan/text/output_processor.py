@@ -76,7 +76,7 @@ class SequenceState:
 
 @dataclass
 class PromptState:
-    """One user request: its prompt and its n sequences (engine requests `{index}_{request_id}`)."""
+    """One user request: its prompt and its n sequences (engine requests as frontend/prepare.py names them)."""
 
     request_id: str
     prompt: str | None
@@ -115,10 +115,6 @@ def best_of(candidates: list[T], n: int, key: Callable[[T], float]) -> list[T]:
     return sorted(candidates, key=key, reverse=True)[:n]
 
 
-def child_request_id(request_id: str, index: int, n: int) -> str:
-    return request_id if n == 1 else f"{index}_{request_id}"
-
-
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -126,13 +122,11 @@ class OutputProcessor:
         self._sequence_of: dict[str, tuple[PromptState, SequenceState]] = {}
         self._finished: list[str] = []  # prompts that finished since the last pop_finished()
 
-    def add(self, state: PromptState) -> list[str]:
-        """Track a prompt; returns the engine request ids of its sequences."""
+    def add(self, state: PromptState, request_ids: Sequence[str]) -> None:
+        """Track a prompt whose sequences run as the engine requests `request_ids` (one each, in order)."""
         self.prompts[state.request_id] = state
-        ids = [child_request_id(state.request_id, s.index, len(state.sequences)) for s in state.sequences]
-        for child_id, seq in zip(ids, state.sequences):
-            self._sequence_of[child_id] = (state, seq)
-        return ids
+        for request_id, seq in zip(request_ids, state.sequences, strict=True):
+            self._sequence_of[request_id] = (state, seq)
 
     def process(self, deltas: Sequence[RequestDelta]) -> list[str]:
         """Apply a step's deltas; returns engine request ids to abort (their stop string matched)."""
@@ -167,10 +161,10 @@ class OutputProcessor:
         state = self.prompts.get(request_id)
         if state is None:
             return
-        for i, seq in enumerate(state.sequences):
+        for seq in state.sequences:
             if seq.finish_reason is None:
                 seq.finish_reason = reason
-                self._sequence_of.pop(child_request_id(request_id, i, len(state.sequences)), None)
+        self._sequence_of = {rid: entry for rid, entry in self._sequence_of.items() if entry[0] is not state}
 
     def unfinished_request_ids(self) -> list[str]:
         """Engine request ids of every sequence still running."""
