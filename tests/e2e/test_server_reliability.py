@@ -680,7 +680,10 @@ def test_l6_sigterm_drains_in_flight_requests(model_dir):
 
 
 def test_l6_sigterm_with_no_drain_time_aborts_and_waits_for_no_render(model_dir):
-    proc = start_server(model_dir, *COMMON, "--shutdown-timeout", "0", "--allow-request-chat-template", "--render-timeout", "120")
+    # The core sleeps 2 s in its third step, so the stream is still running when SIGTERM comes (a tiny model
+    # on a quiet machine otherwise finishes 240 tokens before it).
+    proc = start_server(model_dir, *COMMON, "--shutdown-timeout", "0", "--allow-request-chat-template", "--render-timeout",
+                        "120", "--fault", "sleep-after-steps=3:2")  # fmt: skip
     body = {"prompt": "x", "max_tokens": 240, "ignore_eos": True, "stream": True}
     runaway = {"messages": [{"role": "user", "content": "x"}],  # renders for the whole render timeout
                "chat_template": "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"}
