@@ -1,0 +1,271 @@
+"""The speculation controller: how many drafts k_i each request verifies this step (0 <= k_i <= max_k).
+
+Pure Python, no torch, no clock: the caller passes in proposal lengths, verification results and measured step
+times, so every decision is deterministic and testable.
+
+The model (the acceptance math, written once here):
+
+    alpha_{i,j} = P(draft j of request i is accepted | drafts 1..j-1 were accepted)     (AcceptanceStats)
+    g_{i,j}     = P(drafts 1..j all accepted) = prod_{m<=j} alpha_{i,m}                  (chain rule)
+
+    A verified request always emits one token from the target (the correction on a reject, the bonus when all
+    k drafts pass) plus its accepted drafts A_i. A_i >= j exactly when drafts 1..j all pass, and for a count
+    E[A] = sum_{j>=1} P(A >= j), so
+
+    E[emitted_i | k_i] = 1 + sum_{j=1..k_i} g_{i,j}
+
+    A step holds B base tokens (prefill chunks, ...) that emit E_base tokens, and n decoding requests that
+    each feed 1 + k_i tokens; a forward of N tokens takes t(N) seconds (StepTimeModel). The controller maximises
+    the step's expected rate
+
+    R(k) = (E_base + sum_i E[emitted_i | k_i]) / t(B + n + T),     T = sum_i k_i
+
+Exactness. t depends on k only through T. Since alpha <= 1, g_{i,j} is non-increasing in j: each request's
+expected output is concave in k_i, so for a fixed T the best numerator takes the T largest gains over all
+(i, j), and those always form a prefix 1..k_i of each request's drafts (ties broken by j). With
+G(T) = sum of the T largest gains,
+
+    max_k R(k) = max_T (E_base + n + G(T)) / t(B + n + T)
+
+and `allocate` scans every T: the exact optimum in O(M log M) for M candidate drafts, whatever the shape of t.
+(A greedy that adds the best draft while the rate improves is exact only when R(T) is unimodal, e.g. for t linear
+or convex, concave over convex; after a bump in t, such as a kernel tile boundary, it stops early and can lose a
+third of the rate.) Ties go to the smaller T: speculation must pay strictly.
+
+k = 0 everywhere is the plain decode path: when no request has a draft with positive expected gain, `choose`
+returns zeros before it reads the step-time model (no allocation, no scan), and the caller runs no proposer
+forward, no verifier and no extra synchronisation.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+
+from banyan.spec.config import SpeculativeConfig
+
+
+class AcceptanceStats:
+    """Per-position conditional acceptance alpha[j] = P(draft j+1 accepted | drafts 1..j accepted), as EWMAs."""
+
+    def __init__(self, alphas: Sequence[float], rate: float):
+        """alphas: the starting estimates (one per position); rate: the EWMA weight of each new observation."""
+        if not 0.0 < rate <= 1.0:
+            raise ValueError(f"rate must be in (0, 1], got {rate}")
+        self.alphas = [min(1.0, max(0.0, float(a))) for a in alphas]
+        self.rate = rate
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """One verification: `accepted` of `drafted` drafts passed (a prefix, as the verifier stops at a reject).
+
+        Positions 1..accepted saw a pass, position accepted+1 (if drafted) a reject; later positions saw
+        nothing (their condition, all earlier drafts passed, did not hold) and keep their estimate.
+        """
+        if not 0 <= accepted <= drafted <= len(self.alphas):
+            raise ValueError(f"need 0 <= accepted ({accepted}) <= drafted ({drafted}) <= {len(self.alphas)}")
+        for j in range(min(accepted + 1, drafted)):
+            passed = 1.0 if j < accepted else 0.0
+            self.alphas[j] += self.rate * (passed - self.alphas[j])
+
+    def relax(self, toward: Sequence[float], rate: float) -> None:
+        """Move every estimate a fraction `rate` toward `toward`: how an unobserved request gets probed again."""
+        for j, target in enumerate(toward):
+            self.alphas[j] += rate * (target - self.alphas[j])
+
+    def gains(self, k: int) -> list[float]:
+        """g_j = prod_{m<=j} alpha_m for j = 1..k: P(the first j drafts all pass), non-increasing in j."""
+        out, product = [], 1.0
+        for alpha in self.alphas[:k]:
+            product *= alpha
+            out.append(product)
+        return out
+
+    def expected_tokens(self, k: int) -> float:
+        """E[tokens emitted | k drafts] = 1 + sum_{j<=k} g_j."""
+        return 1.0 + sum(self.gains(k))
+
+
+class StepTimeModel:
+    """Seconds of one forward as a function of the tokens in it: piecewise linear through measured buckets.
+
+    Seeded from a start-up measurement [(tokens, seconds), ...]; each bucket then holds an EWMA refreshed by
+    `observe`. Predictions are made non-decreasing in tokens (a running max over buckets) so that noise never
+    makes extra tokens look free; below the first bucket the time is flat, above the last the last slope goes on.
+
+        seconds
+          |                    ,*   <- extrapolated with the last segment's slope
+          |         *-------*'
+          |   *---*'              * = bucket (tokens_b, EWMA seconds_b); linear in between
+          | --*                   <- flat below the first bucket
+          +---------------------- tokens
+    """
+
+    def __init__(self, points: Sequence[tuple[int, float]], rate: float = 0.1):
+        merged: dict[int, list[float]] = {}
+        for tokens, seconds in points:
+            if tokens < 1 or not seconds > 0:
+                raise ValueError(f"a step-time point needs tokens >= 1 and seconds > 0, got ({tokens}, {seconds})")
+            merged.setdefault(int(tokens), []).append(float(seconds))
+        if len(merged) < 2:
+            raise ValueError("a step-time model needs measurements at two or more token counts")
+        if not 0.0 < rate <= 1.0:
+            raise ValueError(f"rate must be in (0, 1], got {rate}")
+        self.tokens = sorted(merged)
+        self.seconds = [sum(merged[t]) / len(merged[t]) for t in self.tokens]
+        self.rate = rate
+        self._refresh()
+
+    def predict(self, num_tokens: int) -> float:
+        """Expected seconds of a forward over `num_tokens` tokens."""
+        if num_tokens <= self.tokens[0]:
+            return self._monotone[0]
+        a = min(bisect.bisect_right(self.tokens, num_tokens), len(self.tokens) - 1) - 1
+        w = self._weight(a, num_tokens)
+        return self._monotone[a] + w * (self._monotone[a + 1] - self._monotone[a])
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """A measured forward. Inside the buckets' range the two neighbours move by the gradient of the squared
+        error of the interpolation (on a bucket exactly: that bucket's EWMA); outside it the observation, rescaled
+        by the model's own curve, updates the edge bucket."""
+        if not seconds > 0:
+            return
+        last = len(self.tokens) - 1
+        if num_tokens <= self.tokens[0] or num_tokens >= self.tokens[last]:
+            edge = 0 if num_tokens <= self.tokens[0] else last
+            scaled = seconds * self.predict(self.tokens[edge]) / self.predict(num_tokens)
+            self.seconds[edge] += self.rate * (scaled - self.seconds[edge])
+        else:
+            a = bisect.bisect_right(self.tokens, num_tokens) - 1
+            w = self._weight(a, num_tokens)
+            error = seconds - ((1 - w) * self.seconds[a] + w * self.seconds[a + 1])
+            self.seconds[a] += self.rate * (1 - w) * error
+            self.seconds[a + 1] += self.rate * w * error
+        self._refresh()
+
+    def _weight(self, a: int, num_tokens: int) -> float:
+        return (num_tokens - self.tokens[a]) / (self.tokens[a + 1] - self.tokens[a])
+
+    def _refresh(self) -> None:
+        self._monotone, top = [], 0.0
+        for seconds in self.seconds:
+            top = max(top, seconds)
+            self._monotone.append(top)
+
+
+def allocate(gains: Sequence[Sequence[float]], step_time: Callable[[int], float], base_tokens: int = 0,
+             base_emitted: float = 0.0, max_drafts: int | None = None) -> list[int]:
+    """The exact argmax of R(k) (module docstring): k_i drafts for request i, given its gains g_{i,1..cap_i}.
+
+    gains[i] must be non-increasing (as products of probabilities are); max_drafts bounds T (a token budget).
+    Candidates with gain <= 0 are never drafted. `step_time` is read once per candidate total T.
+    """
+    n = len(gains)
+    # every candidate draft (i, j), best first; within a request j ascending, so the top T form prefixes
+    order = sorted(((g, j, i) for i, row in enumerate(gains) for j, g in enumerate(row) if g > 0.0),
+                   key=lambda c: (-c[0], c[1], c[2]))
+    if max_drafts is not None:
+        order = order[:max(0, max_drafts)]
+    emitted = base_emitted + n
+    best_rate, best_total = emitted / step_time(base_tokens + n), 0
+    for total, (g, _, _) in enumerate(order, start=1):
+        emitted += g
+        rate = emitted / step_time(base_tokens + n + total)
+        if rate > best_rate:
+            best_rate, best_total = rate, total
+    ks = [0] * n
+    for _, _, i in order[:best_total]:
+        ks[i] += 1
+    return ks
+
+
+def cut_to_budget(caps: Sequence[int], max_drafts: int | None) -> list[int]:
+    """`caps` trimmed to `max_drafts` drafts in all, shallow positions first (every request's first draft, then
+    every second, ...): how the fixed and table policies fit a token budget."""
+    ks = [0] * len(caps)
+    left = sum(caps) if max_drafts is None else max(0, max_drafts)
+    for depth in range(1, max(caps, default=0) + 1):
+        for i, cap in enumerate(caps):
+            if cap >= depth and left > 0:
+                ks[i] += 1
+                left -= 1
+    return ks
+
+
+class SpecController:
+    """Chooses each step's draft counts under one SpeculativeConfig, for one proposer.
+
+    State: a global prior (an EWMA over every request's verifications, starting from the proposer's declared
+    prior) and per-request AcceptanceStats seeded from the global prior when first seen. A request that has a
+    proposal but gets k = 0 is not observed, so its estimates relax toward the proposer's declared prior at
+    `probe_rate` per such step: after a run of rejections it is tried again, once its recovered estimate pays.
+    """
+
+    def __init__(self, config: SpeculativeConfig, step_time: StepTimeModel, prior: Sequence[float],
+                 request_rate: float = 0.3, global_rate: float = 0.02, probe_rate: float = 0.02):
+        """prior: the proposer's P(accept) per position (the last value repeats up to num_speculative_tokens)."""
+        self.config = config
+        self.max_k = config.num_speculative_tokens
+        if not prior:
+            raise ValueError("prior needs at least one position")
+        self.seed = [float(prior[min(j, len(prior) - 1)]) for j in range(self.max_k)]
+        self.step_time = step_time
+        self.global_stats = AcceptanceStats(self.seed, global_rate)
+        self.request_rate = request_rate
+        self.probe_rate = probe_rate
+        self.stats: dict[str, AcceptanceStats] = {}
+
+    def choose(self, request_ids: Sequence[str], proposal_lens: Sequence[int], base_tokens: int = 0,
+               base_emitted: float = 0.0, token_budget: int | None = None) -> list[int]:
+        """k_i for each decoding request of the step, in order.
+
+        proposal_lens[i]: drafts request i's proposer has (0: nothing to propose; cap it by the tokens the
+        request may still emit, less one). base_tokens / base_emitted: tokens the rest of the step feeds /
+        is expected to emit. token_budget: the step's token limit, if any. All zeros means the plain path.
+        """
+        caps = [min(length, self.max_k) for length in proposal_lens]
+        if not any(caps):
+            return [0] * len(caps)  # the plain path: nothing read, nothing updated
+        room = None if token_budget is None else token_budget - base_tokens - len(caps)
+        policy = self.config.policy
+        if policy == "fixed":
+            return cut_to_budget(caps, room)
+        if policy == "table":
+            k = self.table_k(len(caps))
+            return cut_to_budget([min(cap, k) for cap in caps], room)
+        gains = [self.request_stats(rid).gains(cap) if cap else [] for rid, cap in zip(request_ids, caps)]
+        if not any(row and row[0] > 0.0 for row in gains):
+            ks = [0] * len(caps)  # every draft is expected to fail: the plain path, step time not read
+        else:
+            ks = allocate(gains, self.step_time.predict, base_tokens, base_emitted, room)
+        for rid, cap, k in zip(request_ids, caps, ks):
+            if cap and not k:
+                self.stats[rid].relax(self.seed, self.probe_rate)
+        return ks
+
+    def table_k(self, batch_size: int) -> int:
+        """The table policy's k for a step of `batch_size` requests (0 outside every range)."""
+        for start, end, k in self.config.num_speculative_tokens_per_batch_size or ():
+            if start <= batch_size <= end:
+                return k
+        return 0
+
+    def request_stats(self, request_id: str) -> AcceptanceStats:
+        """The request's estimates, seeded from the global prior the first time it is asked for."""
+        stats = self.stats.get(request_id)
+        if stats is None:
+            stats = self.stats[request_id] = AcceptanceStats(self.global_stats.alphas, self.request_rate)
+        return stats
+
+    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
+        """After verification: `accepted` of the request's `drafted` drafts passed; both EWMAs learn from it."""
+        if drafted:
+            self.request_stats(request_id).update(drafted, accepted)
+            self.global_stats.update(drafted, accepted)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A forward of `num_tokens` tokens took `seconds` (measured by the caller)."""
+        self.step_time.observe(num_tokens, seconds)
+
+    def finish(self, request_id: str) -> None:
+        """Forget a finished or aborted request."""
+        self.stats.pop(request_id, None)

@@ -1,0 +1,280 @@
+"""The speculation controller and its config, specified on fake step-time curves (no model, no clock)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+
+import pytest
+
+from banyan.errors import InvalidParameterError
+from banyan.spec.config import SpeculativeConfig
+from banyan.spec.controller import AcceptanceStats, SpecController, StepTimeModel, allocate, cut_to_budget
+
+# fake forward-time curves over N tokens: memory-bound then compute-bound, concave, and one with tile steps
+CURVES = {
+    "linear": lambda n: 0.010 + 0.0005 * n,
+    "concave": lambda n: 0.010 + 0.002 * math.sqrt(n),
+    "tiles": lambda n: 0.010 + 0.004 * math.ceil(n / 8),  # non-convex: a bump every 8 tokens
+    "convex": lambda n: 0.010 + 0.00002 * n * n,
+}
+
+
+def make_time_model(curve=CURVES["linear"], points=(1, 2, 4, 8, 16, 32, 64, 128, 256), rate=0.1):
+    return StepTimeModel([(n, curve(n)) for n in points], rate=rate)
+
+
+def make_controller(policy=None, k=4, prior=(0.8,), time_model=None, table=None, **kw):
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=k, policy=policy,
+                               num_speculative_tokens_per_batch_size=table)
+    return SpecController(config, time_model or make_time_model(), prior, **kw)
+
+
+class NoTime:
+    """A step-time model that fails if read: proves a decision was taken without it."""
+
+    def predict(self, num_tokens):
+        raise AssertionError("the step-time model was read")
+
+    def observe(self, num_tokens, seconds):
+        raise AssertionError("the step-time model was updated")
+
+
+def rate_of(ks, gains, curve, base_tokens=0, base_emitted=0.0):
+    """R(k) = (E_base + sum_i (1 + sum_{j<=k_i} g_ij)) / t(B + sum_i (1 + k_i))."""
+    emitted = base_emitted + sum(1 + sum(row[:k]) for row, k in zip(gains, ks))
+    return emitted / curve(base_tokens + len(ks) + sum(ks))
+
+
+def brute_force(gains, curve, base_tokens=0, base_emitted=0.0, max_drafts=None):
+    choices = itertools.product(*(range(len(row) + 1) for row in gains))
+    allowed = [ks for ks in choices if max_drafts is None or sum(ks) <= max_drafts]
+    return max(rate_of(ks, gains, curve, base_tokens, base_emitted) for ks in allowed)
+
+
+def random_gains(rng, n, max_k):
+    """Chain-rule gains of random per-position acceptances, with exact 0 and 1 among them."""
+    rows = []
+    for _ in range(n):
+        alphas = [rng.choice([0.0, 1.0, rng.random(), rng.random(), rng.random()]) for _ in range(rng.randint(0, max_k))]
+        rows.append(AcceptanceStats(alphas, rate=0.5).gains(len(alphas)))
+    return rows
+
+
+# --- the plain path ---------------------------------------------------------------------------------------------
+
+def test_nothing_to_propose_is_the_plain_path_and_touches_nothing():
+    c = make_controller(time_model=NoTime())
+    assert c.choose(["a", "b", "c"], [0, 0, 0], base_tokens=50) == [0, 0, 0]
+    assert c.stats == {}  # no request state created either
+
+
+def test_acceptance_forced_to_zero_is_the_plain_path():
+    c = make_controller(prior=(0.0,), time_model=NoTime())
+    for _ in range(100):
+        assert c.choose(["a", "b"], [4, 2]) == [0, 0]
+
+
+def test_learned_zero_acceptance_turns_speculation_off():
+    c = make_controller(prior=(0.9,), probe_rate=1e-9)
+    assert c.choose(["a"], [4]) == [4]  # optimistic prior, one request: draft all
+    for _ in range(30):
+        ks = c.choose(["a"], [4])
+        c.observe("a", ks[0], 0)
+    assert c.choose(["a"], [4]) == [0]
+
+
+# --- exactness against brute force ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("curve", sorted(CURVES))
+def test_allocation_matches_brute_force(curve):
+    rng = random.Random(curve)
+    for _ in range(150):
+        gains = random_gains(rng, rng.randint(1, 4), 4)
+        base_tokens, base_emitted = rng.choice([0, 0, 5, 40]), rng.choice([0.0, 1.0])
+        max_drafts = rng.choice([None, None, 0, 3])
+        ks = allocate(gains, CURVES[curve], base_tokens, base_emitted, max_drafts)
+        assert all(0 <= k <= len(row) for k, row in zip(ks, gains))
+        assert max_drafts is None or sum(ks) <= max_drafts
+        best = brute_force(gains, CURVES[curve], base_tokens, base_emitted, max_drafts)
+        assert rate_of(ks, gains, CURVES[curve], base_tokens, base_emitted) == pytest.approx(best, rel=1e-12)
+
+
+def test_a_bump_in_step_time_does_not_stop_the_scan():
+    # 3 requests on the tile curve: 6 drafts cross a tile at 9 tokens and lower the rate, 12 fill the next tile;
+    # a greedy that stops at the first drop keeps 5 drafts (rate 521/s), the optimum is 12 (667/s)
+    gains = [AcceptanceStats([0.9, 0.8, 0.7, 0.6], rate=0.5).gains(4)] * 3
+    ks = allocate(gains, CURVES["tiles"])
+    assert ks == [4, 4, 4]
+    assert rate_of(ks, gains, CURVES["tiles"]) == pytest.approx(brute_force(gains, CURVES["tiles"]))
+
+
+def test_speculation_pays_at_batch_one_and_not_when_compute_bound():
+    flat_then_linear = make_time_model(lambda n: max(0.02, 0.001 * n))
+    c = make_controller(prior=(0.7,), time_model=flat_then_linear)
+    assert c.choose(["a"], [4]) == [4]  # 1 token or 5 cost the same 20 ms: draft all
+    ids = [f"r{i}" for i in range(64)]
+    assert c.choose(ids, [4] * 64) == [0] * 64  # 64 tokens cost 64 ms; each draft adds 1 ms for < 1 token
+
+
+def test_ties_go_to_the_plain_path():
+    # a draft certain to pass but that costs exactly what it brings: R(0) = 1/1, R(1) = 2/2
+    assert allocate([[1.0]], lambda n: float(n)) == [0]
+
+
+# --- policies ---------------------------------------------------------------------------------------------------
+
+def test_fixed_policy_drafts_what_the_proposer_has_up_to_k():
+    c = make_controller(policy="fixed", k=3, prior=(0.0,), time_model=NoTime())
+    assert c.choose(["a", "b", "c"], [5, 2, 0]) == [3, 2, 0]
+
+
+def test_token_budget_cuts_shallow_positions_first():
+    c = make_controller(policy="fixed", k=3)
+    # budget 10 = 2 base + 3 requests' own tokens + 5 drafts: first drafts of all, then second drafts
+    assert c.choose(["a", "b", "c"], [3, 3, 1], base_tokens=2, token_budget=10) == [2, 2, 1]
+    assert cut_to_budget([3, 3, 1], 4) == [2, 1, 1]
+    assert cut_to_budget([2, 0], 0) == [0, 0]
+
+
+def test_table_policy_follows_vllm_batch_size_ranges():
+    c = make_controller(k=3, table=[[1, 2, 3], [3, 4, 1]], time_model=NoTime())
+    assert c.config.policy == "table"
+    assert c.choose(["a"], [5]) == [3]
+    assert c.choose(["a", "b"], [5, 2]) == [3, 2]
+    assert c.choose(["a", "b", "c"], [5, 0, 5]) == [1, 0, 1]
+    assert c.choose([f"r{i}" for i in range(5)], [5] * 5) == [0] * 5  # batch size in no range
+
+
+def test_adaptive_respects_the_token_budget():
+    c = make_controller(prior=(1.0,), time_model=make_time_model(lambda n: 0.02))
+    assert sum(c.choose(["a", "b"], [4, 4], token_budget=5)) == 3
+
+
+# --- acceptance estimates ---------------------------------------------------------------------------------------
+
+def test_ewma_learns_only_the_positions_it_observed():
+    s = AcceptanceStats([0.5, 0.5, 0.5, 0.5], rate=0.5)
+    s.update(drafted=3, accepted=1)  # position 1 passed, 2 rejected, 3 unobserved (2 failed), 4 not drafted
+    assert s.alphas == [0.75, 0.25, 0.5, 0.5]
+    s.update(drafted=2, accepted=2)  # both passed; position 3 was not drafted
+    assert s.alphas == [0.875, 0.625, 0.5, 0.5]
+    assert s.gains(3) == pytest.approx([0.875, 0.875 * 0.625, 0.875 * 0.625 * 0.5])
+    assert s.expected_tokens(2) == pytest.approx(1 + 0.875 + 0.875 * 0.625)
+    with pytest.raises(ValueError):
+        s.update(drafted=2, accepted=3)
+
+
+def test_new_requests_are_seeded_from_the_global_prior():
+    c = make_controller(k=2, prior=(0.5, 0.4), global_rate=0.5, request_rate=0.3)
+    assert c.request_stats("a").alphas == [0.5, 0.4]
+    c.observe("a", 2, 2)
+    assert c.global_stats.alphas == pytest.approx([0.75, 0.7])
+    assert c.request_stats("a").alphas == pytest.approx([0.65, 0.58])
+    assert c.request_stats("b").alphas == pytest.approx([0.75, 0.7])  # seeded now, from what was learned
+    c.observe("b", 0, 0)  # nothing drafted: nothing learned
+    assert c.request_stats("b").alphas == pytest.approx([0.75, 0.7])
+    c.finish("a")
+    assert "a" not in c.stats
+
+
+def test_a_request_turned_off_is_probed_again():
+    # a draft adds a third to the step: it pays once P(accept) > 1/3
+    c = make_controller(prior=(0.9,), probe_rate=0.05, time_model=make_time_model(lambda n: 0.010 + 0.005 * n))
+    for _ in range(20):
+        c.observe("a", 4, 0)
+    assert c.choose(["a"], [4]) == [0]
+    steps = next(s for s in range(1, 500) if c.choose(["a"], [4])[0] > 0)
+    assert 5 < steps < 100  # estimates relaxed toward the proposer's prior until a draft pays again
+
+
+# --- step time --------------------------------------------------------------------------------------------------
+
+def test_step_time_interpolates_and_extrapolates():
+    m = StepTimeModel([(1, 0.010), (8, 0.010), (16, 0.020)])
+    assert m.predict(1) == m.predict(0) == 0.010  # flat below the first bucket
+    assert m.predict(12) == pytest.approx(0.015)
+    assert m.predict(32) == pytest.approx(0.040)  # the last slope goes on
+
+
+def test_step_time_is_refreshed_online_and_stays_monotone():
+    m = StepTimeModel([(1, 0.010), (8, 0.020), (16, 0.030)], rate=0.5)
+    m.observe(8, 0.040)  # on a bucket: that bucket's EWMA
+    assert m.seconds == pytest.approx([0.010, 0.030, 0.030])
+    m.observe(12, 0.040)  # between buckets: both neighbours, by their interpolation weights
+    assert m.seconds == pytest.approx([0.010, 0.0325, 0.0325])
+    m.observe(4, 0.001)  # a noisy fast step may dent the fit but never the prediction's order
+    assert all(m.predict(n) <= m.predict(n + 1) for n in range(1, 40))
+
+
+def test_step_time_converges_to_a_new_curve():
+    m = make_time_model(CURVES["linear"])
+    slower = CURVES["concave"]
+    rng = random.Random(0)
+    for _ in range(3000):
+        n = rng.randint(1, 300)
+        m.observe(n, slower(n))
+    for n in (1, 8, 64, 256):
+        assert m.predict(n) == pytest.approx(slower(n), rel=0.05)
+
+
+def test_step_time_needs_two_token_counts():
+    with pytest.raises(ValueError):
+        StepTimeModel([(4, 0.01), (4, 0.02)])
+
+
+# --- config -----------------------------------------------------------------------------------------------------
+
+def test_config_defaults_and_vllm_lookup_filling():
+    c = SpeculativeConfig(method="ngram")
+    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max, c.policy) == (5, 2, 5, "adaptive")
+    assert SpeculativeConfig(method="ngram", prompt_lookup_max=3).prompt_lookup_min == 3
+    assert SpeculativeConfig(method="ngram", prompt_lookup_min=4).prompt_lookup_max == 4
+    assert SpeculativeConfig(method="suffix").prompt_lookup_min is None
+    d = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens_per_batch_size": [[9, 16, 1], [1, 8, 3]]}')
+    assert d.policy == "table" and d.num_speculative_tokens_per_batch_size == ((1, 8, 3), (9, 16, 1))
+    assert SpeculativeConfig(method="draft_model", model="/m").model == "/m"
+    assert SpeculativeConfig(method="layer_skip", num_layers=4).num_layers == 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.method = "suffix"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"method": "medusa"}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+    ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 3}, "prompt_lookup_min"),
+    ({"method": "ngram", "prompt_lookup_max": 0}, "prompt_lookup_max"),
+    ({"method": "suffix", "prompt_lookup_min": 2}, "prompt_lookup_min"),
+    ({"method": "draft_model"}, "model"),
+    ({"method": "ngram", "model": "/m"}, "model"),
+    ({"method": "ngram", "num_layers": 2}, "num_layers"),
+    ({"method": "layer_skip", "num_layers": 0}, "num_layers"),
+    ({"method": "ngram", "policy": "greedy"}, "policy"),
+    ({"method": "ngram", "policy": "table"}, "num_speculative_tokens_per_batch_size"),
+    ({"method": "ngram", "policy": "fixed", "num_speculative_tokens_per_batch_size": [[1, 4, 2]]},
+     "num_speculative_tokens_per_batch_size"),
+    ({"method": "ngram", "num_speculative_tokens_per_batch_size": [[1, 8, 2], [8, 9, 1]]},
+     "num_speculative_tokens_per_batch_size"),
+    ({"method": "ngram", "num_speculative_tokens_per_batch_size": [[1, 8, 6]]}, "num_speculative_tokens_per_batch_size"),
+    ({"method": "ngram", "num_speculative_tokens_per_batch_size": [[4, 2, 1]]}, "num_speculative_tokens_per_batch_size"),
+    ({"method": "ngram", "num_speculative_tokens_per_batch_size": [[1, 2]]}, "num_speculative_tokens_per_batch_size"),
+    ({"method": "ngram", "num_speculative_tokens_per_batch_size": []}, "num_speculative_tokens_per_batch_size"),
+    ({"method": "ngram", "speculative_model": "x", "typo": 1}, "speculative_model"),
+    ({"num_speculative_tokens": 3}, "method"),
+])
+def test_config_errors_name_the_field(fields, param):
+    with pytest.raises(InvalidParameterError) as info:
+        SpeculativeConfig.from_dict(fields)
+    assert info.value.param == param
+    assert param in str(info.value)
+
+
+def test_config_json_errors():
+    for text in ("{not json", "[1, 2]"):
+        with pytest.raises(InvalidParameterError) as info:
+            SpeculativeConfig.from_json(text)
+        assert info.value.param == "speculative_config"
