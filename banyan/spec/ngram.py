@@ -1,0 +1,79 @@
+"""Prompt lookup (n-gram) proposer: find the request's last n tokens earlier in its own history and propose
+what followed them there. No model.
+
+Per request an index maps every n-gram (n in [prompt_lookup_min, prompt_lookup_max]) to the end of its latest
+occurrence that has a token after it; each new token adds one entry per n, so a step costs O(n_max^2) whatever
+the history's length, and a prompt is indexed once, in O(len * n_max^2).
+
+    tokens    a b c d x y a b c d
+    index     (c, d) -> 4  ((c, d) ends at position 4 and x follows; the last (c, d) is not indexed: nothing
+                            follows it yet)
+    propose   longest n first: the last n tokens (c, d) -> end 4 -> drafts x y a b ... (up to max_k)
+
+The latest occurrence is taken (recent text predicts best: edits, repeated lines). Drafts may run past the
+history's end: the continuation of position e is taken to repeat with period len - e, so a repeated pattern
+(a a a a, or a b a b) proposes max_k tokens and not only what is left before the end.
+Keys are hashes of n-gram tuples (smaller than the tuples); a lookup checks the tokens, so a collision costs a
+missed proposal, never a wrong one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from banyan.errors import InvalidParameterError
+from banyan.spec.proposer import Proposer
+
+
+class _History:
+    """One request's n-gram index: hash(n-gram) -> end of its latest occurrence with a token after it."""
+
+    def __init__(self):
+        self.ends: dict[int, int] = {}
+        self.num_indexed = 0  # n-grams ending before this position are in `ends`
+
+
+class NgramProposer(Proposer):
+    def __init__(self, prompt_lookup_min: int = 2, prompt_lookup_max: int = 5):
+        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise InvalidParameterError(
+                "prompt_lookup_min", f"must be in [1, prompt_lookup_max={prompt_lookup_max}], got {prompt_lookup_min}")
+        self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
+        self._histories: dict[str, _History] = {}
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_k: int) -> list[int]:
+        history = self._indexed(request_id, token_ids)
+        length = len(token_ids)
+        if max_k <= 0:
+            return []
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            key = tuple(token_ids[length - n :])
+            end = history.ends.get(hash(key))
+            if end is not None and tuple(token_ids[end - n : end]) == key:
+                return _continuation(token_ids, end, max_k)
+        return []
+
+    def finish(self, request_id: str, output_token_ids: Sequence[int]) -> None:
+        self._histories.pop(request_id, None)
+
+    def _indexed(self, request_id: str, token_ids: Sequence[int]) -> _History:
+        """The request's index, extended to every n-gram that has a token after it in token_ids."""
+        history = self._histories.get(request_id)
+        if history is None or len(token_ids) < history.num_indexed:  # new, or rewound: (re)build
+            history = self._histories[request_id] = _History()
+        #   n-gram [end - n, end) is indexed once token `end` exists: end < len(token_ids)
+        for end in range(max(history.num_indexed, self.min_n), len(token_ids)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                history.ends[hash(tuple(token_ids[end - n : end]))] = end
+        history.num_indexed = max(history.num_indexed, len(token_ids))
+        return history
+
+
+def _continuation(token_ids: Sequence[int], end: int, max_k: int) -> list[int]:
+    """max_k tokens following position `end`: token_ids[end:], continued with period len - end past the end."""
+    length = len(token_ids)
+    drafts: list[int] = []
+    for j in range(max_k):
+        drafts.append(token_ids[end + j] if end + j < length else drafts[end + j - length])
+    return drafts
+

@@ -1,0 +1,140 @@
+"""The one verifier: which drafts the target accepts, and the token it adds, batched over requests, exact.
+
+Request b drafted k_b tokens d_1 .. d_k (k_b <= K; rows are padded to K). The target's forward over
+[last token, d_1 .. d_k] gives k + 1 distributions:
+
+    position   0        1        ...   k-1        k
+    p_j        p(·|x)   p(·|x d_1)     ...        p(·|x d_1 .. d_k)
+    checks     d_1      d_2            d_k        (the bonus: nothing to check)
+
+The output is d_1 .. d_a (the accepted prefix) and one token from the target: a correction at position a
+when d_{a+1} was rejected, the bonus from p_k when all k were accepted. So a + 1 tokens, 1 <= a + 1 <= k + 1.
+
+"Processed" probabilities: p_j is exactly what the plain sampler would draw from at that position, i.e. the
+raw logits through logit_bias, the grammar bitmask, min_tokens, repetition/presence/frequency penalties
+(sampler._processed), then temperature, top_k, top_p, min_p (sampler._scaled), then softmax: the path of
+banyan.layers.sampler._sample_rows, which the integration will expose as one public function. Position j's
+processors see the history plus d_1 .. d_j (penalties and min_tokens count the drafts before it; the grammar
+mask is the matcher's state after them, which is why drafts are cut at the first token the grammar refuses).
+Greedy rows: only the argmax of their rows is read, so they may hold the processed logits instead.
+
+Randomness: one uniform u_j in [0, 1) per position and request, float64, [B, K + 1]. Unseeded rows draw from
+one shared generator, a seeded row from its own (request.generator), so its tokens do not depend on the rest
+of the batch. Host syncs: one, the transfer of the results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from banyan.layers.sampler import _inverse_cdf as inverse_cdf
+
+
+@dataclass
+class VerifyOutput:
+    num_accepted: list[int]
+    """Per request, how many of its drafts were accepted (a)."""
+    token_ids: list[list[int]]
+    """Per request, the tokens to append: the a accepted drafts, then the target's token (a + 1 in all)."""
+
+
+def verify(
+    target_probs: torch.Tensor,
+    draft_ids: torch.Tensor,
+    num_drafts: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    *,
+    greedy: Sequence[bool],
+    generators: Sequence[torch.Generator | None] | None = None,
+    default_generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
+) -> VerifyOutput:
+    """target_probs: [B, K + 1, V] processed (module docstring); draft_ids: [B, K] long, row b valid up to
+    num_drafts[b] ([B] long); draft_probs: [B, K, V], the draft's own processed distribution each draft was
+    sampled from, or None for deterministic proposers (q = one-hot of the draft). greedy: per request.
+    generators: per request, its own generator or None (the shared `default_generator`). uniforms: [B, K + 1]
+    in [0, 1) to use instead of drawing (tests, or a caller that owns the random stream)."""
+    batch, width, _ = target_probs.shape
+    device = target_probs.device
+    num_drafts = num_drafts.to(device)
+    valid = torch.arange(width - 1, device=device) < num_drafts[:, None]  # [B, K]
+    greedy_rows = torch.tensor(list(greedy), dtype=torch.bool, device=device)
+    if uniforms is None and not bool(greedy_rows.all()):
+        uniforms = draw_uniforms(batch, width, generators, default_generator, device)
+    if draft_probs is None or bool(greedy_rows.all()):
+        num_accepted, final = _match(_target_tokens(target_probs, uniforms, greedy_rows), draft_ids, valid)
+    else:
+        num_accepted, final = _reject(target_probs, draft_ids, draft_probs, valid, num_drafts, uniforms)
+        if bool(greedy_rows.any()):
+            greedy_accepted, greedy_final = _match(target_probs.argmax(dim=-1), draft_ids, valid)
+            num_accepted = torch.where(greedy_rows, greedy_accepted, num_accepted)
+            final = torch.where(greedy_rows, greedy_final, final)
+    counts, finals = torch.stack([num_accepted, final]).tolist()  # the one host sync
+    drafts = draft_ids.tolist()
+    return VerifyOutput(counts, [row[:a] + [t] for row, a, t in zip(drafts, counts, finals)])
+
+
+def draw_uniforms(batch: int, width: int, generators: Sequence[torch.Generator | None] | None,
+                  default_generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """[batch, width] U[0, 1) float64: one shared draw, then each seeded row's own `width` from its generator."""
+    uniforms = torch.rand(batch, width, generator=default_generator, dtype=torch.float64, device=device)
+    for row, generator in enumerate(generators or ()):
+        if generator is not None:
+            uniforms[row] = torch.rand(width, generator=generator, dtype=torch.float64, device=device)
+    return uniforms
+
+
+def _target_tokens(probs: torch.Tensor, uniforms: torch.Tensor | None, greedy: torch.Tensor) -> torch.Tensor:
+    """x_j per request and position [B, K + 1]: argmax p_j for greedy rows, a draw from p_j with u_j for the rest."""
+    argmax = probs.argmax(dim=-1)
+    if uniforms is None:
+        return argmax
+    batch, width, vocab = probs.shape
+    sampled = inverse_cdf(probs.reshape(-1, vocab), uniforms.reshape(-1)).view(batch, width)
+    return torch.where(greedy[:, None], argmax, sampled)
+
+
+def _match(target: torch.Tensor, draft_ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic drafts (q = one-hot at d_j), and greedy rows.
+
+    Rejection sampling with q = one-hot(d): accept d with probability min(1, p(d) / 1) = p(d); on reject draw
+    from norm(max(0, p - one-hot(d))) = p without d, renormalised. Drawing x ~ p and accepting iff x = d is
+    the same law: P(x = d) = p(d), and x given x != d is p without d, renormalised. So x_j is drawn from p_j
+    with u_j (the inverse CDF the plain sampler uses), the prefix where x_j = d_j is accepted, and x_a is the
+    token added: the correction, or the bonus x_k. Greedy is the same with x_j = argmax p_j.
+    """
+    accepted = (target[:, :-1] == draft_ids) & valid  # [B, K]
+    num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [B], the first mismatch stops it
+    return num_accepted, target.gather(1, num_accepted[:, None])[:, 0]
+
+
+def _reject(p: torch.Tensor, draft_ids: torch.Tensor, q: torch.Tensor, valid: torch.Tensor, num_drafts: torch.Tensor,
+            uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts sampled from a distribution q (a draft model): standard rejection sampling.
+
+        accept d_j  iff  u_j < r_j = min(1, p_j(d_j) / q_j(d_j))
+        P(emit x) = q(x) min(1, p(x)/q(x)) + P(reject) norm(max(0, p - q))(x)
+                  = min(q(x), p(x)) + (1 - sum_y min(q(y), p(y))) (p(x) - min(q(x), p(x))) / sum_y (p(y) - min(q(y), p(y)))
+                  = p(x)          (sum_y max(0, p - q)(y) = 1 - sum_y min(p, q)(y), so the two factors cancel)
+    The first rejection at position a draws from norm(max(0, p_a - q_a)); given u_a >= r_a, the uniform
+    (u_a - r_a) / (1 - r_a) is again U[0, 1) and independent of the decision, so it draws the correction: one
+    uniform per position. All accepted: the bonus is drawn from p_k with u_k.
+    """
+    batch, width, vocab = p.shape
+    rows = torch.arange(batch, device=p.device)
+    p_d = p[:, :-1].gather(2, draft_ids[..., None])[..., 0]  # [B, K] p_j(d_j)
+    q_d = q.gather(2, draft_ids[..., None])[..., 0]  # [B, K] q_j(d_j), > 0 where d_j was drawn from q_j
+    ratio = torch.where(q_d > 0, p_d / q_d.clamp_min(torch.finfo(q_d.dtype).tiny), 1.0).clamp(max=1.0).double()
+    accepted = (uniforms[:, :-1] < ratio) & valid
+    num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [B] a
+    rejected = num_accepted < num_drafts  # [B] position a holds a rejected draft, else it is the bonus
+    at = num_accepted.clamp(max=max(width - 2, 0))  # a, kept inside q's K positions (the bonus row is masked)
+    q_a = torch.where(rejected[:, None], q[rows, at] if width > 1 else 0.0, 0.0)  # [B, V], 0 for the bonus
+    residual = (p[rows, num_accepted] - q_a).clamp_min(0.0)  # max(0, p_a - q_a); p_k itself for the bonus
+    u = uniforms[rows, num_accepted]
+    r = torch.where(rejected, ratio[rows, at] if width > 1 else 0.0, 0.0)
+    u = torch.where(rejected, (u - r) / (1.0 - r), u).clamp(0.0, 1.0 - 2**-53)
+    return num_accepted, inverse_cdf(residual, u)

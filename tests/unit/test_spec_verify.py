@@ -1,0 +1,166 @@
+"""The verifier: exact output law against the target's processed distribution (every path of the uniforms
+enumerated), greedy acceptance, the bonus token, padding, and seeded reproducibility."""
+
+import itertools
+
+import pytest
+import torch
+
+from banyan.spec.verify import draw_uniforms, verify
+
+V = 5
+
+
+def processed(logits, temperature=1.0, top_k=None):
+    """A processed p: temperature-scaled softmax, optionally top-k (the rest exactly 0)."""
+    p = torch.softmax(logits / temperature, dim=-1)
+    if top_k is not None:
+        p = torch.where(p >= p.topk(top_k).values[-1], p, 0.0)
+    return p / p.sum()
+
+
+def cells(breaks):
+    """(midpoint, width) of each non-empty interval between sorted breakpoints in [0, 1]."""
+    edges = sorted({0.0, 1.0, *(min(max(b, 0.0), 1.0) for b in breaks)})
+    return [((a + b) / 2, b - a) for a, b in zip(edges, edges[1:]) if b - a > 1e-12]
+
+
+def cdf(p):
+    p = p.double()
+    return (p.cumsum(0) / p.sum()).tolist()
+
+
+def first_token_cells(p0, d, q):
+    """The intervals of u_0 on which the verifier's decision at position 0 is constant."""
+    if q is None:
+        return cells(cdf(p0))  # x_0 = inverse CDF of p0
+    r = min(1.0, p0[d].item() / q[d].item())
+    residual = (p0 - q).clamp_min(0.0)
+    tail = [r + (1 - r) * c for c in cdf(residual)] if r < 1 else []
+    return cells([r, *tail])
+
+
+def outcome_law(p0, p1, d, q):
+    """{emitted tokens: probability} of one verify of the single draft d, from every cell of (u_0, u_1)."""
+    grid = list(itertools.product(first_token_cells(p0, d, q), cells(cdf(p1))))
+    n = len(grid)
+    out = verify(
+        torch.stack([p0, p1])[None].expand(n, 2, V),
+        torch.full((n, 1), d),
+        torch.ones(n, dtype=torch.long),
+        None if q is None else q[None, None].expand(n, 1, V),
+        greedy=[False] * n,
+        uniforms=torch.tensor([[u0, u1] for (u0, _), (u1, _) in grid], dtype=torch.float64),
+    )
+    law = {}
+    for tokens, ((_, w0), (_, w1)) in zip(out.token_ids, grid):
+        law[tuple(tokens)] = law.get(tuple(tokens), 0.0) + w0 * w1
+    return law
+
+
+def check_law(law_by_draft, q_of, p0, p1_of):
+    """First token ~ p0; given d accepted, the bonus ~ p1_of(d); a rejection emits one token."""
+    first = torch.zeros(V, dtype=torch.float64)
+    for d, law in law_by_draft.items():
+        accepted = sum(w for tokens, w in law.items() if len(tokens) == 2)
+        bonus = torch.zeros(V, dtype=torch.float64)
+        for tokens, w in law.items():
+            first[tokens[0]] += q_of(d) * w
+            assert len(tokens) == 1 or tokens[0] == d
+            if len(tokens) == 2:
+                bonus[tokens[1]] += w / accepted
+        if accepted > 0:
+            torch.testing.assert_close(bonus, p1_of(d).double(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(first, p0.double(), atol=1e-6, rtol=0)
+
+
+VARIANTS = [dict(), dict(temperature=0.5), dict(temperature=2.0), dict(top_k=2), dict(temperature=0.7, top_k=3)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_one_hot_drafts_emit_the_target_law_whatever_the_draft(variant):
+    torch.manual_seed(0)
+    p0 = processed(torch.randn(V) * 2, **variant)
+    p1_of = {d: processed(torch.randn(V) * 2, **variant) for d in range(V)}
+    for d in range(V):  # a deterministic proposer: each fixed draft alone must leave the law unchanged
+        check_law({d: outcome_law(p0, p1_of[d], d, None)}, lambda _: 1.0, p0, p1_of.__getitem__)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("draft", ["random", "sparse", "equal", "disjoint-ish"])
+def test_stochastic_drafts_emit_the_target_law(variant, draft):
+    torch.manual_seed(1)
+    p0 = processed(torch.randn(V) * 2, **variant)
+    q = {
+        "random": processed(torch.randn(V) * 2),
+        "sparse": processed(torch.randn(V) * 2, top_k=2),  # q is 0 where p is not
+        "equal": p0.clone(),  # every draft is accepted
+        "disjoint-ish": processed(-torch.log(p0.clamp_min(1e-9))),  # q large where p is small
+    }[draft]
+    p1_of = {d: processed(torch.randn(V) * 2, **variant) for d in range(V)}
+    laws = {d: outcome_law(p0, p1_of[d], d, q) for d in range(V) if q[d] > 0}
+    check_law(laws, lambda d: q[d].item(), p0, p1_of.__getitem__)
+    if draft == "equal":
+        assert all(len(tokens) == 2 for law in laws.values() for tokens in law)
+
+
+def greedy_probs(argmaxes):
+    """[1, len, V] rows whose argmax is each of `argmaxes`."""
+    p = torch.full((len(argmaxes), V), 0.1)
+    p[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 0.6
+    return p[None]
+
+
+@pytest.mark.parametrize("q", [None, "draft model"])
+@pytest.mark.parametrize(
+    "drafts, argmaxes, accepted, emitted",
+    [
+        ([1, 2, 3], [1, 2, 4, 0], 2, [1, 2, 4]),  # stops at the first mismatch, emits the target's argmax there
+        ([1, 2, 3], [1, 2, 3, 0], 3, [1, 2, 3, 0]),  # all accepted: the bonus from the last position
+        ([1, 2, 3], [4, 2, 3, 0], 0, [4]),  # all rejected: exactly the plain greedy token
+    ],
+)
+def test_greedy_accepts_while_the_draft_is_the_argmax(drafts, argmaxes, accepted, emitted, q):
+    q = None if q is None else torch.full((1, 3, V), 1.0 / V)
+    out = verify(greedy_probs(argmaxes), torch.tensor([drafts]), torch.tensor([3]), q, greedy=[True])
+    assert out.num_accepted == [accepted] and out.token_ids == [emitted]
+
+
+def test_padding_past_num_drafts_is_never_accepted_and_k0_is_plain_decoding():
+    p = torch.cat([greedy_probs([1, 2, 3]), greedy_probs([4, 2, 3])])
+    out = verify(p, torch.tensor([[1, 2], [4, 2]]), torch.tensor([1, 0]), greedy=[True, True])
+    assert out.num_accepted == [1, 0]
+    assert out.token_ids == [[1, 2], [4]]  # row 0: bonus at position 1; row 1 (k = 0): the argmax of p_0
+
+
+def test_mixed_batch_greedy_and_sampled_rows():
+    p = torch.cat([greedy_probs([1, 2]), greedy_probs([1, 2])])
+    q = torch.full((2, 1, V), 1.0 / V)
+    out = verify(p, torch.tensor([[1], [1]]), torch.tensor([1, 1]), q, greedy=[True, False],
+                 uniforms=torch.tensor([[0.99, 0.99], [0.0, 0.0]], dtype=torch.float64))
+    assert out.token_ids[0] == [1, 2]  # greedy ignores the uniforms
+    assert out.token_ids[1] == [1, 0]  # u = 0 accepts (r > 0) and draws token 0 from p_1
+
+
+def seeded_run(seed, companions):
+    torch.manual_seed(123)  # row 0 is the same request every time; the companions differ with their number
+    p = processed(torch.cat([torch.randn(1, 4, V), torch.randn(companions, 4, V) * 3]))
+    drafts = torch.cat([torch.tensor([[1, 2, 3]]), torch.randint(0, V, (companions, 3))])
+    generators = [torch.Generator().manual_seed(seed)] + [None] * companions
+    shared = torch.Generator().manual_seed(999 + companions)
+    return verify(p, drafts, torch.full((1 + companions,), 3), greedy=[False] * (1 + companions),
+                  generators=generators, default_generator=shared)
+
+
+def test_seeded_rows_are_reproducible_whatever_the_batch():
+    runs = [seeded_run(7, companions) for companions in (0, 3, 3, 8)]
+    firsts = {tuple(r.token_ids[0]) for r in runs}
+    assert len(firsts) == 1
+    assert runs[1].token_ids == runs[2].token_ids  # same seeds everywhere: the same batch output
+    assert len({tuple(seeded_run(s, 0).token_ids[0]) for s in range(20)}) > 1  # the seed matters
+
+
+def test_draw_uniforms_takes_a_seeded_row_from_its_own_generator():
+    u = draw_uniforms(3, 4, [None, torch.Generator().manual_seed(5), None], torch.Generator().manual_seed(0), "cpu")
+    expected = torch.rand(4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    assert torch.equal(u[1], expected) and u.dtype == torch.float64 and ((0 <= u) & (u < 1)).all()
