@@ -27,10 +27,12 @@ G(T) = sum of the T largest gains,
 
     max_k R(k) = max_T (E_base + n + G(T)) / t(B + n + T)
 
-and `allocate` scans every T: the exact optimum in O(M log M) for M candidate drafts, whatever the shape of t.
-(A greedy that adds the best draft while the rate improves is exact only when R(T) is unimodal, e.g. for t linear
-or convex, concave over convex; after a bump in t, such as a kernel tile boundary, it stops early and can lose a
-third of the rate.) Ties go to the smaller T: speculation must pay strictly.
+and `allocate` scans T = 0, 1, ... over the sorted gains: the exact optimum in O(M log M) for M candidate drafts,
+whatever the shape of t. It stops only when a bound proves no larger T can win (t rises at least min_slope per
+token from here and no draft left is worth more than the next gain), so a batch where nothing pays costs one
+prediction. (A greedy that stops when the rate first drops is exact only when R(T) is unimodal, e.g. t linear or
+convex; after a bump in t, such as a kernel tile boundary, it stops early and can lose a third of the rate.)
+Ties go to the smaller T: speculation must pay strictly.
 
 k = 0 everywhere is the plain decode path: when no request has a draft with positive expected gain, `choose`
 returns zeros before it reads the step-time model (no allocation, no scan), and the caller runs no proposer
@@ -40,7 +42,7 @@ forward, no verifier and no extra synchronisation.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from banyan.spec.config import SpeculativeConfig
 
@@ -48,12 +50,26 @@ from banyan.spec.config import SpeculativeConfig
 class AcceptanceStats:
     """Per-position conditional acceptance alpha[j] = P(draft j+1 accepted | drafts 1..j accepted), as EWMAs."""
 
-    def __init__(self, alphas: Sequence[float], rate: float):
-        """alphas: the starting estimates (one per position); rate: the EWMA weight of each new observation."""
+    def __init__(self, alphas: Sequence[float], rate: float, relax_to: Sequence[float] = (), relax_rate: float = 0.0):
+        """alphas: the starting estimates (one per position); rate: the EWMA weight of each new observation;
+        relax_to / relax_rate: where each `idle` step (nothing drafted, nothing observed) moves the estimates."""
         if not 0.0 < rate <= 1.0:
             raise ValueError(f"rate must be in (0, 1], got {rate}")
-        self.alphas = [min(1.0, max(0.0, float(a))) for a in alphas]
+        self._alphas = [min(1.0, max(0.0, float(a))) for a in alphas]
         self.rate = rate
+        self.relax_to = list(relax_to) if relax_to else list(self._alphas)
+        self.relax_rate = relax_rate
+        self._idle_steps = 0
+
+    @property
+    def alphas(self) -> list[float]:
+        """The estimates now, idle steps applied: each moved a fraction relax_rate toward relax_to, so after s
+        of them alpha = target + (alpha - target) * (1 - relax_rate)^s (applied once, when next read)."""
+        if self._idle_steps:
+            keep = (1.0 - self.relax_rate) ** self._idle_steps
+            self._alphas = [t + (a - t) * keep for a, t in zip(self._alphas, self.relax_to)]
+            self._idle_steps = 0
+        return self._alphas
 
     def update(self, drafted: int, accepted: int) -> None:
         """One verification: `accepted` of `drafted` drafts passed (a prefix, as the verifier stops at a reject).
@@ -61,16 +77,16 @@ class AcceptanceStats:
         Positions 1..accepted saw a pass, position accepted+1 (if drafted) a reject; later positions saw
         nothing (their condition, all earlier drafts passed, did not hold) and keep their estimate.
         """
-        if not 0 <= accepted <= drafted <= len(self.alphas):
-            raise ValueError(f"need 0 <= accepted ({accepted}) <= drafted ({drafted}) <= {len(self.alphas)}")
+        alphas = self.alphas
+        if not 0 <= accepted <= drafted <= len(alphas):
+            raise ValueError(f"need 0 <= accepted ({accepted}) <= drafted ({drafted}) <= {len(alphas)}")
         for j in range(min(accepted + 1, drafted)):
             passed = 1.0 if j < accepted else 0.0
-            self.alphas[j] += self.rate * (passed - self.alphas[j])
+            alphas[j] += self.rate * (passed - alphas[j])
 
-    def relax(self, toward: Sequence[float], rate: float) -> None:
-        """Move every estimate a fraction `rate` toward `toward`: how an unobserved request gets probed again."""
-        for j, target in enumerate(toward):
-            self.alphas[j] += rate * (target - self.alphas[j])
+    def idle(self) -> None:
+        """A step where the request could have drafted but did not: how an unobserved request gets probed again."""
+        self._idle_steps += 1
 
     def gains(self, k: int) -> list[float]:
         """g_j = prod_{m<=j} alpha_m for j = 1..k: P(the first j drafts all pass), non-increasing in j."""
@@ -123,6 +139,12 @@ class StepTimeModel:
         w = self._weight(a, num_tokens)
         return self._monotone[a] + w * (self._monotone[a + 1] - self._monotone[a])
 
+    def min_slope(self, num_tokens: int) -> float:
+        """The least slope of the prediction from `num_tokens` on: predict(n + d) >= predict(n) + d * min_slope(n)."""
+        if num_tokens < self.tokens[0]:
+            return 0.0
+        return self._min_slope[min(bisect.bisect_right(self.tokens, num_tokens), len(self.tokens) - 1) - 1]
+
     def observe(self, num_tokens: int, seconds: float) -> None:
         """A measured forward. Inside the buckets' range the two neighbours move by the gradient of the squared
         error of the interpolation (on a bucket exactly: that bucket's EWMA); outside it the observation, rescaled
@@ -150,32 +172,55 @@ class StepTimeModel:
         for seconds in self.seconds:
             top = max(top, seconds)
             self._monotone.append(top)
+        # segment a's slope, then the least of segments a.. (the last one's slope goes on past the last bucket)
+        slopes = [(self._monotone[a + 1] - self._monotone[a]) / (self.tokens[a + 1] - self.tokens[a])
+                  for a in range(len(self.tokens) - 1)]
+        self._min_slope = [min(slopes[a:]) for a in range(len(slopes))]
 
 
-def allocate(gains: Sequence[Sequence[float]], step_time: Callable[[int], float], base_tokens: int = 0,
+def allocate(gains: Sequence[Sequence[float]], step_time: StepTimeModel, base_tokens: int = 0,
              base_emitted: float = 0.0, max_drafts: int | None = None) -> list[int]:
     """The exact argmax of R(k) (module docstring): k_i drafts for request i, given its gains g_{i,1..cap_i}.
 
     gains[i] must be non-increasing (as products of probabilities are); max_drafts bounds T (a token budget).
-    Candidates with gain <= 0 are never drafted. `step_time` is read once per candidate total T.
+    Candidates with gain <= 0 are never drafted. The scan over T stops as soon as `_can_beat` proves that no
+    larger T wins; when speculation cannot pay at all (a large compute-bound batch) that is before sorting.
     """
     n = len(gains)
+    tokens, emitted = base_tokens + n, base_emitted + n
+    seconds = step_time.predict(tokens)
+    best_rate, best_total = emitted / seconds, 0
+    top = max((row[0] for row in gains if row), default=0.0)
+    if max_drafts == 0 or not _can_beat(best_rate, emitted, seconds, step_time.min_slope(tokens), top):
+        return [0] * n
     # every candidate draft (i, j), best first; within a request j ascending, so the top T form prefixes
     order = sorted(((g, j, i) for i, row in enumerate(gains) for j, g in enumerate(row) if g > 0.0),
                    key=lambda c: (-c[0], c[1], c[2]))
     if max_drafts is not None:
-        order = order[:max(0, max_drafts)]
-    emitted = base_emitted + n
-    best_rate, best_total = emitted / step_time(base_tokens + n), 0
+        order = order[:max_drafts]
     for total, (g, _, _) in enumerate(order, start=1):
+        if not _can_beat(best_rate, emitted, seconds, step_time.min_slope(tokens + total - 1), g):
+            break  # every draft left is worth at most g
         emitted += g
-        rate = emitted / step_time(base_tokens + n + total)
-        if rate > best_rate:
-            best_rate, best_total = rate, total
+        seconds = step_time.predict(tokens + total)
+        if emitted / seconds > best_rate:
+            best_rate, best_total = emitted / seconds, total
     ks = [0] * n
     for _, _, i in order[:best_total]:
         ks[i] += 1
     return ks
+
+
+def _can_beat(rate: float, emitted: float, seconds: float, slope: float, gain: float) -> bool:
+    """Whether d >= 1 more drafts, each worth at most `gain`, can lift the step above `rate`, when the step now
+    emits `emitted` tokens in `seconds` and each added token costs at least `slope` seconds (StepTimeModel's
+    min_slope). The best they can reach is sup_d (emitted + d*gain) / (seconds + d*slope), a ratio monotone in
+    d, so its sup is at d = 1 or at d -> inf (gain / slope; unbounded when slope = 0: drafts may be free)."""
+    if gain <= 0.0:
+        return False
+    if slope <= 0.0:
+        return True
+    return max((emitted + gain) / (seconds + slope), gain / slope) > rate
 
 
 def cut_to_budget(caps: Sequence[int], max_drafts: int | None) -> list[int]:
@@ -236,10 +281,10 @@ class SpecController:
         if not any(row and row[0] > 0.0 for row in gains):
             ks = [0] * len(caps)  # every draft is expected to fail: the plain path, step time not read
         else:
-            ks = allocate(gains, self.step_time.predict, base_tokens, base_emitted, room)
+            ks = allocate(gains, self.step_time, base_tokens, base_emitted, room)
         for rid, cap, k in zip(request_ids, caps, ks):
             if cap and not k:
-                self.stats[rid].relax(self.seed, self.probe_rate)
+                self.stats[rid].idle()
         return ks
 
     def table_k(self, batch_size: int) -> int:
@@ -253,7 +298,8 @@ class SpecController:
         """The request's estimates, seeded from the global prior the first time it is asked for."""
         stats = self.stats.get(request_id)
         if stats is None:
-            stats = self.stats[request_id] = AcceptanceStats(self.global_stats.alphas, self.request_rate)
+            stats = AcceptanceStats(self.global_stats.alphas, self.request_rate, self.seed, self.probe_rate)
+            self.stats[request_id] = stats
         return stats
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:

@@ -23,6 +23,7 @@ CURVES = {
 
 
 def make_time_model(curve=CURVES["linear"], points=(1, 2, 4, 8, 16, 32, 64, 128, 256), rate=0.1):
+    """A StepTimeModel seeded with `curve` at `points` (at every token count, it is the curve exactly)."""
     return StepTimeModel([(n, curve(n)) for n in points], rate=rate)
 
 
@@ -58,7 +59,8 @@ def random_gains(rng, n, max_k):
     """Chain-rule gains of random per-position acceptances, with exact 0 and 1 among them."""
     rows = []
     for _ in range(n):
-        alphas = [rng.choice([0.0, 1.0, rng.random(), rng.random(), rng.random()]) for _ in range(rng.randint(0, max_k))]
+        choices = [0.0, 1.0, rng.random(), rng.random(), rng.random()]
+        alphas = [rng.choice(choices) for _ in range(rng.randint(0, max_k))]
         rows.append(AcceptanceStats(alphas, rate=0.5).gains(len(alphas)))
     return rows
 
@@ -91,11 +93,12 @@ def test_learned_zero_acceptance_turns_speculation_off():
 @pytest.mark.parametrize("curve", sorted(CURVES))
 def test_allocation_matches_brute_force(curve):
     rng = random.Random(curve)
+    model = make_time_model(CURVES[curve], points=range(1, 81))
     for _ in range(150):
         gains = random_gains(rng, rng.randint(1, 4), 4)
         base_tokens, base_emitted = rng.choice([0, 0, 5, 40]), rng.choice([0.0, 1.0])
         max_drafts = rng.choice([None, None, 0, 3])
-        ks = allocate(gains, CURVES[curve], base_tokens, base_emitted, max_drafts)
+        ks = allocate(gains, model, base_tokens, base_emitted, max_drafts)
         assert all(0 <= k <= len(row) for k, row in zip(ks, gains))
         assert max_drafts is None or sum(ks) <= max_drafts
         best = brute_force(gains, CURVES[curve], base_tokens, base_emitted, max_drafts)
@@ -106,7 +109,7 @@ def test_a_bump_in_step_time_does_not_stop_the_scan():
     # 3 requests on the tile curve: 6 drafts cross a tile at 9 tokens and lower the rate, 12 fill the next tile;
     # a greedy that stops at the first drop keeps 5 drafts (rate 521/s), the optimum is 12 (667/s)
     gains = [AcceptanceStats([0.9, 0.8, 0.7, 0.6], rate=0.5).gains(4)] * 3
-    ks = allocate(gains, CURVES["tiles"])
+    ks = allocate(gains, make_time_model(CURVES["tiles"], points=range(1, 40)))
     assert ks == [4, 4, 4]
     assert rate_of(ks, gains, CURVES["tiles"]) == pytest.approx(brute_force(gains, CURVES["tiles"]))
 
@@ -119,9 +122,22 @@ def test_speculation_pays_at_batch_one_and_not_when_compute_bound():
     assert c.choose(ids, [4] * 64) == [0] * 64  # 64 tokens cost 64 ms; each draft adds 1 ms for < 1 token
 
 
+def test_when_speculation_cannot_pay_the_scan_ends_at_once():
+    class Counted(StepTimeModel):
+        def predict(self, num_tokens):
+            reads.append(num_tokens)
+            return super().predict(num_tokens)
+
+    reads = []
+    compute_bound = Counted([(1, 0.001), (256, 0.256)])  # 1 ms a token: a draft costs as much as a whole token
+    assert allocate([[0.9, 0.8, 0.7]] * 64, compute_bound) == [0] * 64
+    assert reads == [64]  # R(0) only: no draft can beat it, so nothing was sorted or scanned
+    assert allocate([[0.9, 0.8, 0.7]], make_time_model(lambda n: 0.010 + 0.002 * n)) == [3]  # cheap drafts pay
+
+
 def test_ties_go_to_the_plain_path():
     # a draft certain to pass but that costs exactly what it brings: R(0) = 1/1, R(1) = 2/2
-    assert allocate([[1.0]], lambda n: float(n)) == [0]
+    assert allocate([[1.0]], StepTimeModel([(1, 1.0), (2, 2.0)])) == [0]
 
 
 # --- policies ---------------------------------------------------------------------------------------------------
@@ -167,6 +183,13 @@ def test_ewma_learns_only_the_positions_it_observed():
         s.update(drafted=2, accepted=3)
 
 
+def test_idle_steps_relax_toward_the_prior():
+    s = AcceptanceStats([0.0, 0.2], rate=0.5, relax_to=[0.8, 0.6], relax_rate=0.1)
+    for _ in range(3):
+        s.idle()
+    assert s.alphas == pytest.approx([0.8 - 0.8 * 0.9**3, 0.6 - 0.4 * 0.9**3])  # each step 10% of the way
+
+
 def test_new_requests_are_seeded_from_the_global_prior():
     c = make_controller(k=2, prior=(0.5, 0.4), global_rate=0.5, request_rate=0.3)
     assert c.request_stats("a").alphas == [0.5, 0.4]
@@ -209,6 +232,17 @@ def test_step_time_is_refreshed_online_and_stays_monotone():
     assert all(m.predict(n) <= m.predict(n + 1) for n in range(1, 40))
 
 
+def test_min_slope_bounds_every_later_prediction():
+    rng = random.Random(1)
+    for _ in range(20):
+        m = StepTimeModel([(n, rng.uniform(0.01, 0.05)) for n in rng.sample(range(1, 64), 5)], rate=0.5)
+        for _ in range(10):
+            m.observe(rng.randint(1, 80), rng.uniform(0.005, 0.08))
+        for n in range(0, 90):
+            for d in (1, 2, 7, 50):
+                assert m.predict(n + d) >= m.predict(n) + d * m.min_slope(n) - 1e-12
+
+
 def test_step_time_converges_to_a_new_curve():
     m = make_time_model(CURVES["linear"])
     slower = CURVES["concave"]
@@ -233,12 +267,16 @@ def test_config_defaults_and_vllm_lookup_filling():
     assert SpeculativeConfig(method="ngram", prompt_lookup_max=3).prompt_lookup_min == 3
     assert SpeculativeConfig(method="ngram", prompt_lookup_min=4).prompt_lookup_max == 4
     assert SpeculativeConfig(method="suffix").prompt_lookup_min is None
-    d = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens_per_batch_size": [[9, 16, 1], [1, 8, 3]]}')
+    d = SpeculativeConfig.from_json('{"method": "ngram", '
+                                    '"num_speculative_tokens_per_batch_size": [[9, 16, 1], [1, 8, 3]]}')
     assert d.policy == "table" and d.num_speculative_tokens_per_batch_size == ((1, 8, 3), (9, 16, 1))
     assert SpeculativeConfig(method="draft_model", model="/m").model == "/m"
     assert SpeculativeConfig(method="layer_skip", num_layers=4).num_layers == 4
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.method = "suffix"
+
+
+TABLE = "num_speculative_tokens_per_batch_size"
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -254,15 +292,13 @@ def test_config_defaults_and_vllm_lookup_filling():
     ({"method": "ngram", "num_layers": 2}, "num_layers"),
     ({"method": "layer_skip", "num_layers": 0}, "num_layers"),
     ({"method": "ngram", "policy": "greedy"}, "policy"),
-    ({"method": "ngram", "policy": "table"}, "num_speculative_tokens_per_batch_size"),
-    ({"method": "ngram", "policy": "fixed", "num_speculative_tokens_per_batch_size": [[1, 4, 2]]},
-     "num_speculative_tokens_per_batch_size"),
-    ({"method": "ngram", "num_speculative_tokens_per_batch_size": [[1, 8, 2], [8, 9, 1]]},
-     "num_speculative_tokens_per_batch_size"),
-    ({"method": "ngram", "num_speculative_tokens_per_batch_size": [[1, 8, 6]]}, "num_speculative_tokens_per_batch_size"),
-    ({"method": "ngram", "num_speculative_tokens_per_batch_size": [[4, 2, 1]]}, "num_speculative_tokens_per_batch_size"),
-    ({"method": "ngram", "num_speculative_tokens_per_batch_size": [[1, 2]]}, "num_speculative_tokens_per_batch_size"),
-    ({"method": "ngram", "num_speculative_tokens_per_batch_size": []}, "num_speculative_tokens_per_batch_size"),
+    ({"method": "ngram", "policy": "table"}, TABLE),
+    ({"method": "ngram", "policy": "fixed", TABLE: [[1, 4, 2]]}, TABLE),
+    ({"method": "ngram", TABLE: [[1, 8, 2], [8, 9, 1]]}, TABLE),
+    ({"method": "ngram", TABLE: [[1, 8, 6]]}, TABLE),
+    ({"method": "ngram", TABLE: [[4, 2, 1]]}, TABLE),
+    ({"method": "ngram", TABLE: [[1, 2]]}, TABLE),
+    ({"method": "ngram", TABLE: []}, TABLE),
     ({"method": "ngram", "speculative_model": "x", "typo": 1}, "speculative_model"),
     ({"num_speculative_tokens": 3}, "method"),
 ])
