@@ -20,7 +20,10 @@ Greedy rows: only the argmax of their rows is read, so they may hold the process
 
 Randomness: one uniform u_j in [0, 1) per position and request, float64, [B, K + 1]. Unseeded rows draw from
 one shared generator, a seeded row from its own (request.generator), so its tokens do not depend on the rest
-of the batch. Host syncs: one, the transfer of the results.
+of the batch. A seeded row's generator is left after exactly a + 1 draws, one per token emitted, as the plain
+sampler draws one per token; with deterministic drafts position j's token is the inverse CDF of p_j at u_j,
+the plain sampler's own draw, so a seeded request samples the same tokens whatever k the controller picks
+(and as it would with no speculation). Host syncs: one, the transfer of the results.
 """
 
 from __future__ import annotations
@@ -55,15 +58,18 @@ def verify(
     """target_probs: [B, K + 1, V] processed (module docstring); draft_ids: [B, K] long, row b valid up to
     num_drafts[b] ([B] long); draft_probs: [B, K, V], the draft's own processed distribution each draft was
     sampled from, or None for deterministic proposers (q = one-hot of the draft). greedy: per request.
-    generators: per request, its own generator or None (the shared `default_generator`). uniforms: [B, K + 1]
-    in [0, 1) to use instead of drawing (tests, or a caller that owns the random stream)."""
+    generators: per request, its own generator or None (the shared `default_generator`); greedy rows draw
+    nothing. uniforms: [B, K + 1] in [0, 1) to use instead of drawing (tests, or a caller that owns the random
+    stream; then no generator is read or moved)."""
     batch, width, _ = target_probs.shape
     device = target_probs.device
     num_drafts = num_drafts.to(device)
     valid = torch.arange(width - 1, device=device) < num_drafts[:, None]  # [B, K]
     greedy_rows = torch.tensor(list(greedy), dtype=torch.bool, device=device)
+    seeded = [(row, g) for row, g in enumerate(generators or ()) if g is not None and not greedy[row]]
+    states = {}
     if uniforms is None and not bool(greedy_rows.all()):
-        uniforms = draw_uniforms(batch, width, generators, default_generator, device)
+        uniforms, states = draw_uniforms(batch, width, seeded, default_generator, device)
     if draft_probs is None or bool(greedy_rows.all()):
         num_accepted, final = _match(_target_tokens(target_probs, uniforms, greedy_rows), draft_ids, valid)
     else:
@@ -73,18 +79,26 @@ def verify(
             num_accepted = torch.where(greedy_rows, greedy_accepted, num_accepted)
             final = torch.where(greedy_rows, greedy_final, final)
     counts, finals = torch.stack([num_accepted, final]).tolist()  # the one host sync
+    for row, generator in seeded:
+        if row in states:
+            generator.set_state(states[row][counts[row]])  # as if it had drawn a + 1 uniforms only
     drafts = draft_ids.tolist()
     return VerifyOutput(counts, [row[:a] + [t] for row, a, t in zip(drafts, counts, finals)])
 
 
-def draw_uniforms(batch: int, width: int, generators: Sequence[torch.Generator | None] | None,
-                  default_generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """[batch, width] U[0, 1) float64: one shared draw, then each seeded row's own `width` from its generator."""
+def draw_uniforms(batch: int, width: int, seeded: Sequence[tuple[int, torch.Generator]],
+                  default_generator: torch.Generator | None, device: torch.device):
+    """([batch, width] U[0, 1) float64, {row: generator state after each of its draws}): one shared draw, then
+    each seeded row's own, one at a time from its generator (one draw per position, like the plain sampler's
+    one per step), keeping the state after each so that the row can be left after the draws it used."""
     uniforms = torch.rand(batch, width, generator=default_generator, dtype=torch.float64, device=device)
-    for row, generator in enumerate(generators or ()):
-        if generator is not None:
-            uniforms[row] = torch.rand(width, generator=generator, dtype=torch.float64, device=device)
-    return uniforms
+    states = {}
+    for row, generator in seeded:
+        states[row] = []
+        for j in range(width):
+            uniforms[row, j] = torch.rand(1, generator=generator, dtype=torch.float64, device=device)[0]
+            states[row].append(generator.get_state())
+    return uniforms, states
 
 
 def _target_tokens(probs: torch.Tensor, uniforms: torch.Tensor | None, greedy: torch.Tensor) -> torch.Tensor:
@@ -116,9 +130,10 @@ def _reject(p: torch.Tensor, draft_ids: torch.Tensor, q: torch.Tensor, valid: to
     """Drafts sampled from a distribution q (a draft model): standard rejection sampling.
 
         accept d_j  iff  u_j < r_j = min(1, p_j(d_j) / q_j(d_j))
-        P(emit x) = q(x) min(1, p(x)/q(x)) + P(reject) norm(max(0, p - q))(x)
-                  = min(q(x), p(x)) + (1 - sum_y min(q(y), p(y))) (p(x) - min(q(x), p(x))) / sum_y (p(y) - min(q(y), p(y)))
-                  = p(x)          (sum_y max(0, p - q)(y) = 1 - sum_y min(p, q)(y), so the two factors cancel)
+        P(emit x) = q(x) min(1, p(x) / q(x))  +  P(reject) norm(max(0, p - q))(x)
+                  = min(p(x), q(x))  +  (1 - S) (p(x) - min(p(x), q(x))) / (1 - S)      S = sum_y min(p(y), q(y))
+                  = p(x)
+    since P(reject) = 1 - sum_y q(y) min(1, p(y) / q(y)) = 1 - S and sum_y max(0, p - q)(y) = 1 - S.
     The first rejection at position a draws from norm(max(0, p_a - q_a)); given u_a >= r_a, the uniform
     (u_a - r_a) / (1 - r_a) is again U[0, 1) and independent of the decision, so it draws the correction: one
     uniform per position. All accepted: the bonus is drawn from p_k with u_k.

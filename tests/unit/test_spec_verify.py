@@ -6,6 +6,9 @@ import itertools
 import pytest
 import torch
 
+from banyan.layers.sampler import Sampler
+from banyan.request import Request
+from banyan.sampling_params import SamplingParams
 from banyan.spec.verify import draw_uniforms, verify
 
 V = 5
@@ -161,6 +164,40 @@ def test_seeded_rows_are_reproducible_whatever_the_batch():
 
 
 def test_draw_uniforms_takes_a_seeded_row_from_its_own_generator():
-    u = draw_uniforms(3, 4, [None, torch.Generator().manual_seed(5), None], torch.Generator().manual_seed(0), "cpu")
+    generator = torch.Generator().manual_seed(5)
+    u, states = draw_uniforms(3, 4, [(1, generator)], torch.Generator().manual_seed(0), "cpu")
     expected = torch.rand(4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     assert torch.equal(u[1], expected) and u.dtype == torch.float64 and ((0 <= u) & (u < 1)).all()
+    assert len(states[1]) == 4 and list(states) == [1]
+
+
+def test_a_seeded_generator_moves_one_draw_per_emitted_token():
+    p = torch.tensor([0.25, 0.25, 0.25, 0.25, 0.0]).expand(2, 3, V)
+    generators = [torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)]
+    out = verify(p, torch.tensor([[4, 4], [4, 4]]), torch.tensor([2, 2]), greedy=[False, True], generators=generators)
+    assert out.num_accepted == [0, 0]  # p(4) = 0: rejected at once, one token emitted of the three drawn
+    reference = torch.Generator().manual_seed(5)
+    torch.rand(1, generator=reference, dtype=torch.float64)
+    assert torch.equal(generators[0].get_state(), reference.get_state())
+    assert torch.equal(generators[1].get_state(), torch.Generator().manual_seed(6).get_state())  # greedy: no draw
+
+
+def test_seeded_speculation_samples_what_the_plain_sampler_samples_whatever_k():
+    """Deterministic drafts, a random k each step: the same tokens as the plain Sampler with the same seed."""
+    torch.manual_seed(0)
+    table = processed(torch.randn(V, V) * 1.5)  # a Markov target: p(next | last token)
+    plain = Request("plain", [0], SamplingParams(seed=11, max_tokens=60), max_tokens=60)
+    sampler = Sampler(V)
+    while plain.num_output_tokens < 45:
+        plain.append_token(sampler(table[plain.all_token_ids[-1]].log()[None], [plain]).token_ids[0])
+    rng = torch.Generator().manual_seed(1)
+    tokens, generator = [0], torch.Generator().manual_seed(11)
+    while len(tokens) < 41:
+        k = int(torch.randint(0, 4, (1,), generator=rng))
+        drafts = [int(t) for t in torch.randint(0, V, (k,), generator=rng)]
+        drafts[: k // 2] = plain.all_token_ids[len(tokens) : len(tokens) + k // 2]  # some drafts right
+        contexts = torch.tensor([tokens[-1], *drafts])
+        out = verify(table[contexts][None], torch.tensor([drafts]).view(1, k), torch.tensor([k]), greedy=[False],
+                     generators=[generator])
+        tokens += out.token_ids[0]
+    assert tokens[:41] == list(plain.all_token_ids[:41])
