@@ -25,7 +25,7 @@ from banyan.server import protocol
 DESCRIPTION = (
     "OpenAI-compatible inference server. Request bodies are validated strictly (no \"1\" for 1, finite numbers "
     "only); unknown fields are ignored; a JSON null means the field's default (for max_tokens: as many as the "
-    "context allows); `stop` may also be one string. Errors are OpenAI's {\"error\": {message, type, param, code}}, "
+    "context allows), and the schemas say so. Errors are OpenAI's {\"error\": {message, type, param, code}}, "
     "`param` naming the field at fault. With --api-key, every route but /health (and /metrics unless "
     "--protect-metrics) needs `Authorization: Bearer KEY`, this document and /docs included."
 )
@@ -204,12 +204,35 @@ def install(app: FastAPI, *, auth_enabled, open_paths) -> None:
     app.openapi = document
 
 
+def _as_validated(body: dict) -> None:
+    """Say in a body's schema what validation accepts beyond the model's types: a top-level null means
+    the default (RequestModel drops it), and `stop` may be one string (a list of one)."""
+    required = set(body.get("required", ()))
+    for name, prop in body["properties"].items():
+        options = prop.get("anyOf", [])
+        if name == "stop":
+            item = next(o["items"] for o in options if o.get("type") == "array")
+            options.insert(0, item)
+        if name not in required and {"type": "null"} not in options:
+            body["properties"][name] = {"anyOf": [*(options or [_type_part(prop)]), {"type": "null"}],
+                                        **{k: v for k, v in prop.items() if k in _ANNOTATIONS}}
+
+
+_ANNOTATIONS = ("default", "title", "description")
+
+
+def _type_part(prop: dict) -> dict:
+    return {k: v for k, v in prop.items() if k not in _ANNOTATIONS}
+
+
 def _document(app: FastAPI, auth_enabled: bool, open_paths: set[str]) -> dict:
     doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     models = [m for bodies in REQUEST_BODIES.values() for m in bodies]
     refs, defs = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
     schemas.update(defs.get("$defs", {}))
+    for model in models:
+        _as_validated(schemas[model.__name__])
     for path, bodies in REQUEST_BODIES.items():
         options = [refs[(m, "validation")] for m in bodies]
         schema = options[0] if len(options) == 1 else {"anyOf": options}

@@ -66,10 +66,13 @@ def test_request_bodies_are_the_validated_models(spec):
     assert {s["$ref"].rsplit("/", 1)[1] for s in tokenize["anyOf"]} == {"TokenizeCompletionRequest", "TokenizeChatRequest"}
     completion = schemas["CompletionRequest"]
     assert "prompt" in completion["required"]
-    assert completion["properties"]["n"]["minimum"] == 1 and completion["properties"]["n"]["maximum"] == 128
+    n = completion["properties"]["n"]["anyOf"]
+    assert {"type": "null"} in n and any(o.get("minimum") == 1 and o.get("maximum") == 128 for o in n)
+    assert {"type": "null"} in completion["properties"]["echo"]["anyOf"]  # null: the default
+    assert any(o.get("type") == "string" for o in completion["properties"]["stop"]["anyOf"])  # one stop string
     assert "fcfs" in completion["properties"]["priority"]["description"]
     assert "best_of" in completion["properties"]
-    assert "minItems" in schemas["ChatCompletionRequest"]["properties"]["messages"]
+    assert "minItems" in schemas["ChatCompletionRequest"]["properties"]["messages"]  # required: not nullable
 
 
 def test_responses_and_errors_are_described(spec):
