@@ -91,7 +91,7 @@ def trie_paths(trie):
     out, stack = {}, [((), trie.root)]
     while stack:
         path, node = stack.pop()
-        for token, child in node.children.items():
+        for token, child in node.children():
             out[path + (token,)] = child.count
             stack.append((path + (token,), child))
     return out
@@ -149,7 +149,7 @@ def test_suffix_shared_trie_stays_within_its_memory_bound_and_equals_a_fresh_bui
     assert trie_paths(suffix.shared) == trie_paths(fresh) and suffix.shared.num_nodes == fresh.num_nodes
     for request_id in list(suffix._cached):  # evicting everything leaves the root alone
         suffix.shared.remove(suffix._cached.pop(request_id))
-    assert suffix.shared.num_nodes == 1 and not suffix.shared.root.children
+    assert suffix.shared.num_nodes == 1 and not any(suffix.shared.root.children())
 
 
 def test_suffix_follows_a_growing_history_and_a_rewind():
