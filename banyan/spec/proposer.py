@@ -28,7 +28,7 @@ from banyan.registry import Registry
 class Proposer(ABC):
     @abstractmethod
     def propose(self, request_id: str, token_ids: Sequence[int], max_k: int) -> list[int]:
-        """At most max_k draft tokens to follow token_ids (prompt + output so far), most likely first; []
+        """At most max_k draft tokens to follow token_ids (prompt + output so far), in order; []
         when there is nothing worth proposing, found cheaply. Updates only this request's own index."""
 
     def finish(self, request_id: str, output_token_ids: Sequence[int]) -> None:

@@ -142,7 +142,7 @@ def _reject(p: torch.Tensor, draft_ids: torch.Tensor, q: torch.Tensor, valid: to
     rows = torch.arange(batch, device=p.device)
     p_d = p[:, :-1].gather(2, draft_ids[..., None])[..., 0]  # [B, K] p_j(d_j)
     q_d = q.gather(2, draft_ids[..., None])[..., 0]  # [B, K] q_j(d_j), > 0 where d_j was drawn from q_j
-    ratio = torch.where(q_d > 0, p_d / q_d.clamp_min(torch.finfo(q_d.dtype).tiny), 1.0).clamp(max=1.0).double()
+    ratio = (p_d / q_d.clamp_min(torch.finfo(q_d.dtype).tiny)).clamp(max=1.0).double()  # p(d) = 0: never accepted
     accepted = (uniforms[:, :-1] < ratio) & valid
     num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [B] a
     rejected = num_accepted < num_drafts  # [B] position a holds a rejected draft, else it is the bonus

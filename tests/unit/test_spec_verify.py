@@ -136,6 +136,23 @@ def test_padding_past_num_drafts_is_never_accepted_and_k0_is_plain_decoding():
     assert out.token_ids == [[1, 2], [4]]  # row 0: bonus at position 1; row 1 (k = 0): the argmax of p_0
 
 
+def test_no_drafts_is_one_plain_draw_and_a_forbidden_draft_is_never_accepted():
+    torch.manual_seed(4)
+    p = torch.stack([processed(torch.randn(V), top_k=2) for _ in range(4)]).view(2, 2, V)
+    u = torch.tensor([[0.3, 0.9], [0.3, 0.9]], dtype=torch.float64)
+    q = torch.full((2, 1, V), 1.0 / V)
+    out = verify(p[:, :1], torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, dtype=torch.long), q[:, :0],
+                 greedy=[False, False], uniforms=u[:, :1])
+    plain = verify(p[:, :1], torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+                   greedy=[False, False], uniforms=u[:, :1])
+    assert out == plain and out.num_accepted == [0, 0]
+    forbidden = int(p[0, 0].argmin())  # top_k = 2 of 5: p = 0 there
+    q[0, 0, forbidden] = 0.0  # even a draft its q did not allow
+    out = verify(p, torch.tensor([[forbidden], [forbidden]]), torch.tensor([1, 1]), q, greedy=[False, False],
+                 uniforms=torch.zeros(2, 2, dtype=torch.float64))
+    assert out.num_accepted[0] == 0 and out.token_ids[0] != [forbidden]
+
+
 def test_mixed_batch_greedy_and_sampled_rows():
     p = torch.cat([greedy_probs([1, 2]), greedy_probs([1, 2])])
     q = torch.full((2, 1, V), 1.0 / V)
