@@ -396,7 +396,7 @@ def test_d2_non_stream_disconnect_aborts_too(server):
 
     def leave_early():
         with pytest.raises(httpx.ReadTimeout):
-            post(server, "/v1/completions", body, timeout=0.3)
+            post(server, "/v1/completions", body, timeout=httpx.Timeout(5.0, read=0.03))  # long before 240 tokens
 
     threads = [threading.Thread(target=leave_early) for _ in range(6)]
     for t in threads:
@@ -521,8 +521,10 @@ def test_d7_disconnects_still_free_the_pages_with_auth_on(auth_server):
         next(lines)
         next(lines)
     wait_idle(auth_server, timeout=5)
+    # gone long before its 240 tokens are done (a quiet machine does them in about 0.2 s)
+    impatient = httpx.Timeout(5.0, read=0.03)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{auth_server.base_url}/v1/completions", json=body, headers=auth, timeout=0.3)
+        httpx.post(f"{auth_server.base_url}/v1/completions", json=body, headers=auth, timeout=impatient)
     wait_idle(auth_server, timeout=5)
 
 
