@@ -12,6 +12,7 @@ from typing import Any
 
 from banyan.errors import InvalidParameterError
 from banyan.registry import UnknownChoiceError
+from banyan.spec.config import SpeculativeConfig
 from banyan.tools.formats import FORMATS as TOOL_FORMATS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -211,6 +212,8 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (`speculative_config`, vLLM's JSON object); None: off, every step is the plain path."""
 
     def replace(self, **sections: Any) -> EngineConfig:
         return dataclasses.replace(self, **sections)

@@ -24,11 +24,15 @@ import typing
 from typing import Any
 
 from banyan.config import EngineConfig
+from banyan.spec.config import SpeculativeConfig
 
 RENAMED = {"policy": "scheduling_policy"}  # field -> vLLM's name (its flag keeps the field's name too)
 NOT_FLAGS = {"trust_remote_code", "num_pages"}  # set from Python only
 SIZES = {"kv_cache_memory", "max_body_bytes"}  # flags that take 4GiB, 512MB, ...
-SECTIONS: dict[str, type] = typing.get_type_hints(EngineConfig)  # model -> ModelConfig, cache -> ..., ...
+SECTIONS: dict[str, type] = {  # model -> ModelConfig, cache -> ..., ...: a section of fields, each its own setting
+    name: hint for name, hint in typing.get_type_hints(EngineConfig).items() if dataclasses.is_dataclass(hint)}
+OBJECT_SETTINGS = {"speculative_config": ("speculative", SpeculativeConfig)}
+"""A section given whole as one JSON object under vLLM's name (None: off): setting -> (EngineConfig field, class)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,24 +59,40 @@ SETTINGS: dict[str, Setting] = {
 def config_from_kwargs(kwargs: dict[str, Any], caller: str = "LLM()") -> EngineConfig:
     """EngineConfig from settings by name; an unknown name is a TypeError naming it, as Python's own."""
     for name in kwargs:
-        if name not in SETTINGS:
-            close = difflib.get_close_matches(name, SETTINGS, n=1)
+        if name not in SETTINGS and name not in OBJECT_SETTINGS:
+            close = difflib.get_close_matches(name, [*SETTINGS, *OBJECT_SETTINGS], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise TypeError(f"{caller} got an unexpected keyword argument {name!r}{hint}")
     parts: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
     for name, value in kwargs.items():
-        parts[SETTINGS[name].section][SETTINGS[name].field] = value
-    return EngineConfig(**{section: cls(**parts[section]) for section, cls in SECTIONS.items()})
+        if name not in OBJECT_SETTINGS:
+            parts[SETTINGS[name].section][SETTINGS[name].field] = value
+    sections = {section: cls(**parts[section]) for section, cls in SECTIONS.items()}
+    return EngineConfig(**sections, **_object_sections(kwargs))
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for section, cls in SECTIONS.items():
         add_config_args(parser, section, cls)
+    for name, (field, _) in OBJECT_SETTINGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=json.loads, metavar="JSON", default=None,
+                            help=field_docs(EngineConfig).get(field, ""))
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from flags that add_engine_args added (the settings set from Python only keep their defaults)."""
-    return EngineConfig(**{section: config_from_args(cls, args) for section, cls in SECTIONS.items()})
+    sections = {section: config_from_args(cls, args) for section, cls in SECTIONS.items()}
+    return EngineConfig(**sections, **_object_sections(vars(args)))
+
+
+def _object_sections(values: dict[str, Any]) -> dict[str, Any]:
+    """The OBJECT_SETTINGS among `values` as EngineConfig fields: a dict is checked by the class's from_dict
+    (InvalidParameterError naming the field), an instance is taken as it is, None leaves the section off."""
+    sections = {}
+    for name, (field, cls) in OBJECT_SETTINGS.items():
+        value = values.get(name)
+        sections[field] = value if value is None or isinstance(value, cls) else cls.from_dict(value)
+    return sections
 
 
 def engine_flags(config: EngineConfig) -> list[str]:
@@ -88,6 +108,11 @@ def engine_flags(config: EngineConfig) -> list[str]:
             flags += [part for item in value for part in (s.flag, str(item))]
         else:
             flags += [s.flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    for name, (field, _) in OBJECT_SETTINGS.items():
+        value = getattr(config, field)
+        if value is not None:
+            options = {k: v for k, v in dataclasses.asdict(value).items() if v is not None}
+            flags += ["--" + name.replace("_", "-"), json.dumps(options)]
     return flags
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -12,6 +13,7 @@ from banyan.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from banyan.config_args import SETTINGS, config_from_args, config_from_kwargs, engine_config, engine_flags
 from banyan.errors import InvalidParameterError
 from banyan.frontend.llm import LLM
+from banyan.spec.config import SpeculativeConfig
 
 
 def parse(*argv: str):
@@ -56,6 +58,18 @@ def test_engine_flags_rebuild_every_kind_of_value():
                                  "--no-enable-jump-forward", "--scheduling-policy", "priority"))
     assert engine_config(parse(*engine_flags(config))) == config
     assert engine_flags(EngineConfig()) == []
+
+
+def test_speculative_config_is_one_json_object_on_every_surface():
+    text = '{"method": "ngram", "num_speculative_tokens": 3, "policy": "fixed"}'
+    config = engine_config(parse("--model", "m", "--speculative-config", text))
+    assert config == config_from_kwargs({"model": "m", "speculative_config": json.loads(text)})
+    assert config.speculative == SpeculativeConfig("ngram", 3, policy="fixed")
+    assert engine_config(parse(*engine_flags(config))) == config
+    assert engine_config(parse("--model", "m")).speculative is None
+    with pytest.raises(InvalidParameterError) as e:
+        config_from_kwargs({"speculative_config": {"method": "ngram", "num_speculative_tokens": 17}})
+    assert e.value.param == "num_speculative_tokens"
 
 
 def test_repeatable_flags_keep_their_default_unless_given():
