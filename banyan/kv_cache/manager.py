@@ -148,6 +148,23 @@ class KVCacheManager:
         self._relock(holding, self._tree.match(key, namespace).node)
         holding.num_settled = num_full
 
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Return the request's pages past its first ceil(num_tokens / page_size) to the free list (speculation:
+        pages only rejected drafts wrote). Such pages are private: the tree holds only computed, verified tokens,
+        and settled pages are never given back. Returns how many pages were freed; unknown ids free nothing.
+
+            pages:  [ p0 | p1 | p2 | p3 ]      num_tokens = 6, page_size = 4: keep p0, p1
+                    [ verified ..  ^ rejected drafts ..]
+        """
+        holding = self._held.get(request_id)
+        if holding is None:
+            return 0
+        keep = max(self._num_pages_for(num_tokens), holding.num_settled)
+        extra = holding.pages[keep:]
+        del holding.pages[keep:]
+        self._pool.decref(extra)
+        return len(extra)
+
     def free(self, request_id: str) -> None:
         """Release all the request's pages: private pages return to the free list; tree pages stay
         cached, unlocked, evictable once no request holds them. Unknown ids are ignored (idempotent)."""

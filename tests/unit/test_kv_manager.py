@@ -103,6 +103,21 @@ def test_allocation_grows_by_whole_pages():
         kv.allocate_slots("a", 20, PrefixMatch([0], 4))  # prefix only on the first allocation
 
 
+def test_trim_gives_back_the_pages_only_rejected_drafts_filled():
+    kv = make_manager(page_size=4, num_pages=8)
+    prompt = list(range(9))  # 2 full pages (cached) + 1 token
+    run_prompt(kv, "a", prompt)
+    assert kv.allocate_slots("a", 9 + 1 + 6)  # the last token and 6 drafts: up to 16 tokens, 4 pages
+    free = kv.stats().num_free
+    assert kv.trim("a", 10) == 1 and kv.stats().num_free == free + 1  # 2 accepted: 10 tokens, 3 pages
+    assert kv.trim("a", 4) == 1 and len(kv.page_table("a")) == 2  # settled (cached) pages are never given back
+    assert kv.trim("unknown", 0) == 0
+    kv.check_integrity()
+    kv.free("a")
+    kv.check_integrity()
+    assert kv.stats().num_in_use == 0
+
+
 def test_caching_disabled_matches_nothing_and_frees_everything():
     kv = make_manager(enable_prefix_caching=False)
     prompt = list(range(12))
