@@ -88,7 +88,7 @@ class Sampler:
         draw from the sampler's generator; each seeded row draws from its own."""
         if all(r.sampling_params.temperature == 0.0 for r in requests):
             return None
-        uniforms = torch.rand(len(requests), generator=self._generator(device), dtype=torch.float64, device=device)
+        uniforms = torch.rand(len(requests), generator=self.generator(device), dtype=torch.float64, device=device)
         params = [r.sampling_params for r in requests]
         seeded = [i for i, p in enumerate(params) if p.seed is not None and p.temperature != 0.0]
         if seeded:
@@ -96,7 +96,8 @@ class Sampler:
             uniforms[torch.tensor(seeded, device=device)] = torch.cat(draws)
         return uniforms
 
-    def _generator(self, device: torch.device) -> torch.Generator:
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The generator unseeded rows share (seeded from the engine's seed on first use)."""
         if device not in self._generators:
             self._generators[device] = torch.Generator(device).manual_seed(self.default_seed)
         return self._generators[device]
@@ -107,10 +108,34 @@ def _rows(x: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
 
 
 def _draw(request: Request, device: torch.device) -> torch.Tensor:
-    """One U[0, 1) from the request's own generator, made from its seed on first use."""
+    """One U[0, 1) from the request's own generator."""
+    return torch.rand(1, generator=request_generator(request, device), dtype=torch.float64, device=device)
+
+
+def request_generator(request: Request, device: torch.device) -> torch.Generator | None:
+    """A seeded request's own generator, made from its seed on first use; None for an unseeded or greedy one."""
+    if request.sampling_params.seed is None or request.sampling_params.temperature == 0.0:
+        return None
     if request.generator is None or request.generator.device != device:
         request.generator = torch.Generator(device).manual_seed(request.sampling_params.seed)
-    return torch.rand(1, generator=request.generator, dtype=torch.float64, device=device)
+    return request.generator
+
+
+def target_distribution(raw: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """What the sampler draws from at each row, for the verifier (banyan.spec.verify): the ops of _sample_rows up
+    to the draw. Sampled rows: the unnormalised probabilities its inverse CDF reads; greedy rows: the processed
+    logits (only their argmax is read). raw: [N, vocab] (vocab_size columns), row i belonging to requests[i];
+    the rows take no grammar mask, and their processors must not depend on the position (the scheduler
+    speculates only for such requests)."""
+    params = [r.sampling_params for r in requests]
+    logits = _processed(raw.float(), requests, None)
+    greedy = [p.temperature == 0.0 for p in params]
+    if all(greedy):
+        return logits
+    probs = _exp_shifted(_scaled(logits, params))
+    if any(greedy):
+        probs = torch.where(torch.tensor(greedy, device=raw.device)[:, None], logits, probs)
+    return probs
 
 
 def _sample_rows(raw: torch.Tensor, requests: Sequence[Request], grammar, uniforms: torch.Tensor | None):
