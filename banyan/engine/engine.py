@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 from banyan.config import EngineConfig
@@ -22,6 +23,8 @@ from banyan.runner.model_runner import ModelRunner, RunnerLimits
 from banyan.runner.weights import open_model
 from banyan.sampling_params import SamplingParams
 from banyan.scheduler import Scheduler
+from banyan.scheduler.batch import Batch, StepResult
+from banyan.spec.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +43,8 @@ class Engine:
         limits = RunnerLimits(sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len)
         self.runner = runner_factory(config.model, config.cache, source, limits)
         self.kv = KVCacheManager(self.runner.num_pages, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.speculator = Speculator(config.speculative) if config.speculative is not None else None
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.speculator)
         self.grammars = Grammars(
             config.model.structured_output_backend, self.tokenizer, self.arch.vocab_size, self.eos_token_ids,
             cache_size=config.model.structured_output_cache_size, options=config.model.structured_outputs_config,
@@ -155,9 +159,18 @@ class Engine:
             if not ended:  # only grammars compiling: wait for one rather than spin
                 self.grammars.wait(self.scheduler.waiting_for_grammar, timeout=0.01)
             return ended
-        result = self.runner.execute(batch)
+        result = self._execute(batch)
         advanced = self.scheduler.update(batch, result)
         return ended + [make_delta(request) for request in advanced]
+
+    def _execute(self, batch: Batch) -> StepResult:
+        """The runner's forward; with speculation on, timed for the controller's step-time model."""
+        if self.speculator is None:
+            return self.runner.execute(batch)
+        started = time.perf_counter()
+        result = self.runner.execute(batch)
+        self.speculator.observe_step(batch.num_tokens, time.perf_counter() - started)
+        return result
 
 
 def make_delta(request: Request) -> RequestDelta:

@@ -16,7 +16,7 @@ from banyan.config import CacheConfig, ModelConfig, default_num_threads
 from banyan.errors import InvalidParameterError
 from banyan.layers.attention import AttentionBackend, get_attention_backend
 from banyan.layers.attention.base import FP8
-from banyan.layers.sampler import Sampler, compute_prompt_logprobs
+from banyan.layers.sampler import Sampler, compute_prompt_logprobs, request_generator, target_distribution
 from banyan.models.registry import get_model_class
 from banyan.quantization.formats import FP16
 from banyan.quantization import (default_method, finish_loading, model_weight_bytes, plan_formats, quantize_linears,
@@ -27,6 +27,7 @@ from banyan.forward_batch import ForwardBatch
 from banyan.runner.memory import GiB, KVCapacity, pages_for_budget, profile_batch, profile_cuda_forward
 from banyan.runner.weights import ModelSource
 from banyan.scheduler.batch import Batch, SampledToken, ScheduledRequest, StepResult
+from banyan.spec import verify as spec_verify
 from banyan.structured import GrammarBackend, allocate_bitmask
 
 logger = logging.getLogger(__name__)
@@ -176,14 +177,17 @@ class ModelRunner:
         for item in batch.scheduled:
             request, start, end, pages = item.request, item.start, item.end, item.page_ids
             row0 = len(ids)
-            ids.extend(request.all_token_ids[start:end])
+            ids.extend(item.token_ids)
             positions.extend(range(start, end))
             slots.extend(pages[p // P] * P + p % P for p in range(start, end))
             query_start.append(len(ids))
             context_lens.append(end)
             tables.append(pages)
             plan.add_prompt_rows(item, row0)
-            if item.samples:
+            if item.samples and item.draft_token_ids:
+                last = row0 + item.num_new_tokens - len(item.draft_token_ids) - 1  # the last verified token's row
+                plan.add_verify_rows(request, item.draft_token_ids, last)
+            elif item.samples:
                 plan.add_sample_row(request, row0 + item.num_new_tokens - 1)
         width = max(len(t) for t in tables)
         dev = self.device
@@ -212,7 +216,31 @@ class ModelRunner:
             out = self.sampler(logits[rows], plan.sample_requests, masks)
             for i, request in enumerate(plan.sample_requests):
                 result.sampled[request.request_id] = SampledToken(out.token_ids[i], out.chosen_logprobs[i], out.logprobs[i])
+        if plan.verify:
+            result.verified = self._verify(logits, plan.verify)
         return result
+
+    def _verify(self, logits: torch.Tensor, verify: list[tuple]) -> dict[str, list[int]]:
+        """The tokens each drafting request gains: its accepted drafts, then the target's token (spec/verify.py).
+
+        Request b's logits rows first_b .. first_b + k_b are p_0 .. p_k; rows are padded to K + 1 with its last:
+            index:  [ first_b, first_b + 1, ..., first_b + k_b, first_b + k_b, ... ]   K + 1 per request
+        """
+        requests = [request for request, _, _ in verify]
+        width = 1 + max(len(drafts) for _, drafts, _ in verify)
+        index = [[first + min(j, len(drafts)) for j in range(width)] for _, drafts, first in verify]
+        raw = logits[torch.tensor(index, device=logits.device).flatten(), : self.sampler.vocab_size]
+        probs = target_distribution(raw, [r for r in requests for _ in range(width)])  # [B * (K + 1), V]
+        draft_ids = [list(drafts) + [0] * (width - 1 - len(drafts)) for _, drafts, _ in verify]
+        out = spec_verify.verify(
+            probs.view(len(verify), width, -1),
+            torch.tensor(draft_ids, dtype=torch.long, device=logits.device),
+            torch.tensor([len(drafts) for _, drafts, _ in verify], dtype=torch.long, device=logits.device),
+            greedy=[r.sampling_params.temperature == 0.0 for r in requests],
+            generators=[request_generator(r, logits.device) for r in requests],
+            default_generator=self.sampler.generator(logits.device),
+        )
+        return {r.request_id: tokens for r, tokens in zip(requests, out.token_ids)}
 
 
 class _LogitsPlan:
@@ -221,6 +249,7 @@ class _LogitsPlan:
     rows:     hidden-state rows to project, in logits order
     prompt:   (request, first logits row, count, next-token targets) for prompt logprobs
     sample:   one logits row per request that samples this step
+    verify:   (request, its drafts, first logits row) for a request that verifies k drafts: k + 1 rows
     """
 
     def __init__(self):
@@ -228,6 +257,7 @@ class _LogitsPlan:
         self.prompt: list[tuple] = []
         self.sample_requests: list = []
         self.sample_logit_rows: list[int] = []
+        self.verify: list[tuple] = []
 
     def add_prompt_rows(self, item: ScheduledRequest, row0: int) -> None:
         request = item.request
@@ -241,6 +271,11 @@ class _LogitsPlan:
             return
         self.prompt.append((request, len(self.rows), last - first, list(request.all_token_ids[first + 1 : last + 1])))
         self.rows.extend(range(row0 + first - item.start, row0 + last - item.start))
+
+    def add_verify_rows(self, request, drafts, row: int) -> None:
+        """Hidden rows row .. row + k: the last token's and each draft's, whose logits check the next draft."""
+        self.verify.append((request, drafts, len(self.rows)))
+        self.rows.extend(range(row, row + len(drafts) + 1))
 
     def add_sample_row(self, request, row: int) -> None:
         self.sample_requests.append(request)

@@ -18,12 +18,19 @@ class ScheduledRequest:
                         0                  start      start + num_new_tokens = end
         page_ids:       [ p0 | p1 | ... ]  ceil(end / page_size) pages, token t in page_ids[t // page_size]
     A request samples a token when the step brings it level with all its tokens.
+
+    Speculation: a decoding request's step runs its last token and k draft tokens, which are not (yet) its
+    tokens; the verifier keeps a prefix of them and adds one of its own (k = 0: the plain decode).
+
+        tokens fed:     [ last token | d_1 ... d_k ]      num_new_tokens = 1 + k
+                        start = num_tokens - 1          end = num_tokens + k
     """
 
     request: Request
     start: int
     num_new_tokens: int
     page_ids: Sequence[int] = ()
+    draft_token_ids: Sequence[int] = ()
 
     @property
     def end(self) -> int:
@@ -31,7 +38,13 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        return self.end == self.request.num_tokens
+        return self.end - len(self.draft_token_ids) == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        """The tokens this step feeds: the request's [start, end), its drafts last."""
+        tokens = self.request.all_token_ids[self.start : self.end - len(self.draft_token_ids)]
+        return list(tokens) + list(self.draft_token_ids) if self.draft_token_ids else tokens
 
 
 @dataclass
@@ -61,7 +74,9 @@ class SampledToken:
 
 @dataclass
 class StepResult:
-    """Per request id: the token sampled this step, and prompt logprobs computed this step."""
+    """Per request id: the token sampled this step, and prompt logprobs computed this step; for a request that
+    verified drafts, the tokens it gains instead (its accepted drafts, then the target's token)."""
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    verified: dict[str, list[int]] = field(default_factory=dict)

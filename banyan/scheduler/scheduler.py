@@ -15,6 +15,13 @@ A structured-output request first waits for its grammar (WAITING_FOR_GRAMMAR, co
 thread) and joins the waiting queue when it is ready; a failed compile ends it alone. After each
 sampled token its matcher advances; a preempted request keeps its tokens and so its matcher.
 
+Speculation is catch up too: a decoding request's step may also feed k draft tokens (a proposer's guesses,
+k chosen per request by the controller, banyan/spec/speculator.py), with pages for all 1 + k. The runner
+verifies them; `update()` appends the accepted ones and the target's own token, rewinds
+`num_computed_tokens` to what was verified and gives back the pages only rejected drafts filled. Drafts
+never join the request's tokens before they are accepted, so they never reach the radix tree. Without a
+speculator, or with k = 0, a step is the plain one.
+
 Jump-forward: where the grammar forces the next tokens (a JSON key, a closing brace), they are
 appended at once, right after the sampled token (or before the prompt's first step). They are
 then just more tokens to catch up on: the next step computes them together as one extend and
@@ -30,14 +37,18 @@ import bisect
 import itertools
 import time
 from collections.abc import Hashable, Iterable
+from typing import TYPE_CHECKING
 
 from banyan.config import SchedulerConfig
 from banyan.errors import CacheCapacityError
 from banyan.kv_cache import KVCacheManager, PrefixMatch
 from banyan.request import Request, RequestStatus, TokenLogprobs
-from banyan.scheduler.batch import Batch, ScheduledRequest, StepResult
+from banyan.scheduler.batch import Batch, SampledToken, ScheduledRequest, StepResult
 from banyan.scheduler.policy import SchedulingPolicy
 from banyan.structured.backend import guarded
+
+if TYPE_CHECKING:
+    from banyan.spec.speculator import Speculator
 
 
 class SchedulerStats:
@@ -50,8 +61,10 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 speculator: Speculator | None = None):
         self.config = config
+        self.speculator = speculator  # None: speculation off
         self.kv = kv
         self.max_model_len = max_model_len
         self.policy = SchedulingPolicy(config.policy)
@@ -106,14 +119,16 @@ class Scheduler:
             self._check_grammars(batch)
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=self.policy.key)
+        drafts = self._drafts() if self.speculator is not None else {}
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, batch):
+            draft = self._allocate_drafts(request, num_new, drafts.get(request.request_id, [])[: budget - num_new])
+            if not draft and not self._allocate_or_preempt(request, num_new, batch):
                 break  # the request itself was the last in line and got preempted
-            batch.scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+            batch.scheduled.append(self._scheduled(request, num_new, draft))
+            budget -= num_new + len(draft)
             i += 1
         if not batch.preempted:  # short of pages: admitting more would only thrash
             self._admit_waiting(batch, budget)
@@ -133,6 +148,9 @@ class Scheduler:
             sampled = result.sampled.get(request.request_id)
             if sampled is not None:
                 self._append_sampled(request, sampled, now)
+                advanced.append(request)
+            elif request.request_id in result.verified:
+                self._append_verified(item, result.verified[request.request_id], now)
                 advanced.append(request)
             self.kv.cache_completed_pages(
                 request.request_id, request.all_token_ids, request.num_computed_tokens, self._namespace(request)
@@ -185,11 +203,62 @@ class Scheduler:
             if request.group_id is not None and prefix.num_tokens < self._shareable_tokens(request):
                 prefilling_groups.add(request.group_id)
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        """The request's share of this step, with the pages of its tokens [0, end) (allocated by now)."""
-        start = request.num_computed_tokens
+    def _scheduled(self, request: Request, num_new: int, draft: list[int] | None = None) -> ScheduledRequest:
+        """The request's share of this step (its drafts last), with the pages of its tokens [0, end) (allocated
+        by now)."""
+        start, num_new = request.num_computed_tokens, num_new + len(draft or ())
         num_pages = -(-(start + num_new) // self.kv.page_size)
-        return ScheduledRequest(request, start, num_new, self.kv.page_table(request.request_id)[:num_pages])
+        pages = self.kv.page_table(request.request_id)[:num_pages]
+        return ScheduledRequest(request, start, num_new, pages, draft or ())
+
+    # -- speculation ---------------------------------------------------------------------------
+    def _drafts(self) -> dict[str, list[int]]:
+        """Draft tokens for the running requests that decode this step, by request id (absent: k = 0)."""
+        candidates, base_tokens, base_emitted = [], 0, 0
+        for request in self.running:
+            behind = request.num_tokens - request.num_computed_tokens
+            room = self._draft_room(request) if behind == 1 else 0
+            if room > 0:
+                candidates.append((request.request_id, request.all_token_ids, room))
+            else:
+                base_tokens += behind
+                base_emitted += 1
+        if not candidates:
+            return {}
+        return self.speculator.drafts(candidates, base_tokens, base_emitted, self.config.max_num_batched_tokens)
+
+    def _draft_room(self, request: Request) -> int:
+        """Most drafts the request may verify: none where its sampling is not the same at every position of a
+        verify pass (penalties and min_tokens would count the drafts before it, a grammar mask follows them, and
+        the verifier reports no logprobs); else its tokens left less the one the target always adds."""
+        p = request.sampling_params
+        if (request.matcher is not None or request.logprobs is not None or request.num_output_tokens < p.min_tokens
+                or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
+            return 0
+        return min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+
+    def _allocate_drafts(self, request: Request, num_new: int, draft: list[int]) -> list[int]:
+        """Pages for the request's next num_new tokens and its drafts: the drafts when it got them, else [] (then
+        the pages of the plain step are the caller's to find). Drafts never preempt a request."""
+        if draft and self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new + len(draft)):
+            return draft
+        return []
+
+    def _append_verified(self, item: ScheduledRequest, token_ids: list[int], now: float) -> None:
+        """The verifier's a accepted drafts and its own token, appended one by one (each checked for stops);
+        what was computed rewinds to the verified tokens, and pages only rejected drafts filled go back.
+
+            fed:       [ last | d_1 .. d_a | d_a+1 .. d_k ]
+                       start               ^ end - (k - a): num_computed_tokens after (KV of rejects is stale)
+        """
+        request, drafted, accepted = item.request, len(item.draft_token_ids), len(token_ids) - 1
+        request.num_computed_tokens = item.end - (drafted - accepted)
+        self.speculator.observe(request.request_id, drafted, accepted)
+        for token_id in token_ids:
+            self._append_sampled(request, SampledToken(token_id, None), now)
+            if request.is_finished:
+                return
+        self.kv.trim(request.request_id, request.num_computed_tokens)
 
     def _cached_prefix(self, request: Request) -> PrefixMatch:
         if request.prompt_logprobs is not None:
@@ -290,6 +359,8 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.kv.free(request.request_id)
+        if self.speculator is not None:
+            self.speculator.finish(request.request_id, request.output_token_ids)
         request.metrics.finished_time = time.time()
         del self.requests[request.request_id]
 

@@ -6,6 +6,7 @@
     verify.py      rejection sampling against the target's processed probabilities (torch; import it directly)
     controller.py  per request, how many drafts to verify this step
     config.py      SpeculativeConfig, vLLM's names
+    speculator.py  the scheduler's handle: a proposer and a controller, drafts per step, what was accepted
 
 Importing this package loads no torch: verify.py is imported by whoever verifies.
 """

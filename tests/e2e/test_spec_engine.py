@@ -1,0 +1,156 @@
+"""Speculative decoding in the engine (issue 13): with ngram or suffix drafts, greedy output equals the output
+without speculation token for token, however the batch is cut (chunked prefill, prefix hits, preemption, n > 1,
+stop strings), the KV cache stays consistent after every step, and k = 0 is the plain path (no verifier call).
+
+One tiny random Llama on disk; prompts repeat a phrase so that the proposers have something to copy.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import banyan.spec.verify as spec_verify
+from banyan import LLM, SamplingParams
+from banyan.errors import InvalidParameterError
+from tests.factories import write_model_dir
+
+MAX_NEW = 24
+CONFIGS = {
+    "ngram-fixed3": {"method": "ngram", "num_speculative_tokens": 3, "policy": "fixed"},
+    "ngram-adaptive": {"method": "ngram", "num_speculative_tokens": 5},
+    "suffix-fixed3": {"method": "suffix", "num_speculative_tokens": 3, "policy": "fixed"},
+    "suffix-adaptive": {"method": "suffix", "num_speculative_tokens": 5},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama_spec")
+    model = write_model_dir(path, "llama", seed=1)
+    rng = random.Random(0)
+    vocab = model.config.vocab_size
+    phrase = [rng.randrange(3, vocab) for _ in range(9)]
+    prompts = [phrase * 3 + [rng.randrange(3, vocab) for _ in range(n)] for n in (1, 4, 9, 13)]
+    prompts.append([rng.randrange(3, vocab) for _ in range(20)])  # little to copy
+    prompts.append(prompts[2][:24] + [rng.randrange(3, vocab) for _ in range(6)])  # a prefix hit on prompt 2
+    return path, prompts
+
+
+@pytest.fixture
+def verify_calls(monkeypatch):
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[1].shape)
+        return verify(*args, **kwargs)
+
+    verify = spec_verify.verify
+    monkeypatch.setattr(spec_verify, "verify", counting)
+    return calls
+
+
+def generate(path, prompts, params, speculative_config=None, **settings):
+    """Outputs per prompt, and the engine, with check_integrity run before every step and after the last."""
+    settings = {"block_size": 4, "num_threads": 1, "num_pages": 256} | settings  # few pages: integrity checks are fast
+    llm = LLM(str(path), speculative_config=speculative_config, **settings)
+    engine = llm.engine
+    engine.before_step.append(lambda e: e.kv.check_integrity())
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    engine.kv.check_integrity()
+    assert engine.kv.stats().num_in_use == 0  # no page leaks: every request gave its pages back
+    return outputs, engine
+
+
+def greedy(**kw):
+    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, **kw)
+
+
+def token_ids(outputs):
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_with_speculation_equals_without(tiny, name, verify_calls):
+    path, prompts = tiny
+    plain, _ = generate(path, prompts, greedy())
+    assert not verify_calls
+    spec, engine = generate(path, prompts, greedy(), CONFIGS[name])
+    assert token_ids(spec) == token_ids(plain)
+    stats = engine.speculator.stats
+    assert verify_calls and stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert len(engine.speculator.controller.stats) == 0 and not engine.speculator.proposer.__dict__.get("_histories")
+
+
+@pytest.mark.parametrize("name", ["ngram-fixed3", "suffix-adaptive"])
+def test_greedy_equal_under_chunking_preemption_n_and_stop_strings(tiny, name):
+    path, prompts = tiny
+    stop_text = None
+    settings = {"max_num_batched_tokens": 16, "num_pages": 28}  # prompts in chunks; too few pages for all at once
+    plain, plain_engine = generate(path, prompts, greedy(n=2), **settings)
+    assert plain_engine.scheduler.stats.num_preemptions > 0 and plain_engine.scheduler.stats.prefix_hit_tokens > 0
+    text = plain[1].outputs[0].text
+    stop_text = text[len(text) // 2 : len(text) // 2 + 3]
+    params = [greedy(n=2, stop=[stop_text]) if i == 1 else greedy(n=2) for i in range(len(prompts))]
+    plain, _ = generate(path, prompts, params, **settings)
+    spec, engine = generate(path, prompts, params, CONFIGS[name], **settings)
+    assert [[c.text for c in o.outputs] for o in spec] == [[c.text for c in o.outputs] for o in plain]
+    assert token_ids(spec) == token_ids(plain)
+    assert spec[1].outputs[0].finish_reason == "stop"
+    assert engine.scheduler.stats.num_preemptions > 0 and engine.speculator.stats.num_accepted_tokens > 0
+
+
+def test_seeded_sampling_is_reproducible_and_samples_the_plain_tokens(tiny):
+    path, prompts = tiny
+    params = [SamplingParams(temperature=0.1, top_p=0.9, seed=7 + i, max_tokens=MAX_NEW, ignore_eos=True)
+              for i in range(len(prompts))]
+    config = CONFIGS["ngram-fixed3"]
+    first, engine = generate(path, prompts, params, config)
+    second, _ = generate(path, prompts, params, config)
+    assert token_ids(first) == token_ids(second)
+    assert engine.speculator.stats.num_drafts > 0
+    plain, _ = generate(path, prompts, params)  # deterministic drafts: the plain sampler's own draws (verify.py)
+    assert token_ids(first) == token_ids(plain)
+
+
+def test_requests_whose_sampling_depends_on_the_drafts_are_not_speculated(tiny, verify_calls):
+    path, prompts = tiny
+    params = [greedy(presence_penalty=0.5), greedy(logprobs=2), greedy(min_tokens=MAX_NEW), greedy(repetition_penalty=1.2)]
+    plain, _ = generate(path, prompts[:4], params)
+    spec, _ = generate(path, prompts[:4], params, CONFIGS["ngram-fixed3"])
+    assert token_ids(spec) == token_ids(plain)
+    assert not verify_calls
+
+
+def test_no_verifier_call_when_the_proposer_has_nothing(tiny, verify_calls, monkeypatch):
+    path, prompts = tiny
+    plain, off = generate(path, prompts, greedy())
+    assert off.speculator is None and off.scheduler.speculator is None
+    llm = LLM(str(path), block_size=4, num_threads=1, num_pages=256, speculative_config=CONFIGS["ngram-adaptive"])
+    monkeypatch.setattr(llm.engine.speculator.proposer, "propose", lambda *args: [])
+    spec = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    assert token_ids(spec) == token_ids(plain)
+    assert not verify_calls and llm.engine.speculator.stats.num_drafts == 0
+
+
+@pytest.mark.parametrize("config, field", [
+    ({"method": "medusa"}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
+    ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"method": "suffix", "policy": "sometimes"}, "policy"),
+    ({"method": "ngram", "k": 3}, "k"),
+    ({"num_speculative_tokens": 3}, "method"),
+])
+def test_bad_config_is_a_typed_error_naming_the_field(config, field):
+    with pytest.raises(InvalidParameterError) as e:
+        LLM("unused", speculative_config=config)
+    assert e.value.param == field
+
+
+def test_a_method_without_a_proposer_yet_is_refused_at_start_up(tiny):
+    path, _ = tiny
+    with pytest.raises(InvalidParameterError) as e:
+        LLM(str(path), block_size=4, num_threads=1, speculative_config={"method": "layer_skip"})
+    assert e.value.param == "method"
