@@ -47,7 +47,7 @@ FINISH_REASONS = {
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times (time.time()) of one request's milestones; None until reached."""
+    """Wall-clock times (time.time()) of one request's milestones, None until reached; and its counts."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -55,6 +55,8 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    spec_draft_tokens: int = 0  # draft tokens verified for this request (speculative decoding)
+    spec_accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclass

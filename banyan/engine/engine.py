@@ -7,6 +7,7 @@ validated requests and read the same `RequestDelta`s back.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -27,6 +28,8 @@ from banyan.scheduler.batch import Batch, StepResult
 from banyan.spec.speculator import Speculator
 
 logger = logging.getLogger(__name__)
+SPEC_LOG_INTERVAL = 5.0
+"""Seconds between two log lines of speculation's acceptance (each covers the drafts since the one before)."""
 
 
 class Engine:
@@ -45,6 +48,7 @@ class Engine:
         self.kv = KVCacheManager(self.runner.num_pages, config.cache.block_size, config.cache.enable_prefix_caching)
         self.speculator = Speculator(config.speculative) if config.speculative is not None else None
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.speculator)
+        self._spec_logged = (time.monotonic(), self.speculator.stats.copy() if self.speculator is not None else None)
         self.grammars = Grammars(
             config.model.structured_output_backend, self.tokenizer, self.arch.vocab_size, self.eos_token_ids,
             cache_size=config.model.structured_output_cache_size, options=config.model.structured_outputs_config,
@@ -131,7 +135,14 @@ class Engine:
             grammar_cache_entries=grammars.get("entries", 0),
             grammar_cache_bytes=grammars.get("bytes", 0),
             grammar_cache_evictions=grammars.get("evictions", 0),
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        """SpecStats as the snapshot's spec_* fields (none without speculation: they stay zero)."""
+        if self.speculator is None:
+            return {}
+        return {f"spec_{name}": value for name, value in dataclasses.asdict(self.speculator.stats).items()}
 
     @property
     def num_pages(self) -> int:
@@ -170,7 +181,19 @@ class Engine:
         started = time.perf_counter()
         result = self.runner.execute(batch)
         self.speculator.observe_step(batch.num_tokens, time.perf_counter() - started)
+        self._log_spec()
         return result
+
+    def _log_spec(self) -> None:
+        """At most every SPEC_LOG_INTERVAL seconds, and only when something was drafted: the acceptance since."""
+        logged_at, before = self._spec_logged
+        now = time.monotonic()
+        if now - logged_at < SPEC_LOG_INTERVAL:
+            return
+        stats = self.speculator.stats
+        if stats.num_drafts > before.num_drafts:
+            logger.info(stats.since(before).summary())
+        self._spec_logged = (now, stats.copy())
 
 
 def make_delta(request: Request) -> RequestDelta:

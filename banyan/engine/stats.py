@@ -19,3 +19,8 @@ class EngineSnapshot(msgspec.Struct, kw_only=True):
     grammar_cache_entries: int = 0  # compiled grammars held (bounded: RELIABILITY C4 G5)
     grammar_cache_bytes: int = 0
     grammar_cache_evictions: int = 0
+    # speculation (zero without it): the Speculator's SpecStats, vLLM's spec_decode_* counters
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)  # [j]: draft j + 1 accepted

@@ -254,6 +254,8 @@ class Scheduler:
         request, drafted, accepted = item.request, len(item.draft_token_ids), len(token_ids) - 1
         request.num_computed_tokens = item.end - (drafted - accepted)
         self.speculator.observe(request.request_id, drafted, accepted)
+        request.metrics.spec_draft_tokens += drafted
+        request.metrics.spec_accepted_tokens += accepted
         for token_id in token_ids:
             self._append_sampled(request, SampledToken(token_id, None), now)
             if request.is_finished:

@@ -55,6 +55,14 @@ class ServerMetrics:
         self.grammar_cache_evictions = counter("grammar_cache_evictions", "Compiled grammars dropped from the cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Generation tokens processed.")
+        self.spec_num_drafts = counter("spec_decode_num_drafts", "Speculative verifications (request-steps with drafts).")
+        self.spec_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_accepted_per_pos = Counter(
+            "banyan:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, per position in the draft.",
+            labels + ["position"], registry=self.registry,
+        )
+        self.model_name = model_name
 
         success = Counter(
             "banyan:request_success", "Successfully processed requests.",
@@ -76,10 +84,7 @@ class ServerMetrics:
         self._last_stats: EngineStats | None = None
 
     def update_from_engine_stats(self, stats: EngineStats) -> None:
-        """Set the gauges; advance the counters by what the core's cumulative counts grew by.
-
-        A count that went down means the core restarted from zero: its new value is all growth.
-        """
+        """Set the gauges; advance the counters by what the core's cumulative counts grew by (`growth`)."""
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_usage)
@@ -91,10 +96,15 @@ class ServerMetrics:
             (self.prefix_cache_hits, "prefix_hit_tokens"),
             (self.num_preemptions, "num_preemptions"),
             (self.grammar_cache_evictions, "grammar_cache_evictions"),
+            (self.spec_num_drafts, "spec_num_drafts"),
+            (self.spec_num_draft_tokens, "spec_num_draft_tokens"),
+            (self.spec_num_accepted_tokens, "spec_num_accepted_tokens"),
         ]:
-            now = getattr(stats, field)
-            before = getattr(last, field) if last is not None else 0
-            counter.inc(now - before if now >= before else max(0, now))
+            counter.inc(growth(getattr(stats, field), getattr(last, field) if last is not None else 0))
+        before_per_pos = last.spec_accepted_per_pos if last is not None else []
+        for position, now in enumerate(stats.spec_accepted_per_pos):
+            before = before_per_pos[position] if position < len(before_per_pos) else 0
+            self.spec_accepted_per_pos.labels(self.model_name, str(position)).inc(growth(now, before))
         self._last_stats = stats
 
     def observe_request(
@@ -126,3 +136,8 @@ class ServerMetrics:
     def render(self) -> tuple[bytes, str]:
         """The `/metrics` body and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def growth(now: int, before: int) -> int:
+    """What a core's cumulative count grew by; one that went down means the core restarted from zero."""
+    return now - before if now >= before else max(0, now)

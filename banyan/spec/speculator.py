@@ -16,7 +16,7 @@ argmax. Pure Python: no torch, no clock.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from banyan.spec.config import SpeculativeConfig
 from banyan.spec.controller import SpecController, StepTimeModel
@@ -38,6 +38,25 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     """accepted_per_pos[j]: how often draft j + 1 was accepted."""
+
+    def copy(self) -> SpecStats:
+        return replace(self, accepted_per_pos=list(self.accepted_per_pos))
+
+    def since(self, before: SpecStats) -> SpecStats:
+        """The counts that grew after `before` (an earlier copy of these counters)."""
+        return SpecStats(self.num_drafts - before.num_drafts, self.num_draft_tokens - before.num_draft_tokens,
+                         self.num_accepted_tokens - before.num_accepted_tokens,
+                         [now - then for now, then in zip(self.accepted_per_pos, before.accepted_per_pos)])
+
+    def summary(self) -> str:
+        """One log line, as vLLM's: acceptance per position (accepted_per_pos[j] / num_drafts) and the mean
+        accepted length, 1 + num_accepted_tokens / num_drafts (the target's own token counts as one)."""
+        drafts = max(self.num_drafts, 1)
+        per_pos = ", ".join(f"{n / drafts:.2f}" for n in self.accepted_per_pos)
+        rate = self.num_accepted_tokens / max(self.num_draft_tokens, 1)
+        return (f"speculation: mean accepted length {1 + self.num_accepted_tokens / drafts:.2f}, "
+                f"acceptance per position [{per_pos}], {rate:.1%} of {self.num_draft_tokens} draft tokens "
+                f"accepted in {self.num_drafts} drafts")
 
 
 class Speculator:

@@ -7,14 +7,21 @@ One tiny random Llama on disk; prompts repeat a phrase so that the proposers hav
 
 from __future__ import annotations
 
+import json
+import logging
 import random
+import time
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+import banyan.engine.engine as engine_module
 import banyan.spec.verify as spec_verify
 from banyan import LLM, SamplingParams
 from banyan.errors import InvalidParameterError
 from tests.factories import write_model_dir
+from tests.server_process import start_server
 
 MAX_NEW = 24
 CONFIGS = {
@@ -154,3 +161,57 @@ def test_a_method_without_a_proposer_yet_is_refused_at_start_up(tiny):
     with pytest.raises(InvalidParameterError) as e:
         LLM(str(path), block_size=4, num_threads=1, speculative_config={"method": "layer_skip"})
     assert e.value.param == "method"
+
+
+def test_speculation_counters_add_up_per_request_and_per_position(tiny, monkeypatch, caplog):
+    path, prompts = tiny
+    monkeypatch.setattr(engine_module, "SPEC_LOG_INTERVAL", 0.0)
+    with caplog.at_level(logging.INFO, logger=engine_module.__name__):
+        outputs, engine = generate(path, prompts, greedy(), CONFIGS["ngram-fixed3"])
+    assert any("acceptance per position [" in r.getMessage() for r in caplog.records)
+    stats = engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens <= 3 * stats.num_drafts
+    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
+    assert all(a >= b for a, b in zip(stats.accepted_per_pos, stats.accepted_per_pos[1:]))  # j + 1 needs j
+    metrics = [o.metrics for o in outputs]
+    assert all(m.spec_accepted_tokens <= m.spec_draft_tokens for m in metrics)
+    assert sum(m.spec_draft_tokens for m in metrics) == stats.num_draft_tokens
+    assert sum(m.spec_accepted_tokens for m in metrics) == stats.num_accepted_tokens
+    snapshot = engine.stats()
+    assert (snapshot.spec_num_drafts, snapshot.spec_num_accepted_tokens) == (stats.num_drafts, stats.num_accepted_tokens)
+    assert snapshot.spec_accepted_per_pos == stats.accepted_per_pos
+
+
+SPEC_METRICS = ("banyan:spec_decode_num_drafts", "banyan:spec_decode_num_draft_tokens",
+                "banyan:spec_decode_num_accepted_tokens", "banyan:spec_decode_num_accepted_tokens_per_pos")
+
+
+def test_metrics_endpoint_shows_the_speculation_counters(tiny):
+    path, prompts = tiny
+    server = start_server(path, "--speculative-config", json.dumps(CONFIGS["ngram-fixed3"]),
+                          "--served-model-name", "tiny", "--kv-cache-memory", "16MiB", "--max-model-len", "128")
+    try:
+        body = {"model": "tiny", "prompt": prompts[0], "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+        assert httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+        deadline = time.monotonic() + 10
+        while True:  # the core sends its counters a few times a second
+            values = spec_samples(httpx.get(f"{server.base_url}/metrics").text)
+            if values.get("banyan:spec_decode_num_drafts_total") or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        server.stop()
+    drafts = values["banyan:spec_decode_num_drafts_total"]
+    draft_tokens, accepted = values["banyan:spec_decode_num_draft_tokens_total"], values[
+        "banyan:spec_decode_num_accepted_tokens_total"]
+    per_pos = [values[f"banyan:spec_decode_num_accepted_tokens_per_pos_total/{j}"] for j in range(3)]
+    assert drafts > 0 and 0 < accepted <= draft_tokens and sum(per_pos) == accepted
+
+
+def spec_samples(text: str) -> dict[str, float]:
+    """The speculation samples on /metrics by name (`name/position` for the per-position one)."""
+    return {
+        s.name + (f"/{s.labels['position']}" if "position" in s.labels else ""): s.value
+        for family in text_string_to_metric_families(text) if family.name.startswith(SPEC_METRICS)
+        for s in family.samples if s.name.endswith("_total")
+    }

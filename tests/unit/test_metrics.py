@@ -19,6 +19,9 @@ EXPOSED_NAMES = [
     "banyan:generation_tokens_total",
     "banyan:request_success_total",
     "banyan:num_preemptions_total",
+    "banyan:spec_decode_num_drafts_total",
+    "banyan:spec_decode_num_draft_tokens_total",
+    "banyan:spec_decode_num_accepted_tokens_total",
     "banyan:time_to_first_token_seconds_bucket",
     "banyan:inter_token_latency_seconds_bucket",
     "banyan:e2e_request_latency_seconds_bucket",
@@ -100,6 +103,21 @@ def test_a_core_restart_never_makes_a_counter_go_down():
     m.update_from_engine_stats(make_stats(prefix_query_tokens=50, num_preemptions=1))
     assert value(m, "banyan:prefix_cache_queries_total") == 550
     assert value(m, "banyan:num_preemptions_total") == 5
+
+
+def test_speculation_counters_advance_per_position_from_zero():
+    m = ServerMetrics(MODEL)
+    m.update_from_engine_stats(make_stats())  # speculation off: no position has a series yet
+    assert not any(name.endswith("_per_pos_total") for name, _ in samples(m))
+    m.update_from_engine_stats(make_stats(spec_num_drafts=4, spec_num_draft_tokens=12, spec_num_accepted_tokens=5,
+                                          spec_accepted_per_pos=[3, 2, 0]))
+    m.update_from_engine_stats(make_stats(spec_num_drafts=6, spec_num_draft_tokens=18, spec_num_accepted_tokens=8,
+                                          spec_accepted_per_pos=[5, 2, 1]))
+    assert value(m, "banyan:spec_decode_num_drafts_total") == 6
+    assert value(m, "banyan:spec_decode_num_draft_tokens_total") == 18
+    assert value(m, "banyan:spec_decode_num_accepted_tokens_total") == 8
+    per_pos = [value(m, "banyan:spec_decode_num_accepted_tokens_per_pos_total", position=str(j)) for j in range(3)]
+    assert per_pos == [5, 2, 1]
 
 
 def test_finished_requests_feed_token_counters_and_histograms():
