@@ -1,4 +1,4 @@
-"""`banyan bench throughput | latency | overhead | serve | compare`: argument parsing and dispatch."""
+"""`banyan bench throughput | latency | overhead | speculative | serve | compare`: argument parsing and dispatch."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from banyan.bench.plan import CompareConfig
 from banyan.bench.results import emit, make_report
-from banyan.bench.workloads import WORKLOADS
+from banyan.bench.workloads import SPEC_WORKLOADS, WORKLOADS
 from banyan.config_args import add_config_args, add_engine_args, config_from_args, engine_config
 
 
@@ -40,6 +40,20 @@ def add_bench_parser(commands) -> None:
     over.add_argument("--batch-size", type=int, default=256)
     over.add_argument("--input-len", type=int, default=32)
     over.add_argument("--output-len", type=int, default=128, help="decode steps")
+
+    spec = add("speculative", "output tok/s with speculation off and per method and policy, side by side", None)
+    spec.add_argument("--workload", default="copy", choices=SPEC_WORKLOADS,
+                      help="copy: rewrite-this-text prompts (chat-templated); random: random prompts, nothing to copy")
+    spec.add_argument("--num-prompts", type=int, default=4)
+    spec.add_argument("--copy-sentences", type=int, default=8, help="copy: sentences in each text to rewrite")
+    spec.add_argument("--input-len", type=int, default=128, help="random: prompt tokens")
+    spec.add_argument("--output-len", type=int, default=64, help="generated tokens (ignore_eos)")
+    spec.add_argument("--batch-size", type=int, default=1, help="requests running at once (max_num_seqs)")
+    spec.add_argument("--rounds", type=int, default=2, help="timed rounds, each running every configuration once")
+    spec.add_argument("--methods", default="ngram,suffix", help="comma-separated speculative methods")
+    spec.add_argument("--policies", default="adaptive,fixed", help="comma-separated controller policies")
+    spec.add_argument("--num-speculative-tokens", type=int, default=5)
+    spec.set_defaults(temperature=None, func=_speculative)  # None: greedy for copy, 1.0 for random
 
     srv = add("serve", "load-test an OpenAI-compatible server over HTTP (streamed /v1/completions)", _serve, engine=False)
     srv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
@@ -80,6 +94,14 @@ def _run(name: str, run, args: argparse.Namespace) -> int:
     emit(make_report(name, config, results), args.output_json)
     failed = results.get("failed", 0)
     return 1 if failed else 0
+
+
+def _speculative(args) -> int:
+    from banyan.bench.speculative import markdown, run_speculative
+
+    config, results = run_speculative(engine_config(args), args)
+    emit(make_report("speculative", config, results), args.output_json, table=markdown(results))
+    return 0
 
 
 def _throughput(args):

@@ -54,9 +54,9 @@ def markdown_table(report: dict) -> str:
     return "\n".join(rows)
 
 
-def emit(report: dict, output_json: str | None) -> None:
-    """Print the table; write the JSON when a path is given."""
-    print(markdown_table(report))
+def emit(report: dict, output_json: str | None, table: str | None = None) -> None:
+    """Print the table (markdown_table's unless one is given); write the JSON when a path is given."""
+    print(table or markdown_table(report))
     if output_json:
         with open(output_json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)

@@ -23,6 +23,8 @@ from pathlib import Path
 from banyan.errors import InvalidParameterError
 
 WORKLOADS = ("random", "shared-prefix", "sharegpt", "multi-turn", "json-schema")
+SPEC_WORKLOADS = ("copy", "random")
+"""`banyan bench speculative`'s: copy is speculative.copy_prompts (rewrite a given text)."""
 
 
 @dataclass(frozen=True)

@@ -160,8 +160,10 @@ class StepTimeModel:
             a = bisect.bisect_right(self.tokens, num_tokens) - 1
             w = self._weight(a, num_tokens)
             error = seconds - ((1 - w) * self.seconds[a] + w * self.seconds[a + 1])
-            self.seconds[a] += self.rate * (1 - w) * error
-            self.seconds[a + 1] += self.rate * w * error
+            # a step much faster than the fit could push a bucket to 0 or below (and predict() to 0, a
+            # divisor above): one observation at most halves a bucket, so every time stays positive
+            self.seconds[a] = max(self.seconds[a] + self.rate * (1 - w) * error, self.seconds[a] / 2)
+            self.seconds[a + 1] = max(self.seconds[a + 1] + self.rate * w * error, self.seconds[a + 1] / 2)
         self._refresh()
 
     def _weight(self, a: int, num_tokens: int) -> float:

@@ -286,6 +286,38 @@ def test_latency_cli_on_a_tiny_model(model_dir, tmp_path):
     assert results["ttft_ms"]["mean"] > 0 and results["decode_tokens_per_s"]["mean"] > 0
 
 
+def test_speculative_cli_runs_every_configuration_side_by_side(model_dir, tmp_path):
+    out = tmp_path / "speculative.json"
+    argv = ["bench", "speculative", "--model", str(model_dir), *TINY_ENGINE, "--num-prompts", "2", "--output-len", "8",
+            "--copy-sentences", "2",
+            "--rounds", "2", "--methods", "ngram,suffix", "--policies", "adaptive,fixed", "--output-json", str(out)]
+    assert main(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["off", "ngram-adaptive", "ngram-fixed", "suffix-adaptive", "suffix-fixed"]
+    assert results["off"]["ratio"] == 1.0 and "mean_accepted_len" not in results["off"]
+    for label, r in results.items():
+        assert r["total_output_tokens"] == 2 * 2 * 8 and r["output_throughput"] > 0, label
+        if label != "off":
+            assert len(r["acceptance_per_pos"]) == 5 and r["mean_accepted_len"] >= 1.0
+            assert r["num_accepted_tokens"] == sum(r["accepted_per_pos"]) <= r["num_draft_tokens"]
+
+
+def test_copy_prompts_ask_to_rewrite_a_seeded_text(model_dir):
+    from banyan.bench.speculative import PASSAGE, copy_prompts
+    from banyan.frontend.llm import LLM
+
+    llm = LLM(str(model_dir), num_threads=1, kv_cache_memory=16 << 20, max_model_len=256)
+    try:
+        prompts = copy_prompts(llm, 3, 16, sentences=2, seed=1)
+        again = copy_prompts(llm, 3, 16, sentences=2, seed=1)
+        text = llm.tokenizer.decode(prompts[0].prompt_token_ids)
+    finally:
+        llm.engine.close()
+    assert [p.prompt_token_ids for p in prompts] == [p.prompt_token_ids for p in again]
+    assert prompts[0].prompt_token_ids != prompts[1].prompt_token_ids and prompts[0].output_len == 16
+    assert "Rewrite the following text" in text and sum(sentence in text for sentence in PASSAGE) == 2
+
+
 def test_serve_against_a_real_server(model_dir, tmp_path):
     server = start_server(model_dir, "--kv-cache-memory", "16MiB", "--max-model-len", "256")
     try:

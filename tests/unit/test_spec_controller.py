@@ -235,6 +235,15 @@ def test_step_time_is_refreshed_online_and_stays_monotone():
     assert all(m.predict(n) <= m.predict(n + 1) for n in range(1, 40))
 
 
+def test_step_times_stay_positive_when_steps_are_far_faster_than_the_fit():
+    m = StepTimeModel([(1, 1.0), (8, 1.05), (32, 1.3)], rate=0.5)  # scaled from a long prefill
+    for _ in range(20):
+        m.observe(1, 0.01)  # decodes: the 1-token bucket falls to about 0.01
+        m.observe(6, 0.012)  # verify passes: far below the 1..8 interpolation
+    assert min(m.seconds) > 0 and m.predict(1) > 0
+    m.observe(1, 0.01)  # an edge observation divides by predict(1)
+
+
 def test_min_slope_bounds_every_later_prediction():
     rng = random.Random(1)
     for _ in range(20):

@@ -1,0 +1,162 @@
+"""`banyan bench speculative`: the same prompts with speculation off and on, side by side in one process.
+
+One LLM per configuration (off, then each method x policy), all loaded before timing. Each round runs
+every configuration once on the same prompts, starting one further along each round, so that load on
+a shared machine falls on all of them alike:
+
+    round 0:  off    ngram  suffix
+    round 1:  ngram  suffix off
+    round 2:  suffix off    ngram
+Output tok/s sums tokens and seconds over the rounds; `ratio` is that over the `off` configuration's.
+Acceptance comes from the engine's Speculator counters (SpecStats), read after the warm-up and at the end:
+    acceptance_per_pos[j] = accepted_per_pos[j] / num_drafts    (P(draft j+1 accepted), per verification)
+    mean_accepted_len     = 1 + num_accepted_tokens / num_drafts (tokens a verifying step emits)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+from banyan.bench.offline import generate_all
+from banyan.bench.workloads import BenchPrompt, random_prompts
+from banyan.config import EngineConfig
+from banyan.frontend.llm import LLM
+from banyan.spec.config import SpeculativeConfig
+from banyan.spec.speculator import SpecStats
+from banyan.text.tokenizer import encode_chat
+
+PASSAGE = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk.",
+    "He carried a brass lantern, a notebook and a flask of strong black tea.",
+    "From the gallery he could see the fishing boats returning to the harbour.",
+    "Each boat had a name painted on its bow in white or yellow letters.",
+    "He wrote the names down in the order the boats passed the breakwater.",
+    "On calm nights the sea was silver and the gulls slept on the rocks.",
+    "On stormy nights the waves broke over the pier and the glass rattled.",
+    "In spring the keeper painted the railings and oiled the great lens.",
+    "In autumn he counted the migrating geese and noted the wind direction.",
+    "Visitors sometimes asked whether he was lonely, and he always said no.",
+    "The village baker sent up fresh bread with the supply boat on Fridays.",
+    "When the keeper retired, his notebooks filled three long wooden shelves.",
+)
+"""Plain sentences the copy workload draws from: nothing to download, the same on every machine."""
+
+INSTRUCTION = "Rewrite the following text exactly as it is, word for word, with no comments:\n\n"
+
+
+def copy_prompts(llm: LLM, num_prompts: int, output_len: int, *, sentences: int = 8, seed: int = 0) -> list[BenchPrompt]:
+    """Input-grounded prompts: "rewrite this text", the text a seeded choice of PASSAGE's sentences, chat-templated
+    so that an instruct model copies it. output_len is exact (ignore_eos); keep it near the text's length."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num_prompts):
+        text = " ".join(rng.sample(PASSAGE, min(sentences, len(PASSAGE))))
+        _, ids = encode_chat(llm.tokenizer, [{"role": "user", "content": INSTRUCTION + text}], add_generation_prompt=True)
+        prompts.append(BenchPrompt(ids, output_len))
+    return prompts
+
+
+def spec_configs(methods: list[str], policies: list[str], num_speculative_tokens: int) -> dict[str, SpeculativeConfig | None]:
+    """Label -> speculative config: `off` first, then every method with every policy."""
+    configs: dict[str, SpeculativeConfig | None] = {"off": None}
+    for method in methods:
+        for policy in policies:
+            configs[f"{method}-{policy}"] = SpeculativeConfig.from_dict(
+                {"method": method, "num_speculative_tokens": num_speculative_tokens, "policy": policy})
+    return configs
+
+
+def run_speculative(config: EngineConfig, args) -> tuple[dict, dict]:
+    """Every configuration on the workload, `args.rounds` rounds after a warm-up; results per label."""
+    if args.temperature is None:  # greedy copies; sampled random prompts do not fall into repeating loops
+        args.temperature = 0.0 if args.workload == "copy" else 1.0
+    configs = spec_configs(_names(args.methods), _names(args.policies), args.num_speculative_tokens)
+    llms = {label: LLM.from_config(_with(config, spec, args.batch_size)) for label, spec in configs.items()}
+    try:
+        prompts = _workload(next(iter(llms.values())), args)
+        results = side_by_side(llms, prompts, args.rounds, args.temperature)
+    finally:
+        for llm in llms.values():
+            llm.engine.close()
+    bench = {k: getattr(args, k) for k in ("workload", "num_prompts", "copy_sentences", "input_len", "output_len", "batch_size", "rounds",
+                                           "methods", "policies", "num_speculative_tokens", "temperature", "workload_seed")}
+    return {"engine": dataclasses.asdict(config), "bench": bench}, results
+
+
+def side_by_side(llms: dict[str, LLM], prompts: list[BenchPrompt], rounds: int, temperature: float) -> dict:
+    """Warm each LLM up on the prompts, then time `rounds` rotations over them (the module docstring)."""
+    for llm in llms.values():
+        generate_all(llm, prompts, temperature, use_tqdm=False)
+    before = {label: _counters(llm) for label, llm in llms.items()}
+    tokens = dict.fromkeys(llms, 0)
+    seconds = dict.fromkeys(llms, 0.0)
+    labels = list(llms)
+    for r in range(rounds):
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            start = time.perf_counter()
+            run = generate_all(llms[label], prompts, temperature, use_tqdm=False)
+            seconds[label] += time.perf_counter() - start
+            tokens[label] += run["total_output_tokens"]
+    base = tokens[labels[0]] / seconds[labels[0]]
+    results = {}
+    for label, llm in llms.items():
+        rate = tokens[label] / seconds[label]
+        results[label] = {"output_throughput": rate, "ratio": rate / base, "elapsed_s": seconds[label],
+                          "total_output_tokens": tokens[label], **_acceptance(before[label], _counters(llm))}
+    return results
+
+
+def markdown(results: dict) -> str:
+    """One row per configuration: tok/s, ratio, mean accepted length, acceptance per position."""
+    rows = ["| configuration | output tok/s | vs off | mean accepted length | acceptance per position |",
+            "|---|---|---|---|---|"]
+    for label, r in results.items():
+        accept = " / ".join(f"{a:.2f}" for a in r.get("acceptance_per_pos", [])) or "-"
+        length = f"{r['mean_accepted_len']:.2f}" if "mean_accepted_len" in r else "-"
+        rows.append(f"| {label} | {r['output_throughput']:.1f} | {r['ratio']:.2f}x | {length} | {accept} |")
+    return "\n".join(rows)
+
+
+def _acceptance(before: SpecStats | None, after: SpecStats | None) -> dict:
+    """The speculator's counters over the timed rounds (none for `off`)."""
+    if after is None:
+        return {}
+    drafts = after.num_drafts - before.num_drafts
+    draft_tokens = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    per_pos = [a - b for a, b in zip(after.accepted_per_pos, before.accepted_per_pos)]
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
+        "accepted_per_pos": per_pos,
+        "acceptance_per_pos": [n / drafts if drafts else 0.0 for n in per_pos],
+        "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+        "mean_accepted_len": 1 + accepted / drafts if drafts else 1.0,
+    }
+
+
+def _counters(llm: LLM) -> SpecStats | None:
+    """A copy of the engine's speculation counters; None with speculation off."""
+    speculator = llm.engine.speculator
+    if speculator is None:
+        return None
+    return dataclasses.replace(speculator.stats, accepted_per_pos=list(speculator.stats.accepted_per_pos))
+
+
+def _workload(llm: LLM, args) -> list[BenchPrompt]:
+    if args.workload == "copy":
+        return copy_prompts(llm, args.num_prompts, args.output_len, sentences=args.copy_sentences, seed=args.workload_seed)
+    return random_prompts(args.num_prompts, args.input_len, args.output_len, llm.engine.arch.vocab_size,
+                          seed=args.workload_seed)
+
+
+def _with(config: EngineConfig, spec: SpeculativeConfig | None, batch_size: int) -> EngineConfig:
+    scheduler = dataclasses.replace(config.scheduler, max_num_seqs=batch_size)
+    return dataclasses.replace(config, scheduler=scheduler, speculative=spec)
+
+
+def _names(value: str) -> list[str]:
+    return [name.strip() for name in value.split(",") if name.strip()]
