@@ -123,16 +123,14 @@ def _acceptance(before: SpecStats | None, after: SpecStats | None) -> dict:
     """The speculator's counters over the timed rounds (none for `off`)."""
     if after is None:
         return {}
-    drafts = after.num_drafts - before.num_drafts
-    draft_tokens = after.num_draft_tokens - before.num_draft_tokens
-    accepted = after.num_accepted_tokens - before.num_accepted_tokens
-    per_pos = [a - b for a, b in zip(after.accepted_per_pos, before.accepted_per_pos)]
+    timed = after.since(before)
+    drafts, draft_tokens, accepted = timed.num_drafts, timed.num_draft_tokens, timed.num_accepted_tokens
     return {
         "num_drafts": drafts,
         "num_draft_tokens": draft_tokens,
         "num_accepted_tokens": accepted,
-        "accepted_per_pos": per_pos,
-        "acceptance_per_pos": [n / drafts if drafts else 0.0 for n in per_pos],
+        "accepted_per_pos": timed.accepted_per_pos,
+        "acceptance_per_pos": [n / drafts if drafts else 0.0 for n in timed.accepted_per_pos],
         "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
         "mean_accepted_len": 1 + accepted / drafts if drafts else 1.0,
     }
@@ -141,9 +139,7 @@ def _acceptance(before: SpecStats | None, after: SpecStats | None) -> dict:
 def _counters(llm: LLM) -> SpecStats | None:
     """A copy of the engine's speculation counters; None with speculation off."""
     speculator = llm.engine.speculator
-    if speculator is None:
-        return None
-    return dataclasses.replace(speculator.stats, accepted_per_pos=list(speculator.stats.accepted_per_pos))
+    return None if speculator is None else speculator.stats.copy()
 
 
 def _workload(llm: LLM, args) -> list[BenchPrompt]:
