@@ -140,6 +140,11 @@ class SamplingParams:
             changes["logprobs"] = 0
         return self.clone(**changes)
 
+    @property
+    def has_penalties(self) -> bool:
+        """Repetition, presence or frequency penalties: sampling that depends on the tokens so far."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def clone(self, **changes) -> SamplingParams:
         values = {f: getattr(self, f) for f in self.__dataclass_fields__}
         values.update(changes)

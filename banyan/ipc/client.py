@@ -59,7 +59,6 @@ class RequestError(BanyanError):
 
     def __init__(self, error: ErrorInfo):
         super().__init__(error.message)
-        self.error = error
         self.status, self.type, self.param, self.code = error.status, error.type, error.param, error.code
 
 

@@ -145,7 +145,7 @@ def _sample_rows(raw: torch.Tensor, requests: Sequence[Request], grammar, unifor
     greedy = [p.temperature == 0.0 for p in params]
     if all(greedy):
         return _argmax(logits)
-    token_ids = _inverse_cdf(_exp_shifted(_scaled(logits, params)), uniforms)
+    token_ids = inverse_cdf(_exp_shifted(_scaled(logits, params)), uniforms)
     if any(greedy):
         token_ids = torch.where(torch.tensor(greedy, device=raw.device), _argmax(logits), token_ids)
     return token_ids
@@ -183,9 +183,7 @@ def _has_processors(request: Request) -> bool:
     return bool(
         p.logit_bias
         or request.num_output_tokens < p.min_tokens
-        or p.repetition_penalty != 1.0
-        or p.presence_penalty != 0.0
-        or p.frequency_penalty != 0.0
+        or p.has_penalties
     )
 
 
@@ -221,7 +219,7 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     return block * BLOCK + inside
 
 
-def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Token i with probability probs[i] / sum(probs), from one u ~ U[0, 1) per row, in two levels:
 
         block:  pick block b of BLOCK tokens by its mass; where u fell inside b's slice is a new

@@ -124,7 +124,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            draft = self._allocate_drafts(request, num_new, drafts.get(request.request_id, [])[: budget - num_new])
+            draft = drafts.get(request.request_id)
+            draft = self._allocate_drafts(request, num_new, draft[: budget - num_new]) if draft else []
             if not draft and not self._allocate_or_preempt(request, num_new, batch):
                 break  # the request itself was the last in line and got preempted
             batch.scheduled.append(self._scheduled(request, num_new, draft))
@@ -233,7 +234,7 @@ class Scheduler:
         the verifier reports no logprobs); else its tokens left less the one the target always adds."""
         p = request.sampling_params
         if (request.matcher is not None or request.logprobs is not None or request.num_output_tokens < p.min_tokens
-                or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
+                or p.has_penalties):
             return 0
         return min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
 

@@ -49,7 +49,8 @@ def error_body(error: APIError) -> dict:
 
 
 def model_not_found(model: str) -> APIError:
-    return APIError(404, f"the model {_echo(model)} does not exist", param="model", code="model_not_found")
+    return APIError(404, f"the model {_echo(model)} does not exist", type="NotFoundError", param="model",
+                    code="model_not_found")
 
 
 def from_banyan_error(e: BaseException) -> APIError:

@@ -24,7 +24,7 @@ from banyan.ipc.client import EngineClient, RequestError
 from banyan.sampling_params import SamplingParams
 from banyan.server import protocol
 from banyan.server.auth import ApiKeyAuth, RateLimiter, Tenant
-from banyan.server.errors import APIError, error_body, from_banyan_error
+from banyan.server.errors import APIError, error_body, from_banyan_error, model_not_found
 from banyan.server.generation import Generation
 from banyan.server.metrics import ServerMetrics
 from banyan.server.renderers import ChatRender, CompletionRender
@@ -109,7 +109,7 @@ class OpenAIServing:
     # -- checks -------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
-            raise APIError(404, f"the model {model!r} does not exist", type="NotFoundError", param="model", code="model_not_found")
+            raise model_not_found(model)
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)

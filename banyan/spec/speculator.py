@@ -94,7 +94,7 @@ class Speculator:
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A forward over `num_tokens` tokens took `seconds`; the first one scales the assumed shape."""
         if not self._measured and seconds > 0:
-            scale = seconds / StepTimeModel(STEP_TIME_SHAPE).predict(num_tokens)
+            scale = seconds / self.controller.step_time.predict(num_tokens)  # still the assumed shape
             self.controller.step_time = StepTimeModel([(n, t * scale) for n, t in STEP_TIME_SHAPE])
             self._measured = True
         self.controller.observe_step(num_tokens, seconds)

@@ -13,7 +13,7 @@ when d_{a+1} was rejected, the bonus from p_k when all k were accepted. So a + 1
 "Processed" probabilities: p_j is exactly what the plain sampler would draw from at that position, i.e. the
 raw logits through logit_bias, the grammar bitmask, min_tokens, repetition/presence/frequency penalties
 (sampler._processed), then temperature, top_k, top_p, min_p (sampler._scaled), then softmax: the path of
-banyan.layers.sampler._sample_rows, which the integration will expose as one public function. Position j's
+banyan.layers.sampler._sample_rows, given to the verifier by banyan.layers.sampler.target_distribution. Position j's
 processors see the history plus d_1 .. d_j (penalties and min_tokens count the drafts before it; the grammar
 mask is the matcher's state after them, which is why drafts are cut at the first token the grammar refuses).
 Greedy rows: only the argmax of their rows is read, so they may hold the processed logits instead.
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from banyan.layers.sampler import _inverse_cdf as inverse_cdf
+from banyan.layers.sampler import inverse_cdf
 
 
 @dataclass
@@ -66,15 +66,16 @@ def verify(
     num_drafts = num_drafts.to(device)
     valid = torch.arange(width - 1, device=device) < num_drafts[:, None]  # [B, K]
     greedy_rows = torch.tensor(list(greedy), dtype=torch.bool, device=device)
+    all_greedy, any_greedy = all(greedy), any(greedy)  # from the host list: no device sync
     seeded = [(row, g) for row, g in enumerate(generators or ()) if g is not None and not greedy[row]]
     states = {}
-    if uniforms is None and not bool(greedy_rows.all()):
+    if uniforms is None and not all_greedy:
         uniforms, states = draw_uniforms(batch, width, seeded, default_generator, device)
-    if draft_probs is None or bool(greedy_rows.all()):
+    if draft_probs is None or all_greedy:
         num_accepted, final = _match(_target_tokens(target_probs, uniforms, greedy_rows), draft_ids, valid)
     else:
         num_accepted, final = _reject(target_probs, draft_ids, draft_probs, valid, num_drafts, uniforms)
-        if bool(greedy_rows.any()):
+        if any_greedy:
             greedy_accepted, greedy_final = _match(target_probs.argmax(dim=-1), draft_ids, valid)
             num_accepted = torch.where(greedy_rows, greedy_accepted, num_accepted)
             final = torch.where(greedy_rows, greedy_final, final)

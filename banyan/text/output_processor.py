@@ -156,16 +156,6 @@ class OutputProcessor:
         finished, self._finished = self._finished, []
         return finished
 
-    def finish_all(self, request_id: str, reason: str) -> None:
-        """Mark every unfinished sequence of a prompt as ended (abort, error)."""
-        state = self.prompts.get(request_id)
-        if state is None:
-            return
-        for seq in state.sequences:
-            if seq.finish_reason is None:
-                seq.finish_reason = reason
-        self._sequence_of = {rid: entry for rid, entry in self._sequence_of.items() if entry[0] is not state}
-
     def unfinished_request_ids(self) -> list[str]:
         """Engine request ids of every sequence still running."""
         return list(self._sequence_of)
