@@ -239,6 +239,9 @@ class ServerConfig:
     """API key clients must send as `Authorization: Bearer KEY` (repeatable; also BANYAN_API_KEY)."""
     api_key_file: str | None = None
     """A file with one API key per line."""
+    admin_api_key: tuple[str, ...] = ()
+    """Key for the admin routes (/admin/..., adapter loading, profiling); repeatable; also BANYAN_ADMIN_API_KEY.
+    Without one, no admin route exists."""
     share_prefix_cache: bool = False
     """Let different API keys reuse each other's cached prompts (off: each key is its own cache namespace)."""
     protect_metrics: bool = False

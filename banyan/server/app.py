@@ -5,6 +5,8 @@ The guard runs before routing, on every path (RELIABILITY rules 5 and 8):
   - authentication, default-deny: every path but /health (and /metrics unless protected) needs a
     valid key, so a route added later is protected without anyone remembering to (the OpenAPI
     document and /docs too; unknown paths get 401 before they could get 404);
+  - admin routes (ADMIN_PATHS) need an admin key instead: none configured → 404 (the routes do not
+    exist), a user key → 403, anything else → 401;
   - 503 while draining for shutdown, 413 for a declared body over the limit.
 Handlers read the body themselves (bounded, streamed bodies included) and parse it strictly.
 """
@@ -25,7 +27,7 @@ from banyan import __version__
 from banyan.config import ServerConfig
 from banyan.ipc.client import EngineClient
 from banyan.server import openapi
-from banyan.server.auth import ANONYMOUS, ApiKeyAuth, Tenant
+from banyan.server.auth import ANONYMOUS, AdminAuth, ApiKeyAuth, Tenant
 from banyan.server.errors import APIError, error_body, parse_json_body
 from banyan.server.metrics import ServerMetrics
 from banyan.server.serving import OpenAIServing
@@ -33,6 +35,8 @@ from banyan.server.serving import OpenAIServing
 logger = logging.getLogger("banyan.server")
 
 OPEN_PATHS = {"/health"}
+ADMIN_PATHS = ("/admin/", "/start_profile", "/stop_profile", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+"""Paths (exact, or prefixes when ending in /) that only an admin key may call: the one list to extend."""
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -43,6 +47,7 @@ class ServerState:
     serving: OpenAIServing
     auth: ApiKeyAuth
     metrics: ServerMetrics
+    admin: AdminAuth | None = None
     draining: bool = False
     dead: bool = False
     extra: dict = field(default_factory=dict)
@@ -82,7 +87,11 @@ class Guard:
 
     def _refuse(self, scope, headers: dict) -> APIError | None:
         path = scope["path"]
-        if path not in self.open_paths and self.state.auth.enabled:
+        if is_admin_path(path):
+            error = self._refuse_admin(headers)
+            if error is not None:
+                return error
+        elif path not in self.open_paths and self.state.auth.enabled:
             tenant = self.state.auth.authenticate(headers.get("authorization"))
             if tenant is None:
                 return APIError(401, "invalid or missing API key", type="invalid_request_error", code="invalid_api_key")
@@ -93,6 +102,23 @@ class Guard:
         if declared is not None and declared.isdigit() and int(declared) > self.state.config.max_body_bytes:
             return APIError(413, f"the body exceeds {self.state.config.max_body_bytes} bytes", code="payload_too_large")
         return None
+
+
+    def _refuse_admin(self, headers: dict) -> APIError | None:
+        admin = self.state.admin
+        if admin is None or not admin.enabled:
+            return APIError(404, "not found: admin routes need --admin-api-key", type="NotFoundError")
+        verdict = admin.check(headers.get("authorization"))
+        if verdict == 403:
+            return APIError(403, "this route needs the admin key", type="permission_error", code="admin_key_required")
+        if verdict == 401:
+            return APIError(401, "invalid or missing admin API key", type="invalid_request_error",
+                            code="invalid_api_key")
+        return None
+
+
+def is_admin_path(path: str) -> bool:
+    return any(path.startswith(p) if p.endswith("/") else path == p for p in ADMIN_PATHS)
 
 
 async def read_json(request: Request, limit: int) -> dict:

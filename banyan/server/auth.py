@@ -28,6 +28,7 @@ from banyan.errors import BanyanError, InvalidParameterError
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "BANYAN_API_KEY"
+ADMIN_API_KEY_ENV = "BANYAN_ADMIN_API_KEY"
 
 
 class ApiKeyConfigError(BanyanError, ValueError):
@@ -49,17 +50,19 @@ ANONYMOUS = Tenant(tenant_id="anonymous", cache_namespace=None)
 
 
 def load_api_keys(
-    cli_keys: Sequence[str], env: Mapping[str, str], key_file: str | None
+    cli_keys: Sequence[str], env: Mapping[str, str], key_file: str | None,
+    *, flag: str = "--api-key", env_name: str = API_KEY_ENV,
 ) -> list[str]:
     """Every configured key, in order, without duplicates.
 
     Sources: each `--api-key`, the `BANYAN_API_KEY` variable (comma-separated) and a key file (one
     key per line; blank lines and lines starting with `#` skipped). An empty or malformed key in
-    any source raises ApiKeyConfigError rather than silently leaving the server open.
+    any source raises ApiKeyConfigError rather than silently leaving the server open. The admin
+    keys load the same way from `--admin-api-key` and `BANYAN_ADMIN_API_KEY`.
     """
-    keys = [_checked(k, "--api-key") for k in cli_keys]
-    if API_KEY_ENV in env:
-        keys += [_checked(k, API_KEY_ENV) for k in env[API_KEY_ENV].split(",")]
+    keys = [_checked(k, flag) for k in cli_keys]
+    if env_name in env:
+        keys += [_checked(k, env_name) for k in env[env_name].split(",")]
     if key_file is not None:
         keys += _read_key_file(key_file)
     return list(dict.fromkeys(keys))
@@ -167,6 +170,35 @@ def _bearer_token(header: str | None) -> str | None:
     if len(parts) != 2 or parts[0].lower() != "bearer":
         return None
     return parts[1]
+
+
+class AdminAuth:
+    """The admin routes' keys: kept apart from the user keys, so a user key can never administer.
+
+    `check` answers 200 (an admin key), 403 (a valid user key: known but not allowed) or 401.
+    With no admin key configured the admin routes do not exist (the caller answers 404).
+    """
+
+    def __init__(self, admin_keys: Sequence[str], users: ApiKeyAuth):
+        keys = list(dict.fromkeys(_checked(k, "--admin-api-key") for k in admin_keys))
+        self._digests = [_digest(k) for k in keys]
+        self._users = users
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def check(self, authorization_header: str | None) -> int:
+        token = _bearer_token(authorization_header)
+        presented = _digest(token or "")
+        found = False
+        for digest in self._digests:  # all compared, in constant time, as for user keys
+            found |= hmac.compare_digest(digest, presented)
+        if token and found:
+            return 200
+        if token and self._users.enabled and self._users.authenticate(authorization_header) is not None:
+            return 403
+        return 401
 
 
 # ---------------------------------------------------------------------------------- rate limits

@@ -20,7 +20,7 @@ from banyan.checkpoint import open_checkpoint
 from banyan.config import EngineConfig, ServerConfig
 from banyan.ipc.client import EngineClient
 from banyan.server.app import ServerState, build_app
-from banyan.server.auth import ApiKeyAuth, load_api_keys
+from banyan.server.auth import ADMIN_API_KEY_ENV, AdminAuth, ApiKeyAuth, ApiKeyConfigError, load_api_keys
 from banyan.server.connection import DeadlineH11Protocol
 from banyan.server.metrics import ServerMetrics
 from banyan.server.serving import OpenAIServing
@@ -65,6 +65,11 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, *, fau
     """Run until shut down; returns the process exit status."""
     keys = load_api_keys(server_config.api_key, os.environ, server_config.api_key_file)
     auth = ApiKeyAuth(keys, share_prefix_cache=server_config.share_prefix_cache)
+    admin_keys = load_api_keys(server_config.admin_api_key, os.environ, None, flag="--admin-api-key",
+                               env_name=ADMIN_API_KEY_ENV)
+    if set(admin_keys) & set(keys):
+        raise ApiKeyConfigError("an admin API key must differ from every user API key")
+    admin = AdminAuth(admin_keys, auth)
     model = engine_config.model
     tokenizer = open_checkpoint(model.model, model.trust_remote_code, model.tokenizer).tokenizer  # no torch here
     client = await EngineClient.start(engine_config, fault=fault)
@@ -73,7 +78,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, *, fau
     metrics = ServerMetrics(names[0])
     config = _with_template(server_config)
     serving = OpenAIServing(config, client, tokenizer, names, metrics)
-    state = ServerState(config, client, serving, auth, metrics)
+    state = ServerState(config, client, serving, auth, metrics, admin=admin)
     app = build_app(state)
     uv_config = uvicorn.Config(
         app,
