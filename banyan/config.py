@@ -275,6 +275,9 @@ class ServerConfig:
     max_buffered_events: int = 1024
     """Stream events held per choice for a client that reads slower than the model writes; beyond it the request
     is aborted."""
+    vllm_metric_names: bool = True
+    """Export every metric vLLM also has under its vLLM name too (vllm:..., same labels), beside banyan:..., so
+    dashboards and alerts written for vLLM work unchanged."""
 
     def __post_init__(self):
         if self.tool_call_parser != "auto" and self.tool_call_parser not in TOOL_FORMATS:

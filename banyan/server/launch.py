@@ -75,7 +75,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, *, fau
     client = await EngineClient.start(engine_config, fault=fault)
     names = (server_config.served_model_name or engine_config.model.model).split(",")
     names = [n.strip() for n in names if n.strip()]
-    metrics = ServerMetrics(names[0])
+    metrics = ServerMetrics(names[0], max_model_len=client.info.max_model_len, vllm_names=server_config.vllm_metric_names)
     config = _with_template(server_config)
     serving = OpenAIServing(config, client, tokenizer, names, metrics)
     state = ServerState(config, client, serving, auth, metrics, admin=admin)

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from banyan.ipc.messages import EngineStats
+from banyan.server.vllm_names import vllm_registry
 
 # Bucket bounds as vLLM's, so the same histogram_quantile panels read the same.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -22,11 +23,23 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 FINISHED_REASONS = ("stop", "length", "abort", "error")  # as banyan.text.outputs
 
 
+def token_buckets(max_model_len: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len (as vLLM's token-count histograms)."""
+    bounds, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > max_model_len:
+                return tuple(bounds)
+            bounds.append(float(step * scale))
+        scale *= 10
+
+
 class ServerMetrics:
     """The server's metrics for one served model; `render()` is the `/metrics` response."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, *, max_model_len: int = 8192, vllm_names: bool = True):
         self.registry = CollectorRegistry()
+        self._vllm = vllm_registry(self.registry) if vllm_names else None
         labels = ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -80,6 +93,21 @@ class ServerMetrics:
         self.queue_time = histogram(
             "request_queue_time_seconds", "Time spent waiting in the queue in seconds.",
             LATENCY_BUCKETS)
+        # a request's phases, as vLLM splits them: queued | prefill (to the first token) | decode (to the last)
+        phase = {"inference": "first scheduled to last token", "prefill": "first scheduled to first token",
+                 "decode": "first to last token"}
+        self.inference_time, self.prefill_time, self.decode_time = (
+            histogram(f"request_{name}_time_seconds", f"Time from {span} in seconds.", LATENCY_BUCKETS)
+            for name, span in phase.items())
+        lengths = token_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", lengths)
+        self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens per request.", lengths)
+        self.max_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "Most tokens any choice of one HTTP request generated.", lengths)
+        self._rejections = Counter(
+            "banyan:request_rejections", "Requests refused at admission (429 rate limit, 503 at capacity), per tenant.",
+            labels + ["tenant", "status", "code"], registry=self.registry,
+        )
 
         self._last_stats: EngineStats | None = None
 
@@ -130,12 +158,30 @@ class ServerMetrics:
         for itl in itls:
             self.itl.observe(itl)
         self.e2e.observe(e2e)
+        self.request_prompt_tokens.observe(max(0, prompt_tokens))
+        self.request_generation_tokens.observe(max(0, generation_tokens))
         if queue_time is not None:
             self.queue_time.observe(queue_time)
+            self.inference_time.observe(max(0.0, e2e - queue_time))
+            if ttft is not None:
+                self.prefill_time.observe(max(0.0, ttft - queue_time))
+        if ttft is not None:
+            self.decode_time.observe(max(0.0, e2e - ttft))
+
+    def observe_max_generation_tokens(self, num_tokens: int) -> None:
+        """Once per HTTP request: the most tokens any of its choices generated (vLLM's n > 1 view)."""
+        self.max_generation_tokens.observe(max(0, num_tokens))
+
+    def observe_rejection(self, tenant_id: str, status: int, code: str) -> None:
+        """A request refused at admission; tenant ids are the configured keys' ids (bounded)."""
+        self._rejections.labels(self.model_name, tenant_id, str(status), code).inc()
 
     def render(self) -> tuple[bytes, str]:
-        """The `/metrics` body and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """The `/metrics` body and its content type: banyan's names, then vLLM's (unless turned off)."""
+        body = generate_latest(self.registry)
+        if self._vllm is not None:
+            body += generate_latest(self._vllm)
+        return body, CONTENT_TYPE_LATEST
 
 
 def growth(now: int, before: int) -> int:

@@ -133,9 +133,11 @@ class OpenAIServing:
 
     def _admit(self, tenant: Tenant, num_tokens: int, num_requests: int) -> None:
         if self.client.num_in_flight + num_requests > self.config.max_queued_requests:
+            self.metrics.observe_rejection(tenant.tenant_id, 503, "server_overloaded")
             raise APIError(503, "the server is at capacity; retry shortly", type="server_error", code="server_overloaded", retry_after=1)
         wait = self.limiter.check(tenant.tenant_id, num_tokens)
         if wait is not None:
+            self.metrics.observe_rejection(tenant.tenant_id, 429, "rate_limit_exceeded")
             raise APIError(429, "rate limit reached for this API key", type="rate_limit_error", code="rate_limit_exceeded", retry_after=wait)
 
     # -- text work off the loop -----------------------------------------------------------------
@@ -264,6 +266,8 @@ class OpenAIServing:
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def _record(self, gen: Generation) -> None:
+        if any(c.token_times for c in gen.choices):
+            self.metrics.observe_max_generation_tokens(max(len(c.seq.token_ids) for c in gen.choices))
         for c in gen.choices:
             if not c.token_times:
                 continue
