@@ -50,6 +50,10 @@ class SamplingParams:
     logprobs: int | None = None
     """Top log-probabilities to return per output token (plus the chosen one)."""
     prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
+    """With prompt_logprobs: the first prompt position whose log-probability is wanted (SGLang's
+    logprob_start_len). Earlier positions report None and may come from the prefix cache; the default 0
+    computes every position, so such a request skips the cache (cached positions have no logits)."""
     logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -100,6 +104,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check_int(name, value, 0, MAX_LOGPROBS)
+        _check_int("prompt_logprobs_start", self.prompt_logprobs_start, 0, INT64_MAX)
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidParameterError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:

@@ -264,10 +264,16 @@ class Scheduler:
         self.kv.trim(request.request_id, request.num_computed_tokens)
 
     def _cached_prefix(self, request: Request) -> PrefixMatch:
-        if request.prompt_logprobs is not None:
-            return PrefixMatch([], 0)  # cached positions have no logits to report
         # Never match the whole sequence: the last token must run to produce logits.
-        return self.kv.match_prefix(request.all_token_ids[: request.num_tokens - 1], self._namespace(request))
+        limit = request.num_tokens - 1
+        if request.prompt_logprobs is not None:
+            # Token i's log-probability comes from position i - 1's logits, and cached positions have none:
+            # the cache may serve only what lies before the first position still wanted.
+            wanted = max(request.sampling_params.prompt_logprobs_start, len(request.prompt_logprobs))
+            limit = min(limit, wanted - 1)
+        if limit <= 0:
+            return PrefixMatch([], 0)
+        return self.kv.match_prefix(request.all_token_ids[:limit], self._namespace(request))
 
     def _shareable_tokens(self, request: Request) -> int:
         """Prompt tokens a sibling could take from the cache: whole pages, short of the last token."""
@@ -281,6 +287,9 @@ class Scheduler:
             self.stats.prefix_query_tokens += request.num_prompt_tokens
             self.stats.prefix_hit_tokens += num_cached
         request.num_computed_tokens = num_cached
+        if request.prompt_logprobs is not None and len(request.prompt_logprobs) <= num_cached:
+            # positions served by the cache lie before prompt_logprobs_start: reported as None
+            request.prompt_logprobs.extend([None] * (num_cached + 1 - len(request.prompt_logprobs)))
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
