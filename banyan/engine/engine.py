@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 from banyan.config import EngineConfig
 from banyan.engine.grammar import Grammars
-from banyan.engine.stats import EngineSnapshot
+from banyan.engine.stats import EngineSnapshot, KvCensus
 from banyan.errors import ContextLengthExceededError, InvalidParameterError
-from banyan.kv_cache import KVCacheManager
+from banyan.kv_cache import KVCacheIntegrityError, KVCacheManager
 from banyan.models.registry import get_model_class
 from banyan.request import Request, RequestDelta, RequestStatus
 from banyan.runner.model_runner import ModelRunner, RunnerLimits
@@ -137,6 +137,19 @@ class Engine:
             grammar_cache_evictions=grammars.get("evictions", 0),
             **self._spec_stats(),
         )
+
+    def kv_census(self) -> KvCensus:
+        """Run the cache's integrity check and count its pages (for GET /admin/kv; O(pages))."""
+        try:
+            self.kv.check_integrity()
+            error = None
+        except KVCacheIntegrityError as e:
+            error = str(e)
+        kv, sched = self.kv.stats(), self.scheduler
+        return KvCensus(num_pages=kv.num_pages, num_free=kv.num_free, num_in_use=kv.num_in_use,
+                        num_cached=kv.num_cached, num_locked=self.kv.num_locked_pages(),
+                        num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.waiting_for_grammar),
+                        integrity_error=error)
 
     def _spec_stats(self) -> dict:
         """SpecStats as the snapshot's spec_* fields (none without speculation: they stay zero)."""

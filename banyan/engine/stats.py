@@ -24,3 +24,19 @@ class EngineSnapshot(msgspec.Struct, kw_only=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)  # [j]: draft j + 1 accepted
+
+
+class KvCensus(msgspec.Struct, kw_only=True):
+    """The KV pages counted one by one, after `check_integrity` ran (GET /admin/kv).
+
+    num_pages == num_free + num_in_use + num_cached; num_locked of the in-use pages are radix-tree pages a
+    request holds. Idle (nothing running or waiting) num_in_use is 0: any other value is a leaked page."""
+
+    num_pages: int
+    num_free: int
+    num_in_use: int  # held by at least one request (running, or preempted mid-way: none after free)
+    num_cached: int  # in the radix tree, held by no request (evictable)
+    num_locked: int  # in the radix tree and held by a request
+    num_running: int
+    num_waiting: int
+    integrity_error: str | None = None  # None: check_integrity passed

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import inspect
+import itertools
 import logging
 import os
 import shutil
@@ -72,6 +73,8 @@ class EngineClient:
         self.stats: m.EngineStats | None = None
         self.on_death: list[Callable[[str], object]] = []  # called once with the reason; may be async
         self._streams: dict[str, asyncio.Queue] = {}
+        self._kv_queries: dict[int, asyncio.Future] = {}  # query id -> the KvReport to come
+        self._query_ids = itertools.count()
         self._dead: str | None = None
         self._closing = False
         self._shutdown_task: asyncio.Task | None = None
@@ -173,6 +176,19 @@ class EngineClient:
         if request_ids and self.is_alive():
             self._send(m.AbortRequests(list(request_ids)))
 
+    async def kv_report(self, timeout: float = 10.0) -> m.KvReport:
+        """The core's KV cache, integrity-checked and counted between two steps; EngineDeadError if it is gone,
+        asyncio.TimeoutError if it does not answer in time (a wedged core)."""
+        if not self.is_alive():
+            raise EngineDeadError(self._dead or "the engine is not running")
+        query_id = next(self._query_ids)
+        future = self._kv_queries[query_id] = asyncio.get_running_loop().create_future()
+        try:
+            self._send(m.KvQuery(query_id))
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._kv_queries.pop(query_id, None)
+
     def _send(self, msg: m.ToCore) -> None:
         # Never awaited: the send goes out at once or queues in order, and a dead peer cannot block a
         # caller (its stream fails through the reader instead).
@@ -227,6 +243,10 @@ class EngineClient:
                 self._route(delta.request_id, item, delta.finish_reason is not None)
         elif isinstance(msg, m.EngineStats):
             self._on_stats(msg)
+        elif isinstance(msg, m.KvReport):
+            future = self._kv_queries.get(msg.query_id)
+            if future is not None and not future.done():
+                future.set_result(msg)
         elif isinstance(msg, m.Ready):
             self._stats_at = self._progress_at = time.monotonic()  # the heartbeat clock starts now
             if not self._ready.done():
@@ -274,6 +294,9 @@ class EngineClient:
         for queue in self._streams.values():
             queue.put_nowait(EngineDeadError(reason))
         self._streams.clear()
+        for future in self._kv_queries.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
 
 
 def _spawn(config: EngineConfig, ipc_dir: str, fault: str | None) -> subprocess.Popen:

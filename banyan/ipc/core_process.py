@@ -8,7 +8,7 @@ life. The loop, one turn:
 
     1. drain every pending input message (block up to IDLE_WAIT_MS only when there is no work)
     2. AddRequest -> engine.add_request (a bad request fails alone: a delta with its error), AbortRequests
-       (the aborted requests' last deltas), Shutdown
+       (the aborted requests' last deltas), KvQuery (a KvReport: integrity checked, pages counted), Shutdown
     3. one engine step -> one StepOutputs with every request's delta (one that failed carries its error)
     4. EngineStats every STATS_INTERVAL seconds, busy or idle (the client's heartbeat)
 
@@ -104,6 +104,9 @@ class EngineCore:
             self._add(msg)
         elif isinstance(msg, m.AbortRequests):
             self._abort(msg.request_ids)
+        elif isinstance(msg, m.KvQuery):
+            census = self.engine.kv_census()
+            self.send(m.KvReport(query_id=msg.query_id, **msgspec.structs.asdict(census)))
         elif isinstance(msg, m.Shutdown):
             logger.info("shutdown requested")
             self.stopping = True

@@ -4,8 +4,8 @@ Never pickle: decoding a message builds only these types (and the dataclasses th
 peer on the socket can send data, never code. A request's data crosses once (AddRequest); after
 that only per-step deltas come back, batched per step.
 
-    server -> core:  AddRequest | AbortRequests | Shutdown
-    core -> server:  Ready | StepOutputs | EngineStats | EngineDead
+    server -> core:  AddRequest | AbortRequests | KvQuery | Shutdown
+    core -> server:  Ready | StepOutputs | EngineStats | KvReport | EngineDead
 
 A request that fails, at once or mid-generation, ends with a delta whose `error` says why.
 """
@@ -16,7 +16,7 @@ from typing import Union
 
 import msgspec
 
-from banyan.engine.stats import EngineSnapshot
+from banyan.engine.stats import EngineSnapshot, KvCensus
 from banyan.request import RequestDelta
 from banyan.sampling_params import SamplingParams
 
@@ -33,6 +33,12 @@ class AddRequest(msgspec.Struct, tag=True):
 
 class AbortRequests(msgspec.Struct, tag=True):
     request_ids: list[str]
+
+
+class KvQuery(msgspec.Struct, tag=True):
+    """Check the KV cache's integrity and count its pages now (between two steps); answered by a KvReport."""
+
+    query_id: int
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -67,14 +73,20 @@ class EngineStats(EngineSnapshot, tag=True, kw_only=True):
     num_steps: int  # grows while the core makes progress: a wedged core stops counting
 
 
+class KvReport(KvCensus, tag=True, kw_only=True):
+    """The answer to the KvQuery with the same query_id."""
+
+    query_id: int
+
+
 class EngineDead(msgspec.Struct, tag=True):
     """The core hit a fatal error and is exiting; every in-flight request has failed."""
 
     message: str
 
 
-ToCore = Union[AddRequest, AbortRequests, Shutdown]
-FromCore = Union[Ready, StepOutputs, EngineStats, EngineDead]
+ToCore = Union[AddRequest, AbortRequests, KvQuery, Shutdown]
+FromCore = Union[Ready, StepOutputs, EngineStats, KvReport, EngineDead]
 
 
 def encoder() -> msgspec.msgpack.Encoder:

@@ -92,6 +92,10 @@ class KVCacheManager:
         num_in_use = self.num_pages - num_free - num_cached
         return CacheStats(self.num_pages, num_free, num_cached, num_in_use, num_in_use / self.num_pages)
 
+    def num_locked_pages(self) -> int:
+        """Pages in the radix tree that some request holds (locked: never evictable while it does)."""
+        return self._tree.num_cached_pages - self._tree.num_evictable_pages
+
     # -- mutations ----------------------------------------------------------------------------
     def allocate_slots(self, request_id: str, num_tokens: int, prefix: PrefixMatch | None = None) -> bool:
         """Make the request hold pages for its first num_tokens tokens (ceil(num_tokens/page_size) pages).

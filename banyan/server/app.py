@@ -13,11 +13,13 @@ Handlers read the body themselves (bounded, streamed bodies included) and parse 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import uuid
 from dataclasses import dataclass, field
 
+import msgspec
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -25,7 +27,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from banyan import __version__
 from banyan.config import ServerConfig
-from banyan.ipc.client import EngineClient
+from banyan.ipc.client import EngineClient, EngineDeadError
 from banyan.server import openapi
 from banyan.server.auth import ANONYMOUS, AdminAuth, ApiKeyAuth, Tenant
 from banyan.server.errors import APIError, error_body, parse_json_body
@@ -169,6 +171,19 @@ def build_app(state: ServerState) -> FastAPI:
             state.metrics.update_from_engine_stats(state.client.stats)
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
+
+    @app.get("/admin/kv", **openapi.route_docs(openapi.KvReportResponse, errors=(401, 403, 404, 503), description=(
+        "Admin key only. The engine core checks its KV cache's integrity (free + cached + in use == total, ref counts "
+        "agree with their holders) between two steps and counts the pages.")))
+    async def admin_kv() -> dict:
+        try:
+            report = await state.client.kv_report()
+        except (EngineDeadError, asyncio.TimeoutError):
+            raise APIError(503, "the engine core did not answer", type="server_error", code="engine_unavailable",
+                           retry_after=5) from None
+        census = msgspec.structs.asdict(report)
+        del census["query_id"]
+        return census | {"integrity": "ok" if report.integrity_error is None else "broken"}
 
     @app.post("/v1/completions", **openapi.route_docs(openapi.CompletionResponse, errors=openapi.POST_ERRORS, stream=True))
     async def completions(request: Request) -> Response:

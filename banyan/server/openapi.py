@@ -161,11 +161,30 @@ class VersionResponse(BaseModel):
     version: str
 
 
+class KvReportResponse(BaseModel):
+    """The KV cache after its integrity check: num_pages == num_free + num_in_use + num_cached; idle, num_in_use
+    is 0 (anything else is a leaked page)."""
+
+    num_pages: int
+    num_free: int
+    num_in_use: int
+    """Held by at least one request."""
+    num_cached: int
+    """In the radix tree, held by no request (evictable)."""
+    num_locked: int
+    """In the radix tree and held by a request."""
+    num_running: int
+    num_waiting: int
+    integrity: Literal["ok", "broken"]
+    integrity_error: str | None
+
+
 # -- per route ---------------------------------------------------------------------------------------
 _ERRORS = {
     400: "invalid request: `param` names the field",
     401: "missing or wrong API key",
-    404: "unknown model (`code`: model_not_found)",
+    403: "a user key on an admin route",
+    404: "unknown model (`code`: model_not_found); an admin route on a server without --admin-api-key",
     413: "body over --max-body-bytes",
     429: "rate limit of the API key reached (Retry-After)",
     500: "internal error",
