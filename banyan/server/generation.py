@@ -28,8 +28,10 @@ from dataclasses import dataclass, field, replace
 from banyan.frontend.prepare import fan_out
 from banyan.ipc.client import EngineClient
 from banyan.ipc.messages import AddRequest
+from banyan.request import Slo
 from banyan.sampling_params import SamplingParams
-from banyan.text.output_processor import SequenceState, best_of
+from banyan.text.output_processor import SequenceState, best_of, to_position_logprobs
+from banyan.text.outputs import PositionLogprobs
 
 logger = logging.getLogger("banyan.server")
 
@@ -51,6 +53,7 @@ class Choice:
     queue_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished: bool = False
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # per prompt position, when the request asked
 
 
 @dataclass
@@ -79,9 +82,11 @@ class Generation:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        slo: Slo | None = None,
         max_buffered_events: int = MAX_BUFFERED_EVENTS,
     ):
         self.client = client
+        self.tokenizer = tokenizer
         self.prompts = prompts
         self._event_cap = max_buffered_events * len(prompts) * params.num_sequences
         self.slow_reader = False
@@ -98,7 +103,7 @@ class Generation:
                 index = p * n + s.index
                 choice = Choice(index, s.request_id, p, SequenceState(index, s.params, tokenizer, prompt), now)
                 add = AddRequest(s.request_id, prompt, s.params, arrival_time=now, priority=priority,
-                                 cache_salt=cache_salt, group_id=s.group_id)
+                                 cache_salt=cache_salt, group_id=s.group_id, slo=slo)
                 self.choices.append(choice)
                 self._tasks.append(asyncio.ensure_future(self._pump(choice, add)))
 
@@ -110,6 +115,9 @@ class Generation:
                     if delta.queue_time is not None:
                         choice.queue_time = delta.queue_time
                         choice.num_cached_tokens = delta.num_cached_tokens
+                    if delta.prompt_logprobs is not None:
+                        choice.prompt_logprobs = [None if lp is None else to_position_logprobs(lp, self.tokenizer)
+                                                  for lp in delta.prompt_logprobs]
                     text, stopped = choice.seq.apply(delta)
                     if self._queue.qsize() >= self._event_cap:
                         raise SlowReaderError("the client is not reading the stream")

@@ -117,9 +117,16 @@ class _SamplingFields(RequestModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     """One prompt or a batch of them, as text or token ids."""
-    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)
+    """0 with echo: score the prompt without generating (the prompt's log-probabilities, as vLLM)."""
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
+    """The prompt before the completion; with logprobs, the prompt's positions too (the first one null)."""
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    """vLLM's: each choice's `prompt_logprobs`, per prompt position (null first) the prompt token and the top ones."""
+    prompt_logprobs_start: int = Field(0, ge=0, le=INT64_MAX)
+    """banyan's (SGLang's logprob_start_len): prompt positions before it report null and may come from the
+    prefix cache; without it a request for prompt log-probabilities computes its whole prompt."""
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     """Completions to generate, of which the n with the highest cumulative log-probability are returned
@@ -157,11 +164,26 @@ class CompletionRequest(_SamplingFields):
     def _supported(self) -> CompletionRequest:
         if self.suffix is not None:
             raise InvalidParameterError("suffix", "is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidParameterError("max_tokens", "0 is only allowed with echo (scoring the prompt)")
         if self.best_of is not None and self.best_of < self.n:
             raise InvalidParameterError("best_of", f"must be >= n ({self.n}), got {self.best_of}")
         if self.best_of is not None and self.best_of > self.n and self.stream:
             raise InvalidParameterError("best_of", "cannot be used with stream: the best are known only at the end")
         return self
+
+    @property
+    def scores_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt and its log-probabilities, nothing generated."""
+        return self.max_tokens == 0
+
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        """Top log-probabilities per prompt position the engine computes: prompt_logprobs's, and with echo
+        and logprobs the echoed prompt's."""
+        echoed = self.logprobs if self.echo else None
+        given = [k for k in (self.prompt_logprobs, echoed) if k is not None]
+        return max(given) if given else None
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -307,8 +329,10 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *,
     if isinstance(request, ChatCompletionRequest):
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    else:
-        max_tokens, logprobs = request.max_tokens, request.logprobs
+        prompt_logprobs = None
+    else:  # max_tokens 0 (echo, scores only): the engine samples one token, which the answer leaves out
+        max_tokens, logprobs = (1 if request.scores_only else request.max_tokens), request.logprobs
+        prompt_logprobs = request.wanted_prompt_logprobs
     optional = {name: getattr(request, name) for name in (
         "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")}
     return SamplingParams(
@@ -321,6 +345,8 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *,
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         min_tokens=request.min_tokens,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        prompt_logprobs_start=getattr(request, "prompt_logprobs_start", 0),
         logit_bias={int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None,
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens,

@@ -13,7 +13,9 @@ import uuid
 from collections.abc import AsyncIterator
 
 from banyan.server.generation import Choice, Generation
-from banyan.server.logprobs import chat_logprobs, completion_logprobs
+from banyan.server.logprobs import (
+    chat_logprobs, completion_logprobs, echoed_prompt_logprobs, joined, vllm_prompt_logprobs,
+)
 from banyan.tools import ToolCalling, ToolCallParser
 
 
@@ -59,11 +61,18 @@ class _Render:
                 chunk["usage"] = usage(self.gen, self.gen.read_completion_tokens)
             yield chunk
         if options and (options.include_usage or options.continuous_usage_stats):
-            yield self._head([]) | {"usage": usage(self.gen)}
+            yield self._head([]) | {"usage": usage(self.gen, self.completion_tokens())}
+
+    def completion_tokens(self) -> int | None:
+        """The answer's completion tokens when they differ from what the engine generated (None: those)."""
+        return None
 
 
 class CompletionRender(_Render):
-    """/v1/completions bodies and chunks; `prompt_texts`: each prompt's text, when the request echoes it."""
+    """/v1/completions bodies and chunks; `prompt_texts`: each prompt's text, when the request echoes it.
+
+    With max_tokens 0 (echo, scores only) the engine sampled one token that the answer leaves out: the
+    text is the prompt, the logprobs the prompt's, finish_reason "length", no completion tokens."""
 
     id_prefix = "cmpl"
     chunk_object = "text_completion"
@@ -72,35 +81,58 @@ class CompletionRender(_Render):
         super().__init__(gen, req, tokenizer, model)
         self.prompt_texts = prompt_texts
 
-    def _logprobs(self, c: Choice):
-        if self.req.logprobs is None:
+    def _echo(self, c: Choice) -> tuple[str, dict | None]:
+        """The echoed prompt's text and (with logprobs) its positions."""
+        if not self.prompt_texts:
+            return "", None
+        logprobs = None
+        if self.req.logprobs is not None and c.prompt_logprobs is not None:
+            logprobs = echoed_prompt_logprobs(self.gen.prompts[c.prompt_index], c.prompt_logprobs, self.tokenizer,
+                                              self.req.logprobs)
+        return self.prompt_texts[c.prompt_index], logprobs
+
+    def _logprobs(self, c: Choice, start: int = 0, end: int | None = None, offset: int = 0):
+        if self.req.logprobs is None or self.req.scores_only:
             return None
-        return completion_logprobs(c.seq, self.tokenizer, self.req.logprobs)
+        return completion_logprobs(c.seq, self.tokenizer, self.req.logprobs, start, end, offset)
+
+    def _choice(self, c: Choice, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+        choice = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_logprobs)
+        return choice
 
     def response(self) -> dict:
         choices = []
         for c in self.gen.returned(self.req.n):
-            echo = self.prompt_texts[c.prompt_index] if self.prompt_texts else ""
-            choices.append({"index": c.index, "text": echo + c.seq.text, "logprobs": self._logprobs(c),
-                            "finish_reason": c.seq.finish_reason, "stop_reason": c.seq.stop_reason})
-        return self._head(choices) | {"usage": usage(self.gen)}
+            echo, echo_logprobs = self._echo(c)
+            text = echo if self.req.scores_only else echo + c.seq.text
+            logprobs = joined(echo_logprobs, self._logprobs(c, offset=len(echo)))
+            finish_reason = "length" if self.req.scores_only else c.seq.finish_reason
+            choices.append(self._choice(c, text, logprobs, finish_reason) | {"stop_reason": c.seq.stop_reason})
+        return self._head(choices) | {"usage": usage(self.gen, self.completion_tokens())}
+
+    def completion_tokens(self) -> int | None:
+        return 0 if self.req.scores_only else None
 
     async def chunks(self) -> AsyncIterator[dict]:
-        echoed: set[int] = set()
+        echoed: dict[int, int] = {}  # choice index -> length of its echoed prompt
         sent = {c.index: 0 for c in self.gen.choices}  # logprob positions already sent
         async for event in self.gen.events():
             if event.error is not None:
                 raise event.error
-            c, text = event.choice, event.text
+            c, text, logprobs = event.choice, event.text, None
+            finish_reason = event.finish_reason
+            if self.req.scores_only:
+                text, finish_reason = "", "length" if finish_reason else None
             if self.prompt_texts and c.index not in echoed:
-                echoed.add(c.index)
-                text = self.prompt_texts[c.prompt_index] + text
-            logprobs = None
+                echo, logprobs = self._echo(c)
+                echoed[c.index], text = len(echo), echo + text
             if self.req.logprobs is not None:
-                logprobs = completion_logprobs(c.seq, self.tokenizer, self.req.logprobs, sent[c.index], event.num_tokens)
+                logprobs = joined(logprobs, self._logprobs(c, sent[c.index], event.num_tokens, echoed.get(c.index, 0)))
                 sent[c.index] = event.num_tokens
-            if text or logprobs or event.finish_reason:
-                yield self._head([{"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": event.finish_reason}])
+            if text or logprobs or finish_reason:
+                yield self._head([self._choice(c, text, logprobs, finish_reason)])
 
 
 class ChatRender(_Render):
