@@ -1,11 +1,12 @@
 """banyan: an LLM inference and serving engine."""
 
 from banyan.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from banyan.lora.request import LoRARequest
 from banyan.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "ModelConfig", "CacheConfig", "SchedulerConfig"]
+__all__ = ["LLM", "SamplingParams", "LoRARequest", "EngineConfig", "ModelConfig", "CacheConfig", "SchedulerConfig"]
 
 
 def __getattr__(name):

@@ -208,10 +208,27 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT's layout) on top of the model: each request may run with its own (docs/lora.md)."""
+    max_loras: int = 1
+    """LoRA adapters resident at once, their weights preallocated; others are swapped in, least recently used out."""
+    max_lora_rank: int = 16
+    """Largest adapter rank accepted (every slot is sized for it)."""
+
+    def __post_init__(self):
+        if self.max_loras < 1:
+            raise InvalidParameterError("max_loras", f"must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise InvalidParameterError("max_lora_rank", f"must be >= 1, got {self.max_lora_rank}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig | None = None
     """Speculative decoding (`speculative_config`, vLLM's JSON object); None: off, every step is the plain path."""
 

@@ -71,6 +71,17 @@ class UnsupportedModelError(ModelLoadError):
     """The checkpoint's architecture is not one banyan implements."""
 
 
+class LoRAAdapterError(InvalidRequestError):
+    """A LoRA adapter that cannot be used: missing files, a pickle, wrong shapes, a rank above max_lora_rank,
+    unknown target modules; or LoRA asked of an engine without it. The message names the problem."""
+
+    code = "invalid_lora_adapter"
+
+    def __init__(self, message: str, param: str = "lora_request"):
+        super().__init__(message)
+        self.param = param
+
+
 class CacheCapacityError(InvalidRequestError):
     """A request needs more KV pages than the whole cache holds."""
 

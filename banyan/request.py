@@ -110,6 +110,8 @@ class Request:
         )
         self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
         self.generator: Any = None  # per-request torch.Generator, made by the sampler when seeded
+        self.lora_id = 0  # the LoRA adapter it runs with (lora_int_id; 0: the base model), set by the engine
+        self.lora_namespace: Any = None  # that adapter's identity, joined to cache_salt in the prefix cache
 
     # -- tokens -------------------------------------------------------------------------------
     @property

@@ -8,6 +8,7 @@ validated requests and read the same `RequestDelta`s back.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import logging
 import time
@@ -16,8 +17,11 @@ from collections.abc import Callable, Iterable, Sequence
 from banyan.config import EngineConfig
 from banyan.engine.grammar import Grammars
 from banyan.engine.stats import EngineSnapshot, KvCensus
-from banyan.errors import ContextLengthExceededError, InvalidParameterError
+from banyan.errors import CacheCapacityError, ContextLengthExceededError, InvalidParameterError, LoRAAdapterError
 from banyan.kv_cache import KVCacheIntegrityError, KVCacheManager
+from banyan.lora.request import LoRARequest
+from banyan.lora.resident import ResidentAdapters
+from banyan.lora.weights import load_adapter_weights
 from banyan.models.registry import get_model_class
 from banyan.request import Request, RequestDelta, RequestStatus
 from banyan.runner.model_runner import ModelRunner, RunnerLimits
@@ -44,10 +48,13 @@ class Engine:
         self.eos_token_ids = eos_token_ids(source)
         sched = config.scheduler
         limits = RunnerLimits(sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len)
-        self.runner = runner_factory(config.model, config.cache, source, limits)
+        lora = config.lora if config.lora.enable_lora else None
+        self.runner = runner_factory(config.model, config.cache, source, limits, **({"lora_config": lora} if lora else {}))
+        self.adapters = None if lora is None else ResidentAdapters(  # LoRA: which adapters hold the weight slots
+            lora.max_loras, lora.max_lora_rank, self.arch, functools.partial(load_adapter_weights, dtype=self.runner.dtype))
         self.kv = KVCacheManager(self.runner.num_pages, config.cache.block_size, config.cache.enable_prefix_caching)
         self.speculator = Speculator(config.speculative) if config.speculative is not None else None
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.speculator)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.speculator, self.adapters)
         self._spec_logged = (time.monotonic(), self.speculator.stats.copy() if self.speculator is not None else None)
         self.grammars = Grammars(
             config.model.structured_output_backend, self.tokenizer, self.arch.vocab_size, self.eos_token_ids,
@@ -69,6 +76,7 @@ class Engine:
         priority: int = 0,
         cache_salt: str | None = None,
         group_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validate and queue one sequence (n > 1 is fanned out by the frontend)."""
         if request_id in self.scheduler.requests:
@@ -89,8 +97,21 @@ class Engine:
         )
         if sampling_params.structured_outputs is not None:  # first: a backend that fails to load queues nothing
             self.grammars.start(request)
-        self.scheduler.add_request(request)
+        if lora_request is not None:
+            self._use_adapter(request, lora_request)
+        try:
+            self.scheduler.add_request(request)
+        except CacheCapacityError:
+            if request.lora_id:
+                self.adapters.forget(request)
+            raise
         return request
+
+    def _use_adapter(self, request: Request, lora_request: LoRARequest) -> None:
+        """The request runs with this LoRA adapter: checked now (LoRAAdapterError), its tensors read off the loop."""
+        if self.adapters is None:
+            raise LoRAAdapterError("LoRA is not enabled on this engine (enable_lora=True, --enable-lora)")
+        self.adapters.track(request, lora_request)
 
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
         """Raise a typed error for an empty, out-of-vocabulary or too long prompt."""
@@ -170,8 +191,10 @@ class Engine:
         return str(self.runner.dtype).removeprefix("torch.")
 
     def close(self) -> None:
-        """Stop the grammar compile threads (queued compiles are cancelled). Idempotent."""
+        """Stop the grammar compile threads and the LoRA loader (queued work is cancelled). Idempotent."""
         self.grammars.close()
+        if self.adapters is not None:
+            self.adapters.close()
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
@@ -180,8 +203,10 @@ class Engine:
         batch = self.scheduler.schedule()
         ended = [make_delta(request) for request in batch.finished]  # never ran
         if batch.is_empty:
-            if not ended:  # only grammars compiling: wait for one rather than spin
+            if not ended:  # only grammars compiling or adapters loading: wait for one rather than spin
                 self.grammars.wait(self.scheduler.waiting_for_grammar, timeout=0.01)
+                if self.adapters is not None:
+                    self.adapters.wait(timeout=0.01)
             return ended
         result = self._execute(batch)
         advanced = self.scheduler.update(batch, result)

@@ -14,6 +14,7 @@ from banyan.config import DEFAULT_MODEL, EngineConfig
 from banyan.config_args import config_from_kwargs
 from banyan.errors import InvalidParameterError
 from banyan.frontend.prepare import ChatInput, fan_out, prepare_chat
+from banyan.lora.request import LoRARequest
 from banyan.request import RequestStatus
 from banyan.sampling_params import SamplingParams
 from banyan.text.output_processor import OutputProcessor, PromptState, SequenceState
@@ -62,16 +63,19 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order. lora_request: the LoRA adapter of
+        every prompt, or one per prompt (None: the base model); the engine needs enable_lora=True."""
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
         priorities = _per_prompt(priority if priority is not None else 0, len(prompts), "priority")
+        adapters = _per_prompt(lora_request, len(prompts), "lora_request")
         processor = OutputProcessor(self.tokenizer)
         request_ids = []
         try:
-            for prompt, sp, prio in zip(prompts, params, priorities):
-                request_ids.append(self._add(processor, prompt, sp, prio))
+            for prompt, sp, prio, lora in zip(prompts, params, priorities, adapters):
+                request_ids.append(self._add(processor, prompt, sp, prio, lora))
             self._run(processor, len(request_ids), use_tqdm)
         except BaseException:
             self.engine.abort_requests(processor.unfinished_request_ids())
@@ -135,15 +139,16 @@ class LLM:
             self.engine.abort_requests(processor.unfinished_request_ids())
 
     # -- internals ----------------------------------------------------------------------------
-    def _add(self, processor: OutputProcessor, prompt: PromptInput, params: SamplingParams, priority: int) -> str:
+    def _add(self, processor: OutputProcessor, prompt: PromptInput, params: SamplingParams, priority: int,
+             lora_request: LoRARequest | None = None) -> str:
         text, token_ids = self._tokenize(prompt)
         request_id = str(next(self._ids))
         sequences = fan_out(request_id, params)
         self.engine.check_prompt(token_ids)
         states = [SequenceState(s.index, params, self.tokenizer, token_ids) for s in sequences]
         processor.add(PromptState(request_id, text, token_ids, states, metrics=None), [s.request_id for s in sequences])
-        requests = [self.engine.add_request(s.request_id, token_ids, s.params, priority=priority, group_id=s.group_id)
-                    for s in sequences]
+        requests = [self.engine.add_request(s.request_id, token_ids, s.params, priority=priority, group_id=s.group_id,
+                                            lora_request=lora_request) for s in sequences]
         processor.prompts[request_id].metrics = requests[0].metrics
         return request_id
 

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from banyan.config import CacheConfig, ModelConfig, default_num_threads
+from banyan.config import CacheConfig, LoRAConfig, ModelConfig, default_num_threads
 from banyan.errors import InvalidParameterError
 from banyan.layers.attention import AttentionBackend, get_attention_backend
 from banyan.layers.attention.base import FP8
 from banyan.layers.sampler import Sampler, compute_prompt_logprobs, request_generator, target_distribution
+from banyan.lora.layers import LoRAGroups, LoRAModel
 from banyan.models.registry import get_model_class
 from banyan.quantization.formats import FP16
 from banyan.quantization import (default_method, finish_loading, model_weight_bytes, plan_formats, quantize_linears,
@@ -46,7 +47,8 @@ class RunnerLimits:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, source: ModelSource, limits: RunnerLimits):
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, source: ModelSource, limits: RunnerLimits,
+                 lora_config: LoRAConfig | None = None):
         self.arch = source.arch
         self.limits = limits
         self.device = resolve_device(model_config.device)
@@ -57,6 +59,8 @@ class ModelRunner:
             torch.set_num_threads(model_config.num_threads or default_num_threads())
         self.attn = _attention_backend(model_config.attention_backend, self.device, self.kv_dtype)
         self.model = self._load_model(source, model_config)
+        self.lora = None if lora_config is None else LoRAModel.install(  # before the KV pool is sized: memory
+            self.model, lora_config.max_loras, lora_config.max_lora_rank, self.dtype, self.device)
         self.capacity = self._kv_capacity(cache_config)
         logger.info("%s", self.capacity.describe())
         self.num_pages = self.capacity.num_pages
@@ -150,12 +154,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepResult:
         fb, plan = self._prepare(batch)
-        hidden = self._forward(fb)  # [num_tokens, hidden]
+        hidden = self._forward(fb, self.lora.prepare(batch) if self.lora is not None else None)  # [num_tokens, hidden]
         masks = self._grammar_masks(plan)  # on a GPU, filled on the CPU while the forward runs
         logits = self.model.compute_logits(hidden[fb.logits_indices])  # [num_logits, vocab] fp32
         return self._sample(logits, plan, masks)
 
-    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+    def _forward(self, fb: ForwardBatch, lora: LoRAGroups | None = None) -> torch.Tensor:
+        """lora: the rows that run LoRA adapters this step (None: every row runs the base model)."""
+        if lora is not None:
+            with self.lora.bound(lora):
+                return self.model(fb, self.kv_caches)
         if self.decode_graphs is not None and self.decode_graphs.fits(fb):
             return self.decode_graphs.run(fb)
         return self.model(fb, self.kv_caches)

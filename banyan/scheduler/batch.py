@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from banyan.request import Request
 
@@ -53,6 +54,10 @@ class Batch:
     preempted: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
     """Ended before running (a grammar that failed to compile, or forced the whole output): reported, never run."""
+    lora_slots: dict[int, int] = field(default_factory=dict)
+    """LoRA: adapter id -> the weight slot it sits in (every scheduled request's adapter is there)."""
+    lora_loads: list[tuple[int, Any]] = field(default_factory=list)
+    """LoRA: (slot, adapter tensors) to copy in before this step's forward (read from disk off the step loop)."""
 
     @property
     def is_empty(self) -> bool:

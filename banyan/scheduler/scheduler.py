@@ -48,6 +48,7 @@ from banyan.scheduler.policy import SchedulingPolicy
 from banyan.structured.backend import guarded
 
 if TYPE_CHECKING:
+    from banyan.lora.resident import ResidentAdapters
     from banyan.spec.speculator import Speculator
 
 
@@ -62,8 +63,9 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 speculator: Speculator | None = None):
+                 speculator: Speculator | None = None, adapters: ResidentAdapters | None = None):
         self.config = config
+        self.adapters = adapters  # None: LoRA off; else a request runs once its adapter holds a slot
         self.speculator = speculator  # None: speculation off
         self.kv = kv
         self.max_model_len = max_model_len
@@ -133,6 +135,8 @@ class Scheduler:
             i += 1
         if not batch.preempted:  # short of pages: admitting more would only thrash
             self._admit_waiting(batch, budget)
+        if self.adapters is not None and batch.scheduled:  # loads wait for a step that runs
+            batch.lora_slots, batch.lora_loads = dict(self.adapters.slot_of), self.adapters.take_loads()
         return batch
 
     def update(self, batch: Batch, result: StepResult) -> list[Request]:
@@ -190,6 +194,8 @@ class Scheduler:
                 return
             if request.group_id is not None and request.group_id in prefilling_groups:
                 continue  # a sibling is computing the shared prompt; reuse its pages next step
+            if request.lora_id and not self._admit_adapter(request, batch):
+                continue  # its adapter is loading, or every slot is pinned: later requests may go ahead
             prefix = self._cached_prefix(request)
             num_new = request.num_tokens - prefix.num_tokens
             if num_new > budget:
@@ -197,12 +203,24 @@ class Scheduler:
                     return
                 num_new = budget
             if not self.kv.allocate_slots(request.request_id, prefix.num_tokens + num_new, prefix):
+                if request.lora_id:
+                    self.adapters.unpin(request)
                 return  # head-of-line: later requests wait too, so none overtakes it
             self._start(request, prefix.num_tokens)
             batch.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             if request.group_id is not None and prefix.num_tokens < self._shareable_tokens(request):
                 prefilling_groups.add(request.group_id)
+
+    def _admit_adapter(self, request: Request, batch: Batch) -> bool:
+        """Pin the request's LoRA adapter in a slot; an adapter that failed to load ends the request."""
+        if self.adapters.admit(request):
+            return True
+        if request.is_finished:
+            self.waiting.remove(request)
+            self._release(request)
+            batch.finished.append(request)
+        return False
 
     def _scheduled(self, request: Request, num_new: int, draft: list[int] | None = None) -> ScheduledRequest:
         """The request's share of this step (its drafts last), with the pages of its tokens [0, end) (allocated
@@ -306,6 +324,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request.request_id)
+        if request.lora_id:
+            self.adapters.unpin(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.metrics.num_preemptions += 1
@@ -373,9 +393,15 @@ class Scheduler:
         self.kv.free(request.request_id)
         if self.speculator is not None:
             self.speculator.finish(request.request_id, request.output_token_ids)
+        if request.lora_id:
+            self.adapters.forget(request)
         request.metrics.finished_time = time.time()
         del self.requests[request.request_id]
 
     @staticmethod
     def _namespace(request: Request) -> Hashable:
-        return request.cache_salt
+        """The request's prefix-cache namespace: its cache salt (tenant), and its LoRA adapter's identity (the same
+        tokens under another adapter have other KV)."""
+        if request.lora_namespace is None:
+            return request.cache_salt
+        return request.cache_salt, request.lora_namespace

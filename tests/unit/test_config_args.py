@@ -9,7 +9,7 @@ import pytest
 
 from banyan.bench.plan import CompareConfig
 from banyan.cli import build_parser
-from banyan.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from banyan.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from banyan.config_args import SETTINGS, config_from_args, config_from_kwargs, engine_config, engine_flags
 from banyan.errors import InvalidParameterError
 from banyan.frontend.llm import LLM
@@ -21,8 +21,8 @@ def parse(*argv: str):
 
 
 def test_every_engine_field_is_one_setting():
-    fields = [(s, f.name) for s, cls in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
-              for f in dataclasses.fields(cls)]
+    sections = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig), ("lora", LoRAConfig))
+    fields = [(s, f.name) for s, cls in sections for f in dataclasses.fields(cls)]
     assert sorted((s.section, s.field) for s in SETTINGS.values()) == sorted(fields)
     assert SETTINGS["scheduling_policy"].field == "policy"
 

@@ -1,0 +1,121 @@
+"""LoRA applied to a built model from outside (as quantization is): each targeted linear layer is wrapped.
+
+    LoRAModel.install(model, num_slots, max_rank)   after the weights are loaded: q/k/v (qkv_proj), o_proj,
+                                                    gate/up (gate_up_proj), down_proj of every layer wrapped
+    lora.load(slot, weights)                        copy an adapter's tensors into slot `slot` of every layer
+    with lora.bound(groups): model(fb, kv)          one forward with those rows' adapters
+
+A LoRALinear sees only x (the model passes nothing else to a projection), so the runner binds the step's
+row groups on the LoRAModel around the forward, and clears them after. Without a binding (base-only
+steps, CUDA graph capture) a wrapped layer is its base layer plus one attribute test.
+
+Merged layers get one product for all their shards: shard j's A^T fills columns [j*R, j*R + r) of
+lora_a, and its (scale * B)^T the same rows of lora_b under the shard's output columns, so
+
+    lora_b [n*R, out]:   rows 0..R    -> q columns      (zeros elsewhere: block-diagonal)
+                         rows R..2R   -> k columns
+                         rows 2R..3R  -> v columns
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from banyan.layers.linear import shard_rows
+from banyan.lora.grouped import LoRAGroups
+from banyan.lora.weights import AdapterWeights
+
+WRAPPED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Module, owner: LoRAModel, num_slots: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        self.base = base
+        self.out_sizes = dict(getattr(base, "out_sizes", None) or {None: base.out_features})
+        self.max_rank = max_rank
+        self._owner = [owner]  # a list: not registered as a submodule
+        width = len(self.out_sizes) * max_rank
+        self.register_buffer("lora_a", torch.zeros(num_slots, base.in_features, width, dtype=dtype, device=device))
+        self.register_buffer("lora_b", torch.zeros(num_slots, width, base.out_features, dtype=dtype, device=device))
+        self.filled = [False] * num_slots  # slots where this layer has weights (an adapter may skip it)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        groups = self._owner[0].groups
+        if groups is None or not any(self.filled[s] for s in groups.slots):
+            return y
+        return groups.add_deltas(y, x, self.lora_a, self.lora_b)
+
+    @torch.no_grad()
+    def load(self, slot: int, shards: dict[str | None, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """This layer's part of one adapter (shard -> (A [r, in], scale * B [out_shard, r])) into `slot`."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        R = self.max_rank
+        for j, shard in enumerate(self.out_sizes):
+            if shard not in shards:
+                continue
+            a, b = shards[shard]
+            r = a.shape[0]
+            cols = shard_rows(self.out_sizes, shard)
+            self.lora_a[slot, :, j * R : j * R + r].copy_(a.t())
+            self.lora_b[slot, j * R : j * R + r, cols].copy_(b.t())
+        self.filled[slot] = bool(shards)
+
+
+class LoRAModel:
+    """The wrapped layers of one model and the row groups of the forward in progress."""
+
+    def __init__(self, layers: dict[str, LoRALinear], device: torch.device):
+        self.layers = layers  # module path -> wrapper
+        self.device = device
+        self.groups: LoRAGroups | None = None
+
+    @classmethod
+    def install(cls, model: nn.Module, num_slots: int, max_rank: int, dtype: torch.dtype,
+                device: torch.device) -> LoRAModel:
+        """Wrap the targeted projections of every decoder layer of `model` (its weights loaded already)."""
+        lora = cls({}, device)
+        for i, layer in enumerate(model.model.layers):
+            for path in WRAPPED:
+                parent_name, name = path.split(".")
+                parent = getattr(layer, parent_name)
+                wrapper = LoRALinear(getattr(parent, name), lora, num_slots, max_rank, dtype, device)
+                setattr(parent, name, wrapper)
+                lora.layers[f"model.layers.{i}.{path}"] = wrapper
+        return lora
+
+    def prepare(self, batch) -> LoRAGroups | None:
+        """Copy in the adapters the scheduler swapped in for this step (a Batch's lora_loads), and group the rows
+        of the requests that run an adapter by its slot; None when every row runs the base model."""
+        for slot, weights in batch.lora_loads:
+            self.load(slot, weights)
+        slot_rows: dict[int, list[int]] = {}
+        row0 = 0
+        for item in batch.scheduled:
+            if item.request.lora_id:
+                slot = batch.lora_slots[item.request.lora_id]
+                slot_rows.setdefault(slot, []).extend(range(row0, row0 + item.num_new_tokens))
+            row0 += item.num_new_tokens
+        return LoRAGroups.build(slot_rows, self.device) if slot_rows else None
+
+    def load(self, slot: int, weights: AdapterWeights) -> None:
+        for path, layer in self.layers.items():
+            layer.load(slot, weights.modules.get(path, {}))
+
+    @contextlib.contextmanager
+    def bound(self, groups: LoRAGroups) -> Iterator[None]:
+        self.groups = groups
+        try:
+            yield
+        finally:
+            self.groups = None
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for layer in self.layers.values() for p in (layer.lora_a, layer.lora_b))
