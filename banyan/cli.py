@@ -108,8 +108,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from banyan.server.launch import serve
+    from banyan.server.model_specs import models_to_serve
 
-    return asyncio.run(serve(engine_config(args), config_from_args(ServerConfig, args), fault=args.fault))
+    specs, routes = models_to_serve(build_parser(), args)
+    return asyncio.run(serve(engine_config(args), config_from_args(ServerConfig, args), fault=args.fault, specs=specs,
+                             routes=routes))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # serve reads each --model's own flags from it
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

@@ -17,6 +17,8 @@ from banyan.tools.formats import FORMATS as TOOL_FORMATS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KV_CACHE_DTYPES = ("auto", "fp8")
+DEFAULT_CPU_KV_BYTES = 1 << 30
+"""kv_cache_memory on a CPU when none is given."""
 
 
 @dataclass(frozen=True)
@@ -259,6 +261,18 @@ class ServerConfig:
     admin_api_key: tuple[str, ...] = ()
     """Key for the admin routes (/admin/..., adapter loading, profiling); repeatable; also BANYAN_ADMIN_API_KEY.
     Without one, no admin route exists."""
+    models: str | None = None
+    """A YAML file listing the models to serve (name, model, engine_args, memory_share) and routes, instead of
+    --model (docs/multi_model.md)."""
+    memory_budget: int | None = None
+    """Bytes all served models may hold together (weights + KV cache + their processes); a load beyond it is
+    refused (default: the available RAM less a margin on CPU, --gpu-memory-utilization of the device on GPU)."""
+    route: tuple[str, ...] = ()
+    """An A/B or canary route, NAME=MODEL:WEIGHT,MODEL:WEIGHT (repeatable): requests for NAME go to one of the
+    models by weight, sticky per user (docs/multi_model.md)."""
+    lora_modules: tuple[str, ...] = ()
+    """LoRA adapters served from the start, as name=path (PEFT directories; needs --enable-lora): a request
+    selects one by giving its name as `model`."""
     share_prefix_cache: bool = False
     """Let different API keys reuse each other's cached prompts (off: each key is its own cache namespace)."""
     protect_metrics: bool = False

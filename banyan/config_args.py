@@ -28,7 +28,7 @@ from banyan.spec.config import SpeculativeConfig
 
 RENAMED = {"policy": "scheduling_policy"}  # field -> vLLM's name (its flag keeps the field's name too)
 NOT_FLAGS = {"trust_remote_code", "num_pages"}  # set from Python only
-SIZES = {"kv_cache_memory", "max_body_bytes"}  # flags that take 4GiB, 512MB, ...
+SIZES = {"kv_cache_memory", "max_body_bytes", "memory_budget"}  # flags that take 4GiB, 512MB, ...
 SECTIONS: dict[str, type] = {  # model -> ModelConfig, cache -> ..., ...: a section of fields, each its own setting
     name: hint for name, hint in typing.get_type_hints(EngineConfig).items() if dataclasses.is_dataclass(hint)}
 OBJECT_SETTINGS = {"speculative_config": ("speculative", SpeculativeConfig)}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from banyan.config import CacheConfig, LoRAConfig, ModelConfig, default_num_threads
+from banyan.config import DEFAULT_CPU_KV_BYTES, CacheConfig, LoRAConfig, ModelConfig, default_num_threads
 from banyan.errors import InvalidParameterError
 from banyan.layers.attention import AttentionBackend, get_attention_backend
 from banyan.layers.attention.base import FP8
@@ -34,7 +34,6 @@ from banyan.structured import GrammarBackend, allocate_bitmask
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)

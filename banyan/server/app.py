@@ -28,10 +28,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from banyan import __version__
 from banyan.config import ServerConfig
 from banyan.ipc.client import EngineClient, EngineDeadError
-from banyan.server import openapi
+from banyan.server import admin_models, openapi
 from banyan.server.auth import ANONYMOUS, AdminAuth, ApiKeyAuth, Tenant
 from banyan.server.errors import APIError, error_body, parse_json_body
 from banyan.server.metrics import ServerMetrics
+from banyan.server.models import ModelRegistry
 from banyan.server.serving import OpenAIServing
 
 logger = logging.getLogger("banyan.server")
@@ -53,6 +54,7 @@ class ServerState:
     draining: bool = False
     dead: bool = False
     extra: dict = field(default_factory=dict)
+    models: ModelRegistry | None = None  # every served model (client and serving above: the first one's)
 
 
 def api_error_response(err: APIError, headers: dict | None = None) -> JSONResponse:
@@ -152,7 +154,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/health", response_class=Response, response_model=None, responses={
         200: {"description": "serving"}, 503: {"description": "not serving: stopped, wedged or shutting down"}})
     async def health() -> Response:
-        healthy = not state.dead and state.client.is_alive() and state.client.is_making_progress(state.config.wedge_timeout)
+        clients = [e.client for e in state.models.ready()]
+        healthy = not state.dead and all(c.is_alive() and c.is_making_progress(state.config.wedge_timeout) for c in clients)
         return Response(status_code=200 if healthy and not state.draining else 503)
 
     @app.get("/version", **openapi.route_docs(openapi.VersionResponse))
@@ -161,15 +164,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models", **openapi.route_docs(openapi.ModelList))
     async def models() -> dict:
-        return serving.models()
+        return {"object": "list", "data": state.models.model_cards()}
 
     @app.get("/metrics", response_class=PlainTextResponse, response_model=None, responses={
         200: {"description": "Prometheus text format"},
         401: {"model": openapi.ErrorResponse, "description": "with --protect-metrics: missing or wrong API key"}})
     async def metrics() -> Response:
-        if state.client.stats is not None:
-            state.metrics.update_from_engine_stats(state.client.stats)
-        body, content_type = state.metrics.render()
+        body, content_type = state.models.render_metrics()
         return Response(body, media_type=content_type)
 
     @app.get("/admin/kv", **openapi.route_docs(openapi.KvReportResponse, errors=(401, 403, 404, 503), description=(
@@ -187,22 +188,26 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions", **openapi.route_docs(openapi.CompletionResponse, errors=openapi.POST_ERRORS, stream=True))
     async def completions(request: Request) -> Response:
-        return await serving.completions(await read_json(request, limit), tenant_of(request), request)
+        return await state.models.dispatch(await read_json(request, limit), tenant_of(request), request,
+                                           lambda serving, body: serving.completions(body, tenant_of(request), request))
 
     @app.post("/v1/chat/completions", **openapi.route_docs(openapi.ChatCompletionResponse, errors=openapi.POST_ERRORS,
                                                           stream=True))
     async def chat(request: Request) -> Response:
-        return await serving.chat(await read_json(request, limit), tenant_of(request), request)
+        return await state.models.dispatch(await read_json(request, limit), tenant_of(request), request,
+                                           lambda serving, body: serving.chat(body, tenant_of(request), request))
 
     @app.post("/tokenize", **openapi.route_docs(openapi.TokenizeResponse, errors=openapi.POST_ERRORS, description=(
         "A prompt, or messages rendered with the chat template; add_special_tokens (default true for a prompt, false "
         "for messages) puts the tokenizer's special tokens (e.g. BOS) around the text or the rendered chat.")))
     async def tokenize(request: Request) -> Response:
-        return await serving.tokenize(await read_json(request, limit))
+        return await state.models.dispatch(await read_json(request, limit), tenant_of(request), request,
+                                           lambda serving, body: serving.tokenize(body))
 
     @app.post("/detokenize", **openapi.route_docs(openapi.DetokenizeResponse, errors=openapi.POST_ERRORS))
     async def detokenize(request: Request) -> Response:
-        return await serving.detokenize(await read_json(request, limit))
+        return await state.models.dispatch(await read_json(request, limit), tenant_of(request), request,
+                                           lambda serving, body: serving.detokenize(body))
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, err: APIError) -> JSONResponse:
@@ -218,5 +223,6 @@ def build_app(state: ServerState) -> FastAPI:
         logger.exception("request %s failed", getattr(request.state, "request_id", "?"))
         return api_error_response(APIError(500, "internal server error", type="server_error"))
 
+    admin_models.install(app, lambda: state.models, lambda request: read_json(request, limit))
     app.add_middleware(Guard, state=state)
     return app

@@ -91,6 +91,7 @@ class Generation:
         self._event_cap = max_buffered_events * len(prompts) * params.num_sequences
         self.slow_reader = False
         self.structured_param: str | None = None  # the request field of its structured-output spec, if any
+        self.route: tuple[str, str] | None = None  # (route, variant) when an A/B route chose the model
         self.choices: list[Choice] = []
         self._queue: asyncio.Queue[Event | None] = asyncio.Queue()
         self._read: dict[int, int] = {}  # choice index -> its output tokens up to the last event read

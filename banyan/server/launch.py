@@ -12,17 +12,23 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import uvicorn
 
-from banyan.checkpoint import open_checkpoint
 from banyan.config import EngineConfig, ServerConfig
+from banyan.errors import InvalidParameterError
 from banyan.ipc.client import EngineClient
 from banyan.server.app import ServerState, build_app
 from banyan.server.auth import ADMIN_API_KEY_ENV, AdminAuth, ApiKeyAuth, ApiKeyConfigError, load_api_keys
 from banyan.server.connection import DeadlineH11Protocol
+from banyan.server.errors import APIError
 from banyan.server.metrics import ServerMetrics
+from banyan.server.model_memory import MemoryBudget
+from banyan.server.model_specs import ModelSpec, served_names
+from banyan.server.models import ModelRegistry
+from banyan.server.routing import Route, parse_route
 from banyan.server.serving import OpenAIServing
 
 logger = logging.getLogger("banyan.server")
@@ -43,10 +49,11 @@ class _Server(uvicorn.Server):
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.state.config.shutdown_timeout
-        logger.info("draining %d requests (up to %.0f s)", self.state.client.num_in_flight, self.state.config.shutdown_timeout)
-        while self.state.serving.in_flight() and time.monotonic() < deadline:
+        models = self.state.models
+        logger.info("draining %d requests (up to %.0f s)", len(models.in_flight()), self.state.config.shutdown_timeout)
+        while models.in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        self.state.serving.abort_all()
+        models.abort_all()
         await asyncio.sleep(0.2)  # let the aborted streams write their last chunks
         self.should_exit = True
 
@@ -61,8 +68,10 @@ def load_chat_template(value: str | None) -> str | None:
     return value
 
 
-async def serve(engine_config: EngineConfig, server_config: ServerConfig, *, fault: str | None = None) -> int:
-    """Run until shut down; returns the process exit status."""
+async def serve(engine_config: EngineConfig, server_config: ServerConfig, *, fault: str | None = None,
+                specs: list[ModelSpec] | None = None, routes: list[Route] = ()) -> int:
+    """Run until shut down; returns the process exit status. specs: the models (default: engine_config's alone);
+    routes: A/B routes besides --route's."""
     keys = load_api_keys(server_config.api_key, os.environ, server_config.api_key_file)
     auth = ApiKeyAuth(keys, share_prefix_cache=server_config.share_prefix_cache)
     admin_keys = load_api_keys(server_config.admin_api_key, os.environ, None, flag="--admin-api-key",
@@ -70,15 +79,13 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, *, fau
     if set(admin_keys) & set(keys):
         raise ApiKeyConfigError("an admin API key must differ from every user API key")
     admin = AdminAuth(admin_keys, auth)
-    model = engine_config.model
-    tokenizer = open_checkpoint(model.model, model.trust_remote_code, model.tokenizer).tokenizer  # no torch here
-    client = await EngineClient.start(engine_config, fault=fault)
-    names = (server_config.served_model_name or engine_config.model.model).split(",")
-    names = [n.strip() for n in names if n.strip()]
-    metrics = ServerMetrics(names[0], max_model_len=client.info.max_model_len, vllm_names=server_config.vllm_metric_names)
+    if specs is None:
+        specs = [ModelSpec(served_names(server_config.served_model_name, engine_config.model.model), engine_config,
+                           fault=fault)]
     config = _with_template(server_config)
-    serving = OpenAIServing(config, client, tokenizer, names, metrics)
-    state = ServerState(config, client, serving, auth, metrics, admin=admin)
+    models = await _start_models(config, engine_config, specs, [*routes, *map(parse_route, config.route)])
+    first = models.entries[models.primary]
+    state = ServerState(config, first.client, first.serving, auth, first.metrics, admin=admin, models=models)
     app = build_app(state)
     uv_config = uvicorn.Config(
         app,
@@ -97,22 +104,55 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, *, fau
         state.dead = True
         asyncio.get_running_loop().call_later(1.0, lambda: setattr(server, "should_exit", True))
 
-    client.on_death.append(on_death)
-    info = client.info
-    print(
-        f"banyan: serving {names[0]} ({info.architecture}, {info.dtype} on {info.device}) at "
-        f"http://{config.host}:{config.port}/v1 — KV cache {info.num_pages * info.page_size} tokens, "
-        f"max_model_len {info.max_model_len}{', API keys required' if auth.enabled else ''}",
-        flush=True,
-    )
+    def on_swapped(name: str, entry) -> None:  # the first model's handles follow its swaps
+        if name == models.primary:
+            state.client, state.serving, state.metrics = entry.client, entry.serving, entry.metrics
+
+    models.on_death.append(on_death)
+    models.on_swapped.append(on_swapped)
+    for entry in models.ready():
+        info = entry.client.info
+        print(
+            f"banyan: serving {entry.name} ({info.architecture}, {info.dtype} on {info.device}) at "
+            f"http://{config.host}:{config.port}/v1 — KV cache {info.num_pages * info.page_size} tokens, "
+            f"max_model_len {info.max_model_len}{', API keys required' if auth.enabled else ''}",
+            flush=True,
+        )
     try:
         await server.serve()
     finally:
-        await client.shutdown()
+        await models.shutdown()
     return 1 if state.dead else 0
 
 
-def _with_template(config: ServerConfig) -> ServerConfig:
-    from dataclasses import replace
+async def _start_models(config: ServerConfig, engine_config: EngineConfig, specs: list[ModelSpec],
+                        routes: list[Route]) -> ModelRegistry:
+    """Every model of the command line (or models file) loaded and ready, and the routes over them."""
 
+    def make_serving(entry) -> tuple[OpenAIServing, ServerMetrics]:
+        client = entry.client
+        metrics = ServerMetrics(entry.name, max_model_len=client.info.max_model_len, vllm_names=config.vllm_metric_names)
+        own = replace(config, chat_template=load_chat_template(entry.spec.chat_template)) if entry.spec.chat_template else config
+        serving = OpenAIServing(own, client, entry.tokenizer, list(entry.spec.names), metrics)
+        serving.limiter = models.limiter  # rate limits are per key across all models
+        serving.finish_hooks.append(models.observe_route)
+        return serving, metrics
+
+    async def start_client(engine: EngineConfig, fault: str | None) -> EngineClient:
+        return await EngineClient.start(engine, fault=fault)
+
+    budget = MemoryBudget(config.memory_budget, engine_config.cache.gpu_memory_utilization)
+    allow_faults = any(spec.fault for spec in specs)
+    models = ModelRegistry(config, engine_config, budget, make_serving, start_client, allow_faults=allow_faults)
+    await models.start(specs)
+    try:
+        for route in routes:
+            models.set_route(route)
+    except APIError as e:
+        await models.shutdown()
+        raise InvalidParameterError("route", e.message) from None
+    return models
+
+
+def _with_template(config: ServerConfig) -> ServerConfig:
     return replace(config, chat_template=load_chat_template(config.chat_template))

@@ -7,8 +7,11 @@ EngineStats snapshots; per-request numbers arrive once, when the request finishe
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from banyan.ipc.messages import EngineStats
 from banyan.server.vllm_names import vllm_registry
@@ -178,10 +181,39 @@ class ServerMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """The `/metrics` body and its content type: banyan's names, then vLLM's (unless turned off)."""
-        body = generate_latest(self.registry)
-        if self._vllm is not None:
-            body += generate_latest(self._vllm)
-        return body, CONTENT_TYPE_LATEST
+        return render_all([self])
+
+    @property
+    def registries(self) -> list[CollectorRegistry]:
+        """banyan's names, then vLLM's."""
+        return [self.registry] + ([self._vllm] if self._vllm is not None else [])
+
+
+def render_all(models: list[ServerMetrics], *extra: CollectorRegistry) -> tuple[bytes, str]:
+    """One `/metrics` body for several models (each family once, every model's samples under it), then `extra`."""
+    return generate_latest(_Merged([*models], list(extra))), CONTENT_TYPE_LATEST
+
+
+class _Merged:
+    """Collects the models' registries as one: a family the models share is emitted once with all their series."""
+
+    def __init__(self, models: list[ServerMetrics], extra: list[CollectorRegistry]):
+        self.models = models
+        self.extra = extra
+
+    def collect(self) -> Iterator[Metric]:
+        for layer in range(2):  # banyan's names first, then vLLM's, as one model's render has them
+            families: dict[str, Metric] = {}
+            for model in self.models:
+                registries = model.registries
+                for family in registries[layer].collect() if layer < len(registries) else ():
+                    if family.name in families:
+                        families[family.name].samples.extend(family.samples)
+                    else:
+                        families[family.name] = family
+            yield from families.values()
+        for registry in self.extra:
+            yield from registry.collect()
 
 
 def growth(now: int, before: int) -> int:

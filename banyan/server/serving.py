@@ -48,6 +48,7 @@ class OpenAIServing:
         # stops itself at the cap (or at once, _stop_renders: shutdown); the wait gives up 1 s after.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="banyan-text")
         self._stop_renders = threading.Event()
+        self.finish_hooks: list[Callable[[Generation], None]] = []  # each finished generation (route metrics)
 
     # -- endpoints ----------------------------------------------------------------------------
     async def completions(self, body: dict, tenant: Tenant, http: Request) -> Response:
@@ -215,6 +216,7 @@ class OpenAIServing:
         gen = Generation(self.client, self.tokenizer, http.state.request_id, prompts, params, priority=req.priority,
                          cache_salt=namespace, max_buffered_events=self.config.max_buffered_events)
         gen.structured_param = req.structured_param  # a grammar that fails to compile is reported against it
+        gen.route = getattr(http.state, "route", None)
         self.live.add(gen)
         return gen
 
@@ -233,6 +235,8 @@ class OpenAIServing:
         gen.close()
         self.live.discard(gen)
         self._record(gen)
+        for hook in self.finish_hooks:
+            hook(gen)
 
     async def _respond(self, gen: Generation, build: Callable[[], dict], http: Request) -> Response:
         """Wait for every choice (aborting them if the client leaves first), then answer in one body."""
