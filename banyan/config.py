@@ -155,6 +155,10 @@ class ModelConfig:
     (as vLLM's VLLM_BATCH_INVARIANT): every matmul row and attention row goes through banyan's CPU kernels in one
     fixed order. Needs an x86 CPU with AVX2, a float32 model and none/fp16/int8/int4/gguf weights. Off by default:
     prefill runs up to 2x slower than on torch's GEMMs and SDPA, decode about as fast (docs/quantization.md)."""
+    pooling: str | None = None
+    """How embedding requests pool the last hidden states: last (the last token's) or mean (over the input);
+    default: the model's sentence-transformers pooling config (modules.json, 1_Pooling/config.json) when it has
+    one, else last. The embedding is L2-normalised either way (docs/embeddings.md)."""
 
 
 @dataclass(frozen=True)

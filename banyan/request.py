@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from banyan.errors import ErrorInfo
+from banyan.pooling_params import PoolingParams
 from banyan.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         group_id: str | None = None,
+        pooling_params: PoolingParams | None = None,
     ):
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -112,6 +114,9 @@ class Request:
         self.generator: Any = None  # per-request torch.Generator, made by the sampler when seeded
         self.lora_id = 0  # the LoRA adapter it runs with (lora_int_id; 0: the base model), set by the engine
         self.lora_namespace: Any = None  # that adapter's identity, joined to cache_salt in the prefix cache
+        self.pooling_params = pooling_params  # set: an embedding request (prefill only, never sampled)
+        self.pool_state: Any = None  # the runner's running sum of hidden states over the prefill chunks (mean)
+        self.embedding: list[float] | None = None  # a pooling request's result, set the step its prompt completes
 
     # -- tokens -------------------------------------------------------------------------------
     @property
@@ -147,6 +152,11 @@ class Request:
         return self.num_computed_tokens >= self.num_prompt_tokens
 
     @property
+    def pools_every_token(self) -> bool:
+        """An embedding whose pooling reads every prompt position: cached positions would be missing."""
+        return self.pooling_params is not None and self.pooling_params.pooling_type == "mean"
+
+    @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 
@@ -177,6 +187,7 @@ class RequestDelta:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # whole list, once, with the first delta
     queue_time: float | None = None  # seconds from arrival to first schedule, with the first delta
     error: ErrorInfo | None = None
+    embedding: list[float] | None = None  # a pooling request's one result, with its only delta
 
     @classmethod
     def failed(cls, request_id: str, error: ErrorInfo) -> RequestDelta:

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from banyan.checkpoint.pooling import model_pooling
 from banyan.config import EngineConfig
 from banyan.engine.grammar import Grammars
 from banyan.engine.stats import EngineSnapshot, KvCensus
@@ -24,6 +25,7 @@ from banyan.lora.resident import ResidentAdapters
 from banyan.lora.weights import load_adapter_weights
 from banyan.models.registry import get_model_class
 from banyan.request import Request, RequestDelta, RequestStatus
+from banyan.pooling_params import PoolingParams
 from banyan.runner.model_runner import ModelRunner, RunnerLimits
 from banyan.runner.weights import open_model
 from banyan.sampling_params import SamplingParams
@@ -46,6 +48,7 @@ class Engine:
         self.tokenizer = source.tokenizer
         self.max_model_len = resolve_max_model_len(config, source.arch)
         self.eos_token_ids = eos_token_ids(source)
+        self.pooling = model_pooling(source.path, config.model.pooling)  # how embedding requests pool
         sched = config.scheduler
         limits = RunnerLimits(sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len)
         lora = config.lora if config.lora.enable_lora else None
@@ -76,14 +79,18 @@ class Engine:
         priority: int = 0,
         cache_salt: str | None = None,
         group_id: str | None = None,
+        pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
     ) -> Request:
-        """Validate and queue one sequence (n > 1 is fanned out by the frontend)."""
+        """Validate and queue one sequence (n > 1 is fanned out by the frontend). With `pooling_params`, an
+        embedding request: prefill only, its `sampling_params` unused (pooling_params.py)."""
         if request_id in self.scheduler.requests:
             raise InvalidParameterError("request_id", f"request {request_id!r} is already running")
-        self.check_prompt(prompt_token_ids)
+        self.check_prompt(prompt_token_ids, generates=pooling_params is None)
         sampling_params.verify_for_model(self.arch.vocab_size)
         room = self.max_model_len - len(prompt_token_ids)
+        if pooling_params is not None:
+            pooling_params, room = self.resolve_pooling(pooling_params), 0
         request = Request(
             request_id,
             prompt_token_ids,
@@ -94,8 +101,10 @@ class Engine:
             priority=priority,
             cache_salt=cache_salt,
             group_id=group_id,
+            pooling_params=pooling_params,
         )
-        if sampling_params.structured_outputs is not None:  # first: a backend that fails to load queues nothing
+        # first: a backend that fails to load queues nothing
+        if sampling_params.structured_outputs is not None and pooling_params is None:
             self.grammars.start(request)
         if lora_request is not None:
             self._use_adapter(request, lora_request)
@@ -113,15 +122,22 @@ class Engine:
             raise LoRAAdapterError("LoRA is not enabled on this engine (enable_lora=True, --enable-lora)")
         self.adapters.track(request, lora_request)
 
-    def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
-        """Raise a typed error for an empty, out-of-vocabulary or too long prompt."""
+    def resolve_pooling(self, params: PoolingParams) -> PoolingParams:
+        """The request's pooling with the model's type filled in; InvalidParameterError for dimensions the model
+        does not allow (or a model pooling banyan does not implement)."""
+        self.pooling.check_dimensions(params.dimensions, self.arch.hidden_size)
+        return dataclasses.replace(params, pooling_type=self.pooling.require_type())
+
+    def check_prompt(self, prompt_token_ids: Sequence[int], generates: bool = True) -> None:
+        """Raise a typed error for an empty, out-of-vocabulary or too long prompt (one that fills the whole
+        context is too long only when it `generates`)."""
         if len(prompt_token_ids) == 0:
             raise InvalidParameterError("prompt", "the prompt is empty")
         vocab = self.arch.vocab_size
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidParameterError("prompt", f"token id {bad!r} is outside the vocabulary (size {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
+        if len(prompt_token_ids) > self.max_model_len - generates:
             raise ContextLengthExceededError(
                 f"the prompt has {len(prompt_token_ids)} tokens; this model's maximum context length is "
                 f"{self.max_model_len}, which leaves no room to generate"
@@ -253,6 +269,7 @@ def make_delta(request: Request) -> RequestDelta:
         prompt_logprobs=list(request.prompt_logprobs) if first and request.prompt_logprobs is not None else None,
         queue_time=scheduled - request.metrics.arrival_time if first and scheduled is not None else None,
         error=request.error,
+        embedding=request.embedding,
     )
 
 

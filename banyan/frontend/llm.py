@@ -12,13 +12,14 @@ from tqdm import tqdm
 
 from banyan.config import DEFAULT_MODEL, EngineConfig
 from banyan.config_args import config_from_kwargs
-from banyan.errors import InvalidParameterError
+from banyan.errors import InvalidParameterError, InvalidRequestError
 from banyan.frontend.prepare import ChatInput, fan_out, prepare_chat
 from banyan.lora.request import LoRARequest
+from banyan.pooling_params import PoolingParams
 from banyan.request import RequestStatus
 from banyan.sampling_params import SamplingParams
 from banyan.text.output_processor import OutputProcessor, PromptState, SequenceState
-from banyan.text.outputs import RequestOutput
+from banyan.text.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 
 PromptInput = str | Sequence[int] | dict[str, Any]
 
@@ -119,6 +120,37 @@ class LLM:
                 for completion in output.outputs:
                     completion.content, completion.tool_calls = calling.parser().parse(completion.text)
         return outputs
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """The embedding of each prompt (text or token ids), in input order: the model's last hidden states pooled
+        as the engine's `pooling` setting says, normalised (docs/embeddings.md). Each is one prefill-only request
+        through the same scheduler as generate's."""
+        prompts = _as_prompt_list(prompts)
+        params = _per_prompt(pooling_params or PoolingParams(), len(prompts), "pooling_params")
+        added: dict[str, list[int]] = {}
+        embeddings: dict[str, list[float]] = {}
+        try:
+            for prompt, pooling in zip(prompts, params):
+                request_id, token_ids = f"embed-{next(self._ids)}", self._tokenize(prompt)[1]
+                self.engine.add_request(request_id, token_ids, SamplingParams(), pooling_params=pooling)
+                added[request_id] = token_ids
+            with tqdm(total=len(added), desc="Embedding", unit="req", disable=not use_tqdm) as bar, collections_paused():
+                while len(embeddings) < len(added) and self.engine.has_unfinished_requests():
+                    for delta in self.engine.step():
+                        if delta.error is not None:
+                            raise InvalidRequestError(delta.error.message)
+                        if delta.embedding is not None:
+                            embeddings[delta.request_id] = delta.embedding
+                            bar.update(1)
+        except BaseException:
+            self.engine.abort_requests(added)
+            raise
+        return [EmbeddingRequestOutput(rid, ids, EmbeddingOutput(embeddings[rid])) for rid, ids in added.items()]
 
     def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one completion as it is generated (the first of its n sequences)."""

@@ -18,6 +18,7 @@ import msgspec
 
 from banyan.engine.stats import EngineSnapshot, KvCensus
 from banyan.request import RequestDelta
+from banyan.pooling_params import PoolingParams
 from banyan.sampling_params import SamplingParams
 
 
@@ -29,6 +30,8 @@ class AddRequest(msgspec.Struct, tag=True):
     priority: int = 0
     cache_salt: str | None = None
     group_id: str | None = None
+    pooling_params: PoolingParams | None = None
+    """Set: an embedding request (its one delta carries the embedding)."""
 
 
 class AbortRequests(msgspec.Struct, tag=True):

@@ -16,6 +16,7 @@ from banyan.config import DEFAULT_CPU_KV_BYTES, CacheConfig, LoRAConfig, ModelCo
 from banyan.errors import InvalidParameterError
 from banyan.layers.attention import AttentionBackend, get_attention_backend
 from banyan.layers.attention.base import FP8
+from banyan.layers.pooler import PoolRows, pool
 from banyan.layers.sampler import Sampler, compute_prompt_logprobs, request_generator, target_distribution
 from banyan.lora.layers import LoRAGroups, LoRAModel
 from banyan.models.registry import get_model_class
@@ -156,7 +157,10 @@ class ModelRunner:
         hidden = self._forward(fb, self.lora.prepare(batch) if self.lora is not None else None)  # [num_tokens, hidden]
         masks = self._grammar_masks(plan)  # on a GPU, filled on the CPU while the forward runs
         logits = self.model.compute_logits(hidden[fb.logits_indices])  # [num_logits, vocab] fp32
-        return self._sample(logits, plan, masks)
+        result = self._sample(logits, plan, masks)
+        if plan.pool:  # embedding requests: pooled hidden states instead of a token
+            result.pooled = pool(hidden, plan.pool)
+        return result
 
     def _forward(self, fb: ForwardBatch, lora: LoRAGroups | None = None) -> torch.Tensor:
         """lora: the rows that run LoRA adapters this step (None: every row runs the base model)."""
@@ -191,7 +195,9 @@ class ModelRunner:
             context_lens.append(end)
             tables.append(pages)
             plan.add_prompt_rows(item, row0)
-            if item.samples and item.draft_token_ids:
+            if request.pooling_params is not None:
+                plan.add_pool_rows(item, row0)
+            elif item.samples and item.draft_token_ids:
                 last = row0 + item.num_new_tokens - len(item.draft_token_ids) - 1  # the last verified token's row
                 plan.add_verify_rows(request, item.draft_token_ids, last)
             elif item.samples:
@@ -257,6 +263,7 @@ class _LogitsPlan:
     prompt:   (request, first logits row, count, next-token targets) for prompt logprobs
     sample:   one logits row per request that samples this step
     verify:   (request, its drafts, first logits row) for a request that verifies k drafts: k + 1 rows
+    pool:     hidden rows (not logits) each embedding request pools this step
     """
 
     def __init__(self):
@@ -265,6 +272,7 @@ class _LogitsPlan:
         self.sample_requests: list = []
         self.sample_logit_rows: list[int] = []
         self.verify: list[tuple] = []
+        self.pool: list[PoolRows] = []
 
     def add_prompt_rows(self, item: ScheduledRequest, row0: int) -> None:
         request = item.request
@@ -283,6 +291,14 @@ class _LogitsPlan:
         """Hidden rows row .. row + k: the last token's and each draft's, whose logits check the next draft."""
         self.verify.append((request, drafts, len(self.rows)))
         self.rows.extend(range(row, row + len(drafts) + 1))
+
+    def add_pool_rows(self, item: ScheduledRequest, row0: int) -> None:
+        """Mean pooling reads every row of the chunk; last-token pooling only the prompt's last, when it runs."""
+        completes = item.end == item.request.num_prompt_tokens
+        if item.request.pools_every_token:
+            self.pool.append(PoolRows(item.request, row0, item.num_new_tokens, item.start, completes))
+        elif completes:
+            self.pool.append(PoolRows(item.request, row0 + item.num_new_tokens - 1, 1, item.start, True))
 
     def add_sample_row(self, request, row: int) -> None:
         self.sample_requests.append(request)

@@ -80,8 +80,11 @@ class SampledToken:
 @dataclass
 class StepResult:
     """Per request id: the token sampled this step, and prompt logprobs computed this step; for a request that
-    verified drafts, the tokens it gains instead (its accepted drafts, then the target's token)."""
+    verified drafts, the tokens it gains instead (its accepted drafts, then the target's token); for a pooling
+    request, its embedding instead of a token."""
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
     verified: dict[str, list[int]] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)
+    """The embedding of each pooling request whose prompt this step completed."""

@@ -157,6 +157,10 @@ class Scheduler:
             elif request.request_id in result.verified:
                 self._append_verified(item, result.verified[request.request_id], now)
                 advanced.append(request)
+            elif request.request_id in result.pooled:  # an embedding: done with its prompt, never sampled
+                request.embedding = result.pooled[request.request_id]
+                request.status = RequestStatus.FINISHED_STOPPED
+                advanced.append(request)
             self.kv.cache_completed_pages(
                 request.request_id, request.all_token_ids, request.num_computed_tokens, self._namespace(request)
             )
@@ -196,7 +200,8 @@ class Scheduler:
                 continue  # a sibling is computing the shared prompt; reuse its pages next step
             if request.lora_id and not self._admit_adapter(request, batch):
                 continue  # its adapter is loading, or every slot is pinned: later requests may go ahead
-            prefix = self._cached_prefix(request)
+            # a mean-pooled embedding reads every position's hidden state: cached positions have none
+            prefix = PrefixMatch([], 0) if request.pools_every_token else self._cached_prefix(request)
             num_new = request.num_tokens - prefix.num_tokens
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:

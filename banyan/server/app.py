@@ -31,6 +31,7 @@ from banyan.ipc.client import EngineClient, EngineDeadError
 from banyan.server import admin_models, openapi
 from banyan.server.auth import ANONYMOUS, AdminAuth, ApiKeyAuth, Tenant
 from banyan.server.errors import APIError, error_body, parse_json_body
+from banyan.server.embeddings import create_embeddings
 from banyan.server.metrics import ServerMetrics
 from banyan.server.models import ModelRegistry
 from banyan.server.serving import OpenAIServing
@@ -196,6 +197,12 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(request: Request) -> Response:
         return await state.models.dispatch(await read_json(request, limit), tenant_of(request), request,
                                            lambda serving, body: serving.chat(body, tenant_of(request), request))
+
+    @app.post("/v1/embeddings", **openapi.route_docs(openapi.EmbeddingResponse, errors=openapi.POST_ERRORS))
+    async def embed(request: Request) -> Response:
+        tenant = tenant_of(request)
+        return await state.models.dispatch(await read_json(request, limit), tenant, request,
+                                           lambda serving, body: create_embeddings(serving, body, tenant, request))
 
     @app.post("/tokenize", **openapi.route_docs(openapi.TokenizeResponse, errors=openapi.POST_ERRORS, description=(
         "A prompt, or messages rendered with the chat template; add_special_tokens (default true for a prompt, false "

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from banyan.server import protocol
+from banyan.server.embeddings import EmbeddingRequest
 
 DESCRIPTION = (
     "OpenAI-compatible inference server. Request bodies are validated strictly (no \"1\" for 1, finite numbers "
@@ -34,6 +35,7 @@ REQUEST_BODIES: dict[str, tuple[type[BaseModel], ...]] = {
     "/v1/chat/completions": (protocol.ChatCompletionRequest,),
     "/tokenize": (protocol.TokenizeCompletionRequest, protocol.TokenizeChatRequest),
     "/detokenize": (protocol.DetokenizeRequest,),
+    "/v1/embeddings": (EmbeddingRequest,),
 }
 
 
@@ -132,6 +134,25 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str
+    """Floats, or with encoding_format base64 the base64 of their little-endian float32 bytes."""
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
 
 
 class TokenizeResponse(BaseModel):

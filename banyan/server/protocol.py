@@ -144,21 +144,7 @@ class CompletionRequest(_SamplingFields):
                      json_schema_input_type=str | list[str] | list[TokenId] | list[list[TokenId]])
     @classmethod
     def _check_prompt(cls, prompt: Any) -> Any:
-        if isinstance(prompt, str):
-            return _check_text_prompt("", prompt)
-        if not isinstance(prompt, list) or not prompt:
-            raise InvalidParameterError("", "must be a non-empty string, list of strings, or list of token ids")
-        if all(isinstance(p, list) for p in prompt):
-            _check_prompt_count(prompt)
-            for i, ids in enumerate(prompt):
-                _check_token_ids(f"[{i}]", ids)
-        elif all(isinstance(p, str) for p in prompt):
-            _check_prompt_count(prompt)
-            for i, text in enumerate(prompt):
-                _check_text_prompt(f"[{i}]", text)
-        else:
-            _check_token_ids("", prompt)
-        return prompt
+        return check_prompts(prompt)
 
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:
@@ -253,6 +239,29 @@ def _spec_of(field: str, value: Any) -> StructuredOutputSpec:
     if field == "structured_outputs":
         return StructuredOutputSpec.from_dict(value)
     return StructuredOutputSpec.from_dict({field.removeprefix("guided_"): value})
+
+
+PromptsInput = str | list[str] | list[TokenId] | list[list[TokenId]]
+
+
+def check_prompts(prompt: Any) -> Any:
+    """One prompt or a batch of them, as text or token ids (completions' `prompt`, embeddings' `input`): non-empty,
+    at most MAX_PROMPTS, token ids in range; InvalidParameterError relative to the field."""
+    if isinstance(prompt, str):
+        return _check_text_prompt("", prompt)
+    if not isinstance(prompt, list) or not prompt:
+        raise InvalidParameterError("", "must be a non-empty string, list of strings, or list of token ids")
+    if all(isinstance(p, list) for p in prompt):
+        _check_prompt_count(prompt)
+        for i, ids in enumerate(prompt):
+            _check_token_ids(f"[{i}]", ids)
+    elif all(isinstance(p, str) for p in prompt):
+        _check_prompt_count(prompt)
+        for i, text in enumerate(prompt):
+            _check_text_prompt(f"[{i}]", text)
+    else:
+        _check_token_ids("", prompt)
+    return prompt
 
 
 def _check_text_prompt(param: str, text: str) -> str:

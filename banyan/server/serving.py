@@ -11,7 +11,8 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import TypeVar
 from concurrent.futures import ThreadPoolExecutor
 
 from starlette.requests import Request
@@ -30,6 +31,8 @@ from banyan.server.metrics import ServerMetrics
 from banyan.server.renderers import ChatRender, CompletionRender
 from banyan.text.chat_template import ChatTemplateError
 from banyan.text.tokenizer import with_special_tokens
+
+T = TypeVar("T")
 
 
 class OpenAIServing:
@@ -290,6 +293,21 @@ class OpenAIServing:
 async def _client_disconnected(http: Request) -> None:
     while (await http.receive())["type"] != "http.disconnect":
         pass
+
+
+async def until_disconnect(work: Awaitable[T], http: Request) -> T | None:
+    """The result of `work`, or None when the client left first (`work` is cancelled then: its engine
+    requests abort)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_client_disconnected(http))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            return None
+        return task.result()
+    finally:
+        gone.cancel()
 
 
 def _error_of(e: BaseException, structured_param: str | None = None) -> APIError:
