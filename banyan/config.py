@@ -198,7 +198,13 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     """Split long prompts across steps to fit the token budget."""
     policy: str = "fcfs"
-    """fcfs (arrival order) or priority (lower value first, then arrival)."""
+    """fcfs (arrival order), priority (lower value first, then arrival) or slo (earliest time-to-first-token
+    deadline first, fair across API keys; a request that can no longer meet its targets is refused at once with
+    503 and Retry-After: docs/reliability.md)."""
+    default_ttft_slo_ms: float | None = None
+    """Time-to-first-token target of requests whose body sets no slo.ttft_ms (default: none)."""
+    default_tpot_slo_ms: float | None = None
+    """Time-per-output-token target of requests whose body sets no slo.tpot_ms (default: none)."""
     enable_jump_forward: bool = True
     """Structured output: append the tokens a grammar forces (JSON keys, punctuation) without a forward pass each."""
 
@@ -209,8 +215,11 @@ class SchedulerConfig:
             raise InvalidParameterError(
                 "max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}"
             )
-        if self.policy not in ("fcfs", "priority"):
-            raise InvalidParameterError("policy", f"must be fcfs or priority, got {self.policy!r}")
+        if self.policy not in ("fcfs", "priority", "slo"):
+            raise InvalidParameterError("policy", f"must be fcfs, priority or slo, got {self.policy!r}")
+        for name in ("default_ttft_slo_ms", "default_tpot_slo_ms"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise InvalidParameterError(name, f"must be positive, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

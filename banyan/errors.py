@@ -23,6 +23,7 @@ class ErrorInfo(msgspec.Struct, frozen=True):
     param: str | None = None  # the request field at fault, if any
     code: str | None = None
     status: int = 400
+    retry_after: float | None = None  # seconds, for a refusal worth retrying (503 slo_unattainable)
 
 
 class BanyanError(Exception):
@@ -94,4 +95,5 @@ def error_info(error: BaseException) -> ErrorInfo:
     if not isinstance(error, BanyanError):
         return ErrorInfo(INTERNAL_ERROR, type="server_error", status=500)
     message = error.public_message or str(error)
-    return ErrorInfo(message, type=error.type, param=error.param, code=error.code, status=error.status)
+    return ErrorInfo(message, type=error.type, param=error.param, code=error.code, status=error.status,
+                     retry_after=getattr(error, "retry_after", None))

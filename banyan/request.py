@@ -13,12 +13,26 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from banyan.errors import ErrorInfo
 from banyan.pooling_params import PoolingParams
 from banyan.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from banyan.structured import GrammarMatcher
+
+
+class Slo(msgspec.Struct, frozen=True):
+    """A request's latency targets (the body's `slo`, or the server's defaults) and whose request it is; the slo
+    scheduling policy orders and refuses by them (scheduler/policy.py)."""
+
+    ttft_ms: float | None = None
+    """Time to first token, from arrival."""
+    tpot_ms: float | None = None
+    """Time per output token after the first."""
+    tenant: str | None = None
+    """Fairness is per tenant (the API key); None: the anonymous tenant."""
 
 
 class RequestStatus(enum.IntEnum):
@@ -112,6 +126,7 @@ class Request:
         )
         self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
         self.generator: Any = None  # per-request torch.Generator, made by the sampler when seeded
+        self.slo: Slo | None = None  # latency targets, set by the engine
         self.lora_id = 0  # the LoRA adapter it runs with (lora_int_id; 0: the base model), set by the engine
         self.lora_namespace: Any = None  # that adapter's identity, joined to cache_salt in the prefix cache
         self.pooling_params = pooling_params  # set: an embedding request (prefill only, never sampled)
@@ -160,10 +175,11 @@ class Request:
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 
-    def fail(self, message: str, param: str | None = None) -> None:
-        """End with finish_reason "error": a 400 invalid_request_error about `param`, the message for the client."""
+    def fail(self, message: str | ErrorInfo, param: str | None = None) -> None:
+        """End with finish_reason "error": a 400 invalid_request_error about `param` with the message for the
+        client, or the ErrorInfo given."""
         self.status = RequestStatus.FINISHED_ERROR
-        self.error = ErrorInfo(message, param=param)
+        self.error = message if isinstance(message, ErrorInfo) else ErrorInfo(message, param=param)
 
     def __repr__(self) -> str:
         return (

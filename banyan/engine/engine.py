@@ -24,12 +24,13 @@ from banyan.lora.request import LoRARequest
 from banyan.lora.resident import ResidentAdapters
 from banyan.lora.weights import load_adapter_weights
 from banyan.models.registry import get_model_class
-from banyan.request import Request, RequestDelta, RequestStatus
+from banyan.request import Request, RequestDelta, RequestStatus, Slo
 from banyan.pooling_params import PoolingParams
 from banyan.runner.model_runner import ModelRunner, RunnerLimits
 from banyan.runner.weights import open_model
 from banyan.sampling_params import SamplingParams
 from banyan.scheduler import Scheduler
+from banyan.scheduler.policy import with_defaults
 from banyan.scheduler.batch import Batch, StepResult
 from banyan.spec.speculator import Speculator
 
@@ -78,6 +79,7 @@ class Engine:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        slo: Slo | None = None,
         group_id: str | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
@@ -106,6 +108,9 @@ class Engine:
         # first: a backend that fails to load queues nothing
         if sampling_params.structured_outputs is not None and pooling_params is None:
             self.grammars.start(request)
+        sched = self.config.scheduler
+        request.slo = with_defaults(slo, sched.default_ttft_slo_ms, sched.default_tpot_slo_ms)
+        self.scheduler.check_deadline(request)  # slo: refused now rather than late
         if lora_request is not None:
             self._use_adapter(request, lora_request)
         try:
@@ -169,6 +174,7 @@ class Engine:
             prefix_query_tokens=sched.stats.prefix_query_tokens,
             prefix_hit_tokens=sched.stats.prefix_hit_tokens,
             num_preemptions=sched.stats.num_preemptions,
+            **sched.slo_stats(),
             grammar_cache_entries=grammars.get("entries", 0),
             grammar_cache_bytes=grammars.get("bytes", 0),
             grammar_cache_evictions=grammars.get("evictions", 0),

@@ -2,6 +2,7 @@
 
     raise-after-steps=N            the N-th step raises (a fatal engine error)
     sleep-after-steps=N:SECONDS    the N-th step sleeps first (a wedged engine)
+    sleep-every-step=SECONDS       every step sleeps first (a slow engine: step times known from below)
     grammar-raise-after-tokens=N   each constrained request's grammar fails once it has N output tokens
     sleep-while-loading=SECONDS    the core sleeps before it loads the model
 
@@ -27,7 +28,7 @@ GRAMMAR_FAULT = "the grammar library failed: injected grammar library fault"
 
 class Fault:
     def __init__(self, kind: str, step: int, seconds: float = 0.0):
-        self.kind = kind  # "raise" | "sleep" | "grammar" | "load"
+        self.kind = kind  # "raise" | "sleep" | "slow" | "grammar" | "load"
         self.step = step  # grammar: output tokens
         self.seconds = seconds
         self.num_steps = 0  # steps begun
@@ -40,6 +41,8 @@ class Fault:
         if name == "sleep-after-steps":
             step, _, seconds = value.partition(":")
             return cls("sleep", int(step), float(seconds))
+        if name == "sleep-every-step":
+            return cls("slow", 0, float(value))
         if name == "grammar-raise-after-tokens":
             return cls("grammar", int(value))
         if name == "sleep-while-loading":
@@ -62,4 +65,6 @@ class Fault:
             raise RuntimeError(f"injected fault at step {self.num_steps}")
         elif self.num_steps == self.step and self.kind == "sleep":
             logger.warning("injected fault: sleeping %.1f s in step %d", self.seconds, self.num_steps)
+            time.sleep(self.seconds)
+        elif self.kind == "slow" and engine.has_unfinished_requests():
             time.sleep(self.seconds)

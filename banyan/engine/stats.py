@@ -24,6 +24,10 @@ class EngineSnapshot(msgspec.Struct, kw_only=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)  # [j]: draft j + 1 accepted
+    # the slo policy's measurements (zero under the others): the server refuses early from these
+    slo_queue_wait: float = 0.0  # seconds before a request queued behind all waiting ones gets its first token
+    slo_step_seconds: float = 0.0  # a step's measured time while requests queue
+    slo_seconds_per_request: float = 0.0  # the queue's measured pace: seconds per admission
 
 
 class KvCensus(msgspec.Struct, kw_only=True):

@@ -61,6 +61,7 @@ class RequestError(BanyanError):
     def __init__(self, error: ErrorInfo):
         super().__init__(error.message)
         self.status, self.type, self.param, self.code = error.status, error.type, error.param, error.code
+        self.retry_after = error.retry_after
 
 
 class EngineClient:

@@ -121,6 +121,7 @@ class EngineCore:
                 priority=msg.priority,
                 cache_salt=msg.cache_salt,
                 group_id=msg.group_id,
+                slo=msg.slo,
                 pooling_params=msg.pooling_params,
             )
         except Exception as e:  # request-scoped: this request fails, the engine carries on

@@ -17,7 +17,7 @@ from typing import Union
 import msgspec
 
 from banyan.engine.stats import EngineSnapshot, KvCensus
-from banyan.request import RequestDelta
+from banyan.request import RequestDelta, Slo
 from banyan.pooling_params import PoolingParams
 from banyan.sampling_params import SamplingParams
 
@@ -30,6 +30,7 @@ class AddRequest(msgspec.Struct, tag=True):
     priority: int = 0
     cache_salt: str | None = None
     group_id: str | None = None
+    slo: Slo | None = None
     pooling_params: PoolingParams | None = None
     """Set: an embedding request (its one delta carries the embedding)."""
 

@@ -1,17 +1,68 @@
-"""Queue order and preemption victims.
+"""Queue order, preemption victims, and deadlines.
 
-fcfs: arrival order. priority: lower `priority` value first, then arrival. The victim of a
-preemption is always the request that would be served last: the latest, or the lowest priority.
+fcfs: arrival order. priority: lower `priority` value first, then arrival. slo: earliest time-to-first-token
+deadline first (arrival + the request's `Slo.ttft_ms`; none: after every deadline), fair across tenants. The
+victim of a preemption is always the request that would be served last: the latest, the lowest priority, or the
+one with the most slack.
+
+Under slo, `Deadlines` also refuses what cannot be served in time, before it costs a step:
+
+    wait(request) = max(tokens ahead / prefill tokens per second, requests ahead / admissions per second)
+                    + one step                                       (both rates measured while requests queued)
+
+    tokens ahead:   the prompt tokens still to compute of the running requests and of every waiting one served
+                    before it (its own prompt included); requests ahead: those waiting ones, itself included.
+    refused:        now + wait(request) > its TTFT deadline, or the measured step time > its TPOT target
+                    (503 slo_unattainable, Retry-After: when the queue ahead will have drained enough).
+
+The first term binds when prompts are long (compute), the second when max_num_seqs or the cache is full (the queue
+moves only as running requests finish). Until a queue has been measured nothing is refused. Fairness: a tenant's
+k-th waiting request (k = 0, 1, ... in deadline order) is ordered as if its deadline were k + s service slots later,
+s = the tenant's admissions of the last seconds (each decaying e^(-age / FAIRNESS_WINDOW)) and one slot = the
+measured seconds per admission, so one key flooding the queue delays its own requests first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
+import msgspec
+
+from banyan.errors import BanyanError
 from banyan.registry import Registry
-from banyan.request import Request
+from banyan.request import Request, RequestStatus, Slo
+
+if TYPE_CHECKING:
+    from banyan.scheduler.batch import ScheduledRequest
 
 POLICIES: Registry[Callable[[Request], tuple]] = Registry("policy")  # name -> sort key: smaller is served first
+EWMA_RATE = 0.05
+"""Weight of one backlogged step in the measured rates (about the last 20 steps count)."""
+FAIRNESS_WINDOW = 2.0
+"""Seconds over which a tenant's admissions count against its share (an exponential decay's time constant)."""
+
+
+class SloUnattainableError(BanyanError):
+    """The request cannot meet its latency target given the queue and the measured step times."""
+
+    status = 503
+    code = "slo_unattainable"
+    public_message = None
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def ttft_deadline(request: Request) -> float:
+    """When the request's first token is due (wall clock); inf without a TTFT target."""
+    slo = request.slo
+    if slo is None or slo.ttft_ms is None:
+        return math.inf
+    return request.metrics.arrival_time + slo.ttft_ms / 1000.0
 
 
 @POLICIES.register("fcfs")
@@ -24,11 +75,173 @@ def _priority(request: Request) -> tuple:
     return (request.priority, request.metrics.arrival_time, request.seq_no)
 
 
+@POLICIES.register("slo")
+def _deadline(request: Request) -> tuple:
+    return (ttft_deadline(request), request.metrics.arrival_time, request.seq_no)
+
+
 class SchedulingPolicy:
-    def __init__(self, name: str = "fcfs"):
+    def __init__(self, name: str = "fcfs", clock: Callable[[], float] = time.time):
         self.key = POLICIES.get(name)
         """Sort key of a request: smaller is served first."""
+        self.deadlines = Deadlines(clock) if name == "slo" else None
+        """Under slo: the measured rates and the refusals; None otherwise."""
 
     def pick_victim(self, running: Iterable[Request]) -> Request:
         """The running request to preempt: the one served last."""
         return max(running, key=self.key)
+
+    def admission_order(self, waiting: list[Request]) -> list[Request]:
+        """The order waiting requests are admitted in (`waiting` is sorted by `key`)."""
+        return list(waiting) if self.deadlines is None else self.deadlines.fair_order(waiting)
+
+
+class Deadlines:
+    """The slo policy's measurements (backlogged step period, prefill tokens and admissions per step, as EWMAs)
+    and the decisions made from them. `clock` is wall time, as arrival times are."""
+
+    def __init__(self, clock: Callable[[], float] = time.time):
+        self.clock = clock
+        self.step_seconds = 0.0  # EWMAs over backlogged steps; 0: nothing measured yet
+        self.prefill_per_step = 0.0
+        self.admitted_per_step = 0.0
+        self._last: tuple[float, int, int, bool] | None = None  # the previous schedule: time, prefill, admitted, backlogged
+        self._admitted_total = self._admitted_before = 0
+        self._served: dict[str | None, tuple[float, float]] = {}  # tenant -> (admissions, decayed to this time)
+
+    # -- measuring --------------------------------------------------------------------------------
+    def admitted(self, request: Request) -> None:
+        """The scheduler admitted the request (first admission or readmission): counted for the pace, and against
+        its tenant's fair share."""
+        self._admitted_total += 1
+        tenant = request.slo.tenant if request.slo is not None else None
+        self._served[tenant] = (self._served_by(tenant, self.clock()) + 1.0, self.clock())
+
+    def observe_schedule(self, scheduled: Sequence[ScheduledRequest], backlogged: bool) -> None:
+        """A schedule() just ended: what it holds (the step about to run) and whether requests still wait. The
+        period to the next call is that step's time; it counts only when requests waited (the loop never idled)."""
+        now = self.clock()
+        if self._last is not None:
+            then, prefill, admitted, was_backlogged = self._last
+            if was_backlogged and now > then:
+                self._update(now - then, prefill, admitted)
+        prefill = sum(max(0, min(s.end, s.request.num_prompt_tokens) - s.start) for s in scheduled)
+        self._last = (now, prefill, self._admitted_total - self._admitted_before, backlogged)
+        self._admitted_before = self._admitted_total
+
+    def _update(self, seconds: float, prefill: int, admitted: int) -> None:
+        if self.step_seconds == 0.0:  # the first measurement seeds the averages
+            self.step_seconds, self.prefill_per_step, self.admitted_per_step = seconds, prefill, admitted
+            return
+        self.step_seconds += EWMA_RATE * (seconds - self.step_seconds)
+        self.prefill_per_step += EWMA_RATE * (prefill - self.prefill_per_step)
+        self.admitted_per_step += EWMA_RATE * (admitted - self.admitted_per_step)
+
+    @property
+    def measured(self) -> bool:
+        return self.step_seconds > 0.0
+
+    def wait_seconds(self, tokens_ahead: int, requests_ahead: int) -> float:
+        """Expected seconds until a request with this much queued work before it (its own included) gets its
+        first token; 0 before anything was measured."""
+        if not self.measured:
+            return 0.0
+        steps = max(_steps_for(tokens_ahead, self.prefill_per_step), _steps_for(requests_ahead, self.admitted_per_step))
+        return (steps + 1) * self.step_seconds
+
+    def snapshot(self, running: Iterable[Request], waiting: Sequence[Request]) -> dict[str, float]:
+        """EngineSnapshot's slo_* fields, which the server's admission check reads: the wait of a request queued
+        behind everything waiting now (its own prompt aside), the step time, the seconds per admission."""
+        tokens = _prefill_left(running) + _prefill_left(waiting)
+        per_request = self.step_seconds / self.admitted_per_step if self.admitted_per_step > 0 else 0.0
+        return {"slo_queue_wait": self.wait_seconds(tokens, len(waiting) + 1), "slo_step_seconds": self.step_seconds,
+                "slo_seconds_per_request": per_request}
+
+    # -- deciding -----------------------------------------------------------------------------------
+    def fair_order(self, waiting: list[Request]) -> list[Request]:
+        """Deadline order, each request moved (k + s) service slots later: k its rank among its tenant's waiting
+        requests, s its tenant's recent admissions (module docstring)."""
+        slot = self.step_seconds / self.admitted_per_step if self.admitted_per_step > 0 else 0.0
+        if slot == 0.0:
+            return list(waiting)
+        now, rank, keyed = self.clock(), {}, []
+        for request in waiting:  # already in deadline order, so each tenant's ranks follow its deadlines
+            tenant = request.slo.tenant if request.slo is not None else None
+            k = rank[tenant] = rank.get(tenant, self._served_by(tenant, now) - 1.0) + 1.0
+            keyed.append((ttft_deadline(request) + k * slot, request.seq_no, request))
+        return [request for *_, request in sorted(keyed, key=lambda item: item[:2])]
+
+    def _served_by(self, tenant: str | None, now: float) -> float:
+        """The tenant's admissions, each weighing less as it ages (e^(-age / FAIRNESS_WINDOW))."""
+        count, at = self._served.get(tenant, (0.0, now))
+        count *= math.exp(-max(0.0, now - at) / FAIRNESS_WINDOW)
+        self._served[tenant] = (count, now)
+        return count
+
+    def check_new(self, request: Request, running: Iterable[Request], waiting: Sequence[Request]) -> None:
+        """Raise SloUnattainableError if the request, queued where its deadline puts it, cannot meet its targets."""
+        if not self.measured or request.slo is None:
+            return
+        deadline = ttft_deadline(request)
+        ahead = [r for r in waiting if ttft_deadline(r) <= deadline]
+        tokens = _prefill_left(running) + _prefill_left(ahead) + request.num_prompt_tokens
+        self._check(request, self.wait_seconds(tokens, len(ahead) + 1))
+
+    def unattainable(self, running: Iterable[Request], order: Sequence[Request]) -> list[tuple[Request, BanyanError]]:
+        """The waiting requests (never started, in admission order) that can no longer meet their TTFT deadline,
+        each with its error; the work of those kept counts ahead of the later ones, the refused do not."""
+        if not self.measured:
+            return []
+        refused, tokens, count = [], _prefill_left(running), 0
+        for request in order:
+            if request.status != RequestStatus.WAITING or request.metrics.first_token_time is not None:
+                tokens += _prefill_left([request])  # preempted: it has its first token, never refused
+                count += 1
+                continue
+            try:
+                self._check(request, self.wait_seconds(tokens + request.num_prompt_tokens, count + 1))
+            except SloUnattainableError as e:
+                refused.append((request, e))
+                continue
+            tokens += request.num_prompt_tokens
+            count += 1
+        return refused
+
+    def _check(self, request: Request, wait: float) -> None:
+        error = refusal(request.slo, self.clock() - request.metrics.arrival_time, wait, self.step_seconds)
+        if error is not None:
+            raise error
+
+
+def refusal(slo: Slo | None, elapsed: float, wait: float, step_seconds: float) -> SloUnattainableError | None:
+    """Why a request `elapsed` seconds after its arrival, with `wait` seconds to go before its first token and
+    steps of `step_seconds`, cannot meet its targets; None when it can (the core's check and the server's)."""
+    if slo is None:
+        return None
+    if slo.ttft_ms is not None and elapsed + wait > slo.ttft_ms / 1000.0:
+        return SloUnattainableError(
+            f"the first token would come about {elapsed + wait:.2f} s after arrival (the queue ahead at the measured "
+            f"step times), past the {slo.ttft_ms:g} ms ttft target", retry_after=elapsed + wait - slo.ttft_ms / 1000.0)
+    if slo.tpot_ms is not None and step_seconds * 1000.0 > slo.tpot_ms:
+        return SloUnattainableError(
+            f"a step takes {step_seconds * 1000.0:.0f} ms now, more than the {slo.tpot_ms:g} ms tpot target",
+            retry_after=1.0)
+    return None
+
+
+def with_defaults(slo: Slo | None, ttft_ms: float | None, tpot_ms: float | None) -> Slo | None:
+    """The request's targets, the server's defaults where it set none (None: no target at all)."""
+    slo = slo or Slo()
+    slo = msgspec.structs.replace(slo, ttft_ms=slo.ttft_ms if slo.ttft_ms is not None else ttft_ms,
+                                  tpot_ms=slo.tpot_ms if slo.tpot_ms is not None else tpot_ms)
+    return slo if slo.ttft_ms is not None or slo.tpot_ms is not None else None
+
+
+def _steps_for(amount: float, per_step: float) -> float:
+    """Steps to get through `amount` at `per_step` each; 0 while the pace is unknown (nothing measured yet)."""
+    return amount / per_step if amount > 0 and per_step > 0 else 0.0
+
+
+def _prefill_left(requests: Iterable[Request]) -> int:
+    """Prompt tokens the requests still have to compute."""
+    return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in requests)

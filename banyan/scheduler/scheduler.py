@@ -40,7 +40,7 @@ from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING
 
 from banyan.config import SchedulerConfig
-from banyan.errors import CacheCapacityError
+from banyan.errors import CacheCapacityError, error_info
 from banyan.kv_cache import KVCacheManager, PrefixMatch
 from banyan.request import Request, RequestStatus, TokenLogprobs
 from banyan.scheduler.batch import Batch, SampledToken, ScheduledRequest, StepResult
@@ -114,11 +114,32 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_grammar)
 
+    # -- deadlines (the slo policy; no-ops under the others) -------------------------------------
+    def check_deadline(self, request: Request) -> None:
+        """Raise SloUnattainableError if the request, queued where its deadline puts it, cannot meet its targets."""
+        if self.policy.deadlines is not None:
+            self.policy.deadlines.check_new(request, self.running, self.waiting)
+
+    def slo_stats(self) -> dict[str, float]:
+        """What the server's admission check reads (EngineSnapshot's slo_* fields); empty unless slo."""
+        return {} if self.policy.deadlines is None else self.policy.deadlines.snapshot(self.running, self.waiting)
+
+    def _refuse_unattainable(self, batch: Batch) -> None:
+        """Waiting requests that can no longer meet their TTFT deadline end now, never run (503 slo_unattainable)."""
+        order = self.policy.admission_order(self.waiting)
+        for request, error in self.policy.deadlines.unattainable(self.running, order):
+            self.waiting.remove(request)
+            request.fail(error_info(error))
+            self._release(request)
+            batch.finished.append(request)
+
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> Batch:
         batch = Batch()
         if self.waiting_for_grammar:
             self._check_grammars(batch)
+        if self.policy.deadlines is not None:
+            self._refuse_unattainable(batch)
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=self.policy.key)
         drafts = self._drafts() if self.speculator is not None else {}
@@ -135,6 +156,8 @@ class Scheduler:
             i += 1
         if not batch.preempted:  # short of pages: admitting more would only thrash
             self._admit_waiting(batch, budget)
+        if self.policy.deadlines is not None:  # this step's work, timed by the next call
+            self.policy.deadlines.observe_schedule(batch.scheduled, bool(self.waiting))
         if self.adapters is not None and batch.scheduled:  # loads wait for a step that runs
             batch.lora_slots, batch.lora_loads = dict(self.adapters.slot_of), self.adapters.take_loads()
         return batch
@@ -193,7 +216,7 @@ class Scheduler:
 
     def _admit_waiting(self, batch: Batch, budget: int) -> None:
         prefilling_groups = {r.group_id for r in self.running if r.group_id and not r.is_prefill_done}
-        for request in list(self.waiting):
+        for request in self.policy.admission_order(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             if request.group_id is not None and request.group_id in prefilling_groups:
@@ -314,6 +337,8 @@ class Scheduler:
             # positions served by the cache lie before prompt_logprobs_start: reported as None
             request.prompt_logprobs.extend([None] * (num_cached + 1 - len(request.prompt_logprobs)))
         request.status = RequestStatus.RUNNING
+        if self.policy.deadlines is not None:
+            self.policy.deadlines.admitted(request)
         self.running.append(request)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, batch: Batch) -> bool:

@@ -58,7 +58,8 @@ def from_banyan_error(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
     info = error_info(e)
-    return APIError(info.status, info.message, type=info.type, param=info.param, code=info.code)
+    return APIError(info.status, info.message, type=info.type, param=info.param, code=info.code,
+                    retry_after=info.retry_after)
 
 
 def from_validation_error(e: ValidationError) -> APIError:

@@ -25,7 +25,7 @@ from banyan.server.protocol_parts import (  # noqa: F401 (the pieces are part of
     CACHE_SALT_PATTERN, MAX_COMPLETION_LOGPROBS, MAX_LOGIT_BIAS, MAX_PROMPTS, MAX_STOP, MAX_STOP_TOKEN_IDS,
     MAX_TOKEN_ID, MAX_TOP_LOGPROBS, STRUCTURED_FIELDS, ChatMessageParam, FunctionCall, FunctionDefinition, Int64,
     NamedFunction, NamedToolChoice, Penalty, Probability, RequestModel, ResponseFormat, StreamOptions, TextPart, Tool,
-    TokenId, ToolCall,
+    SloTargets, TokenId, ToolCall,
 )
 from banyan.structured import StructuredOutputError, StructuredOutputSpec
 from banyan.text.chat_template import RESERVED_TEMPLATE_KWARGS
@@ -63,6 +63,10 @@ class _SamplingFields(RequestModel):
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     """Scheduling priority, lower served first, under `--scheduling-policy priority`; under the default fcfs
     policy (arrival order) it is accepted and has no effect, as in vLLM."""
+    slo: SloTargets | None = None
+    """banyan's extension: latency targets. Under `--scheduling-policy slo` waiting requests go earliest deadline
+    first (fair across API keys), and a request the queue would make miss its targets is refused at once: 503,
+    code slo_unattainable, with Retry-After. The other policies ignore it."""
     # structured output: OpenAI's response_format, vLLM's structured_outputs and older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None

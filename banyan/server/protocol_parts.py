@@ -54,6 +54,15 @@ class RequestModel(StrictModel):
 
 
 # -- pieces of requests ---------------------------------------------------------------------------
+class SloTargets(StrictModel):
+    """Latency targets of one request (banyan's extension), in milliseconds; unset: the server's defaults."""
+
+    ttft_ms: float | None = Field(None, gt=0.0, le=86_400_000.0)
+    """Time to first token, from the request's arrival."""
+    tpot_ms: float | None = Field(None, gt=0.0, le=86_400_000.0)
+    """Time per output token after the first."""
+
+
 class StreamOptions(StrictModel):
     include_usage: bool | None = None
     """A last chunk, with no choices, carries the usage."""

@@ -22,7 +22,9 @@ from banyan.config import ServerConfig
 from banyan.errors import BanyanError
 from banyan.frontend.prepare import ChatInput, PreparedChat, prepare_chat, render_chat, tool_calling
 from banyan.ipc.client import EngineClient, RequestError
+from banyan.request import Slo
 from banyan.sampling_params import SamplingParams
+from banyan.scheduler.policy import refusal, with_defaults
 from banyan.server import protocol
 from banyan.server.auth import ApiKeyAuth, RateLimiter, Tenant
 from banyan.server.errors import APIError, error_body, from_banyan_error, model_not_found
@@ -135,6 +137,24 @@ class OpenAIServing:
                     code="context_length_exceeded",
                 )
 
+    def _slo(self, req, tenant: Tenant) -> Slo | None:
+        """The request's latency targets, the server's defaults where it sets none."""
+        sched, asked = self.client.config.scheduler, req.slo
+        slo = Slo(asked.ttft_ms, asked.tpot_ms, tenant.tenant_id) if asked else Slo(tenant=tenant.tenant_id)
+        return with_defaults(slo, sched.default_ttft_slo_ms, sched.default_tpot_slo_ms)
+
+    def _check_slo(self, slo: Slo | None) -> None:
+        """slo policy: refuse now (503, Retry-After) what the queue would make late, before it costs a step. The
+        core's measurements come a few times a second; requests sent since are counted at its measured pace."""
+        stats = self.client.stats
+        if slo is None or stats is None or not stats.slo_step_seconds:
+            return
+        unseen = max(0, self.client.num_in_flight - stats.num_running - stats.num_waiting)
+        wait = stats.slo_queue_wait + unseen * stats.slo_seconds_per_request
+        error = refusal(slo, 0.0, wait, stats.slo_step_seconds)
+        if error is not None:
+            raise from_banyan_error(error)
+
     def _admit(self, tenant: Tenant, num_tokens: int, num_requests: int) -> None:
         if self.client.num_in_flight + num_requests > self.config.max_queued_requests:
             self.metrics.observe_rejection(tenant.tenant_id, 503, "server_overloaded")
@@ -215,9 +235,11 @@ class OpenAIServing:
             raise from_banyan_error(e) from e
         budget = sum(len(p) + (params.max_tokens or self.max_model_len - len(p)) for p in prompts) * params.num_sequences
         self._admit(tenant, budget, len(prompts) * params.num_sequences)
+        slo = self._slo(req, tenant)
+        self._check_slo(slo)
         namespace = ApiKeyAuth.namespace_for(tenant, req.cache_salt)
         gen = Generation(self.client, self.tokenizer, http.state.request_id, prompts, params, priority=req.priority,
-                         cache_salt=namespace, max_buffered_events=self.config.max_buffered_events)
+                         cache_salt=namespace, slo=slo, max_buffered_events=self.config.max_buffered_events)
         gen.structured_param = req.structured_param  # a grammar that fails to compile is reported against it
         gen.route = getattr(http.state, "route", None)
         self.live.add(gen)

@@ -1,0 +1,166 @@
+"""The slo policy, step by step on a fake clock: earliest deadline first, fair across tenants, and a request
+that cannot meet its targets refused before it costs a step (scheduler/policy.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from banyan.config_args import add_engine_args, engine_config
+from banyan.errors import error_info
+from banyan.request import RequestStatus, Slo
+from banyan.scheduler.policy import SloUnattainableError, refusal, with_defaults
+from tests.unit.test_scheduler import make_request, make_scheduler, step
+
+STEP = 0.1  # seconds each stand-in step takes on the fake clock
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def slo_scheduler(clock: FakeClock, **kw):
+    s = make_scheduler(policy="slo", **kw)
+    s.policy.deadlines.clock = clock
+    return s
+
+
+def slo_request(clock: FakeClock, ttft_ms=None, tpot_ms=None, tenant=None, prompt_len=16, max_tokens=1):
+    r = make_request(prompt_len=prompt_len, max_tokens=max_tokens, arrival=clock.now)
+    r.slo = Slo(ttft_ms, tpot_ms, tenant)
+    return r
+
+
+def timed_step(s, clock: FakeClock, seconds: float = STEP) -> dict:
+    scheduled = step(s)
+    clock.now += seconds
+    return scheduled
+
+
+def backlogged(clock: FakeClock, num_queued: int, ttft_ms=60_000.0):
+    """A scheduler that admits one 16-token request per 0.1 s step (measured over a few backlogged steps),
+    with `num_queued` more requests waiting: a queued request's first token is due (position + 1 + 1) steps on."""
+    s = slo_scheduler(clock, max_num_seqs=1, max_num_batched_tokens=16)
+    for _ in range(4 + num_queued):
+        s.add_request(slo_request(clock, ttft_ms))
+    for _ in range(4):
+        timed_step(s, clock)
+    assert len(s.waiting) == num_queued and s.policy.deadlines.step_seconds == pytest.approx(STEP)
+    return s
+
+
+def test_waiting_requests_go_earliest_deadline_first():
+    clock = FakeClock()
+    s = slo_scheduler(clock, max_num_seqs=1)
+    late, soon, middle, none = (slo_request(clock, ttft) for ttft in (3000, 1000, 2000, None))
+    for r in (none, late, soon, middle):
+        s.add_request(r)
+    admitted = [next(iter(timed_step(s, clock))) for _ in range(4)]
+    assert admitted == [soon.request_id, middle.request_id, late.request_id, none.request_id]  # no target: last
+
+
+def test_the_victim_of_a_preemption_is_the_request_with_most_slack():
+    clock = FakeClock()
+    s = slo_scheduler(clock)
+    tight, loose = slo_request(clock, 500), slo_request(clock, 5000)
+    assert s.policy.pick_victim([tight, loose]) is loose
+
+
+def test_nothing_is_refused_before_a_queue_was_measured():
+    clock = FakeClock()
+    s = slo_scheduler(clock)
+    s.check_deadline(slo_request(clock, ttft_ms=1))  # no measurement: optimistic
+
+
+def test_a_request_the_queue_would_make_late_is_refused_when_it_arrives():
+    clock = FakeClock()
+    s = backlogged(clock, num_queued=10, ttft_ms=1550)  # queued 0.4 s ago: their deadlines are 1.15 s from now
+    # behind those 10: 10 + itself + the step of its first token = 1.2 s
+    with pytest.raises(SloUnattainableError) as refused:
+        s.check_deadline(slo_request(clock, ttft_ms=1180))  # due 1.18 s from now, after all 10
+    info = error_info(refused.value)
+    assert (info.status, info.code) == (503, "slo_unattainable") and "1180 ms ttft" in info.message
+    assert info.retry_after == pytest.approx(0.02)
+    s.check_deadline(slo_request(clock, ttft_ms=1300))
+
+
+def test_a_tighter_deadline_waits_only_behind_the_tighter_ones():
+    clock = FakeClock()
+    s = backlogged(clock, num_queued=10, ttft_ms=60_000)
+    s.check_deadline(slo_request(clock, ttft_ms=300))  # goes first: 1 + 1 steps
+
+
+def test_a_step_slower_than_the_tpot_target_is_refused():
+    clock = FakeClock()
+    s = backlogged(clock, num_queued=0)
+    with pytest.raises(SloUnattainableError, match="50 ms tpot"):
+        s.check_deadline(slo_request(clock, tpot_ms=50))
+    s.check_deadline(slo_request(clock, tpot_ms=150))
+
+
+def test_waiting_requests_that_can_no_longer_make_it_end_unrun():
+    clock = FakeClock()
+    s = backlogged(clock, num_queued=0)
+    queued = [slo_request(clock, ttft_ms=1000) for _ in range(6)]
+    for r in queued:
+        s.add_request(r)  # feasible when they came: 6 ahead at most, 0.7 s
+    clock.now += 0.5  # the core stalled; now only the first few can still make it
+    batch = s.schedule()
+    refused = set(batch.finished)
+    assert refused == set(queued[3:])  # 0.5 s gone: the k-th has (k + 2) steps left, k = 3 would take 0.5 s more
+    for r in refused:
+        assert r.status == RequestStatus.FINISHED_ERROR and r.num_computed_tokens == 0
+        assert (r.error.status, r.error.code) == (503, "slo_unattainable") and r.error.retry_after > 0
+        assert r.request_id not in s.requests
+    assert [item.request for item in batch.scheduled] == [queued[0]]
+    s.kv.check_integrity()
+
+
+def test_a_tenant_flooding_the_queue_delays_its_own_requests_first():
+    clock = FakeClock()
+    s = backlogged(clock, num_queued=0)
+    flood = [slo_request(clock, 60_000, tenant="a") for _ in range(4)]
+    clock.now += 0.01
+    other = [slo_request(clock, 60_000, tenant="b") for _ in range(2)]  # later deadlines, by 10 ms
+    for r in flood + other:
+        s.add_request(r)
+    order = [next(iter(timed_step(s, clock))) for _ in range(6)]
+    a, b = [r.request_id for r in flood], [r.request_id for r in other]
+    assert order == [a[0], b[0], a[1], b[1], a[2], a[3]]
+
+
+def test_fcfs_ignores_targets_and_refuses_nothing():
+    clock = FakeClock()
+    s = make_scheduler(policy="fcfs", max_num_seqs=1)
+    first, second = slo_request(clock, 5000), slo_request(clock, 1)
+    for r in (first, second):
+        s.add_request(r)
+        s.check_deadline(r)
+    assert s.slo_stats() == {}
+    assert [next(iter(step(s))) for _ in range(2)] == [first.request_id, second.request_id]
+
+
+def test_the_servers_defaults_fill_only_what_the_request_left_unset():
+    assert with_defaults(Slo(ttft_ms=100, tenant="t"), 2000, 200) == Slo(100, 200, "t")
+    assert with_defaults(None, 2000, None) == Slo(ttft_ms=2000)
+    assert with_defaults(Slo(tenant="t"), None, None) is None
+
+
+def test_the_server_refuses_from_the_cores_measurements():
+    assert refusal(Slo(ttft_ms=2000), elapsed=0.0, wait=2.5, step_seconds=0.05).retry_after == pytest.approx(0.5)
+    assert refusal(Slo(ttft_ms=2000), elapsed=0.0, wait=1.5, step_seconds=0.05) is None
+    assert refusal(None, elapsed=0.0, wait=99.0, step_seconds=9.0) is None
+
+
+@pytest.mark.parametrize("flag", ["--scheduling-policy", "--policy"])
+def test_flags_vllms_name_and_the_old_one(flag):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args([flag, "slo", "--default-ttft-slo-ms", "2000", "--default-tpot-slo-ms", "200"])
+    sched = engine_config(args).scheduler
+    assert (sched.policy, sched.default_ttft_slo_ms, sched.default_tpot_slo_ms) == ("slo", 2000.0, 200.0)
