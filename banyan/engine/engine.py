@@ -27,7 +27,6 @@ from banyan.models.registry import get_model_class
 from banyan.request import Request, RequestDelta, RequestStatus, Slo
 from banyan.pooling_params import PoolingParams
 from banyan.runner.model_runner import ModelRunner, RunnerLimits
-from banyan.runner.worker import runner_factory as parallel_runner_factory
 from banyan.runner.weights import open_model
 from banyan.sampling_params import SamplingParams
 from banyan.scheduler import Scheduler
@@ -54,7 +53,6 @@ class Engine:
         sched = config.scheduler
         limits = RunnerLimits(sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len)
         lora = config.lora if config.lora.enable_lora else None
-        runner_factory = parallel_runner_factory(config.parallel, runner_factory)  # tensor parallel: workers
         self.runner = runner_factory(config.model, config.cache, source, limits, **({"lora_config": lora} if lora else {}))
         self.adapters = None if lora is None else ResidentAdapters(  # LoRA: which adapters hold the weight slots
             lora.max_loras, lora.max_lora_rank, self.arch, functools.partial(load_adapter_weights, dtype=self.runner.dtype))
@@ -219,8 +217,6 @@ class Engine:
         self.grammars.close()
         if self.adapters is not None:
             self.adapters.close()
-        if hasattr(self.runner, "close"):  # tensor parallel: the workers
-            self.runner.close()
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from banyan.config import DEFAULT_CPU_KV_BYTES, CacheConfig, LoRAConfig, ModelConfig, default_num_threads
-from banyan.distributed.collectives import TPGroup
-from banyan.distributed.tensor_parallel import ShardPlan, parallelize, shard_arch
 from banyan.errors import InvalidParameterError
 from banyan.layers.attention import AttentionBackend, get_attention_backend
 from banyan.layers.attention.base import FP8
@@ -23,7 +21,7 @@ from banyan.layers.sampler import Sampler, compute_prompt_logprobs, request_gene
 from banyan.lora.layers import LoRAGroups, LoRAModel
 from banyan.models.registry import get_model_class
 from banyan.quantization.formats import FP16
-from banyan.quantization import (Choice, default_method, finish_loading, model_weight_bytes, plan_formats, quantize_linears,
+from banyan.quantization import (default_method, finish_loading, model_weight_bytes, plan_formats, quantize_linears,
                                  use_fixed_order)
 from banyan.registry import UnknownChoiceError
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
@@ -50,12 +48,8 @@ class RunnerLimits:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, source: ModelSource, limits: RunnerLimits,
-                 lora_config: LoRAConfig | None = None, tp: TPGroup | None = None):
-        """tp: this process's rank of a tensor-parallel group (runner/worker.py): it builds, loads and caches only
-        its shard (`shard_arch`: its heads, KV heads, intermediate and vocabulary rows)."""
+                 lora_config: LoRAConfig | None = None):
         self.arch = source.arch
-        self.tp = tp
-        self.shard = shard_arch(source.arch, tp.size) if tp is not None else source.arch
         self.limits = limits
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, source.arch.torch_dtype, self.device, source.path.is_file())
@@ -74,7 +68,7 @@ class ModelRunner:
         self.kv_caches = [(self._kv_pages(self.num_pages + 1), self._kv_pages(self.num_pages + 1))
                           for _ in range(self.arch.num_hidden_layers)]
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not model_config.enforce_eager and tp is None:
+        if self.device.type == "cuda" and not model_config.enforce_eager:
             self.start_decode_graphs(capture=True)
         self.sampler = Sampler(self.arch.vocab_size, default_seed=model_config.seed)
         self.grammar: GrammarBackend | None = None  # fills the masks of rows with a matcher (structured output)
@@ -84,19 +78,14 @@ class ModelRunner:
         model_cls = get_model_class(self.arch.architecture)
         choice = default_method(model_config.quantization, self.device, self.dtype, source.arch.torch_dtype,
                                 source.path.is_file())
-        if self.tp is not None and choice.method == "gguf":  # compact tensors are not sliced (yet): float16
-            choice = Choice("fp16")
         method = choice.method
         with _default_dtype(self.dtype), torch.device(self.device):
-            model = model_cls(self.shard, self.attn)
+            model = model_cls(self.arch, self.attn)
             if method is not None:
                 plan = plan_formats(model, method, model_config.quantization_group_size, source.compact_formats(),
                                     fill=FP16 if choice.mix_fp16 else None)
                 quantize_linears(model, plan, wide_fp16=choice.mix_fp16, batch_invariant=model_config.batch_invariant)
-        if self.tp is not None:
-            parallelize(model, self.tp, self.arch)
-        shards = ShardPlan(self.arch, self.tp.size, self.tp.rank) if self.tp is not None else None
-        model.load_weights(source.iter_weights(compact=method == "gguf", shard=shards))
+        model.load_weights(source.iter_weights(compact=method == "gguf"))
         finish_loading(model)
         if model_config.batch_invariant:
             if self.attn.name != "torch":
@@ -107,11 +96,11 @@ class ModelRunner:
         return model.eval()
 
     def _kv_pages(self, num_pages: int) -> torch.Tensor:
-        shape = (num_pages, self.page_size, self.shard.num_key_value_heads, self.arch.head_dim)
+        shape = (num_pages, self.page_size, self.arch.num_key_value_heads, self.arch.head_dim)
         return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _kv_capacity(self, cache_config: CacheConfig) -> KVCapacity:
-        per_token = self.shard.kv_bytes_per_token(self.kv_dtype.itemsize)
+        per_token = self.arch.kv_bytes_per_token(self.kv_dtype.itemsize)
         if cache_config.num_pages is not None:
             num_pages, basis = cache_config.num_pages, "num_pages"
         else:
@@ -119,8 +108,6 @@ class ModelRunner:
             num_pages = pages_for_budget(budget, self.page_size, per_token)
             if num_pages < 2:
                 raise InvalidParameterError(param, f"{basis}: fewer than 2 pages of {self.page_size * per_token} bytes")
-        if self.tp is not None:  # every rank holds the same pages
-            num_pages = self.tp.agree_min(num_pages)
         dtype = str(self.kv_dtype).removeprefix("torch.")
         return KVCapacity(num_pages, self.page_size, per_token, self.limits.max_model_len, dtype, basis)
 

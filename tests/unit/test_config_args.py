@@ -37,8 +37,8 @@ def test_keywords_reach_their_sections_including_the_newest_fields():
 def test_an_unknown_keyword_is_a_type_error_naming_it():
     with pytest.raises(TypeError, match="unexpected keyword argument 'max_modle_len'.*'max_model_len'"):
         LLM("unused", max_modle_len=64)
-    with pytest.raises(InvalidParameterError, match="data_parallel_size"):
-        LLM("unused", data_parallel_size=2)
+    with pytest.raises(InvalidParameterError, match="tensor_parallel_size"):
+        LLM("unused", tensor_parallel_size=2)
 
 
 def test_flags_and_keywords_build_the_same_config():
