@@ -322,19 +322,10 @@ class ServerConfig:
     vllm_metric_names: bool = True
     """Export every metric vLLM also has under its vLLM name too (vllm:..., same labels), beside banyan:..., so
     dashboards and alerts written for vLLM work unchanged."""
-    log_format: str = "text"
-    """Log lines of both processes (server and engine core) as plain text or as one JSON object per line (json)."""
-    audit_log: bool = True
-    """One line per API request on the banyan.audit logger: request id, key id (never the key), model, token
-    counts, status, latency; never prompt or output text."""
-    profile_dir: str | None = None
-    """Directory for torch-profiler traces of the engine core (POST /start_profile, /stop_profile; admin key)."""
 
     def __post_init__(self):
         if self.tool_call_parser != "auto" and self.tool_call_parser not in TOOL_FORMATS:
             raise UnknownChoiceError("tool_call_parser", self.tool_call_parser, ["auto", *TOOL_FORMATS.names()])
-        if self.log_format not in ("text", "json"):
-            raise InvalidParameterError("log_format", f"must be text or json, got {self.log_format!r}")
         for name in ("request_read_timeout", "response_write_timeout", "max_buffered_events"):
             if not getattr(self, name) > 0:
                 raise InvalidParameterError(name, f"must be positive, got {getattr(self, name)}")
