@@ -107,12 +107,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    from banyan.logs import configure_logging
     from banyan.server.launch import serve
     from banyan.server.model_specs import models_to_serve
 
+    server_config = config_from_args(ServerConfig, args)
+    configure_logging(args.log_level, server_config.log_format, role="server")
+    if server_config.audit_log:  # one INFO line per request, whatever --log-level says of the rest
+        logging.getLogger("banyan.audit").setLevel(logging.INFO)
     specs, routes = models_to_serve(build_parser(), args)
-    return asyncio.run(serve(engine_config(args), config_from_args(ServerConfig, args), fault=args.fault, specs=specs,
-                             routes=routes))
+    return asyncio.run(serve(engine_config(args), server_config, fault=args.fault, specs=specs, routes=routes))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -238,11 +238,42 @@ class LoRAConfig:
             raise InvalidParameterError("max_lora_rank", f"must be >= 1, got {self.max_lora_rank}")
 
 
+ROUTER_POLICIES = ("cache_aware", "round_robin", "least_load")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    """Processes that each hold a slice of every layer (heads, MLP rows, vocabulary), one all-reduce after the
+    attention and one after the MLP; gloo on CPU, NCCL on GPUs (docs/parallel.md)."""
+    data_parallel_size: int = 1
+    """Engine cores, each a whole copy of the model, behind one API server; a router picks one per request
+    (banyan serve only)."""
+    router_policy: str | None = None
+    """How requests are routed over data-parallel replicas: cache_aware (the replica that most likely holds the
+    prompt's prefix, unless load is unbalanced; the default), round_robin or least_load."""
+    distributed_timeout: float = 60.0
+    """Seconds a collective between tensor-parallel workers may wait before the engine fails (a worker that
+    died or hung): the in-flight requests get an error and the server exits non-zero."""
+    worker_fault: str | None = None
+    """Tests only (runner/worker.py): hang-at-step=N or exit-at-step=N on worker rank 1."""
+
+    def __post_init__(self):
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise InvalidParameterError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.router_policy is not None and self.router_policy not in ROUTER_POLICIES:
+            raise UnknownChoiceError("router_policy", self.router_policy, list(ROUTER_POLICIES))
+        if not self.distributed_timeout > 0:
+            raise InvalidParameterError("distributed_timeout", f"must be positive, got {self.distributed_timeout}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig | None = None
     """Speculative decoding (`speculative_config`, vLLM's JSON object); None: off, every step is the plain path."""
@@ -322,10 +353,19 @@ class ServerConfig:
     vllm_metric_names: bool = True
     """Export every metric vLLM also has under its vLLM name too (vllm:..., same labels), beside banyan:..., so
     dashboards and alerts written for vLLM work unchanged."""
+    log_format: str = "text"
+    """Log lines of both processes (server and engine core) as plain text or as one JSON object per line (json)."""
+    audit_log: bool = True
+    """One line per API request on the banyan.audit logger: request id, key id (never the key), model, token
+    counts, status, latency; never prompt or output text."""
+    profile_dir: str | None = None
+    """Directory for torch-profiler traces of the engine core (POST /start_profile, /stop_profile; admin key)."""
 
     def __post_init__(self):
         if self.tool_call_parser != "auto" and self.tool_call_parser not in TOOL_FORMATS:
             raise UnknownChoiceError("tool_call_parser", self.tool_call_parser, ["auto", *TOOL_FORMATS.names()])
+        if self.log_format not in ("text", "json"):
+            raise InvalidParameterError("log_format", f"must be text or json, got {self.log_format!r}")
         for name in ("request_read_timeout", "response_write_timeout", "max_buffered_events"):
             if not getattr(self, name) > 0:
                 raise InvalidParameterError(name, f"must be positive, got {getattr(self, name)}")

@@ -83,6 +83,13 @@ class LoRAAdapterError(InvalidRequestError):
         self.param = param
 
 
+class WorkerError(BanyanError):
+    """A tensor-parallel worker died, or a collective between the workers timed out (a worker hung): the engine
+    cannot take another step. Its requests fail with a 500; a server exits non-zero."""
+
+    code = "engine_worker_failed"
+
+
 class CacheCapacityError(InvalidRequestError):
     """A request needs more KV pages than the whole cache holds."""
 

@@ -27,11 +27,11 @@ from banyan.models.registry import get_model_class
 from banyan.request import Request, RequestDelta, RequestStatus, Slo
 from banyan.pooling_params import PoolingParams
 from banyan.runner.model_runner import ModelRunner, RunnerLimits
+from banyan.runner.worker import runner_factory as parallel_runner_factory
 from banyan.runner.weights import open_model
 from banyan.sampling_params import SamplingParams
 from banyan.scheduler import Scheduler
 from banyan.scheduler.policy import with_defaults
-from banyan.scheduler.batch import Batch, StepResult
 from banyan.spec.speculator import Speculator
 
 logger = logging.getLogger(__name__)
@@ -53,13 +53,17 @@ class Engine:
         sched = config.scheduler
         limits = RunnerLimits(sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len)
         lora = config.lora if config.lora.enable_lora else None
+        runner_factory = parallel_runner_factory(config.parallel, runner_factory)  # tensor parallel: workers
         self.runner = runner_factory(config.model, config.cache, source, limits, **({"lora_config": lora} if lora else {}))
         self.adapters = None if lora is None else ResidentAdapters(  # LoRA: which adapters hold the weight slots
             lora.max_loras, lora.max_lora_rank, self.arch, functools.partial(load_adapter_weights, dtype=self.runner.dtype))
         self.kv = KVCacheManager(self.runner.num_pages, config.cache.block_size, config.cache.enable_prefix_caching)
         self.speculator = Speculator(config.speculative) if config.speculative is not None else None
+        if self.speculator is not None:
+            self._start_speculation(limits)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.speculator, self.adapters)
         self._spec_logged = (time.monotonic(), self.speculator.stats.copy() if self.speculator is not None else None)
+        self._stepped = (0.0, 0, 0.0, 0)  # the last step's start, tokens, drafting seconds and drafts: _time_steps
         self.grammars = Grammars(
             config.model.structured_output_backend, self.tokenizer, self.arch.vocab_size, self.eos_token_ids,
             cache_size=config.model.structured_output_cache_size, options=config.model.structured_outputs_config,
@@ -217,11 +221,14 @@ class Engine:
         self.grammars.close()
         if self.adapters is not None:
             self.adapters.close()
+        if hasattr(self.runner, "close"):  # tensor parallel: the workers
+            self.runner.close()
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         for hook in self.before_step:
             hook(self)
+        self._time_steps()
         batch = self.scheduler.schedule()
         ended = [make_delta(request) for request in batch.finished]  # never ran
         if batch.is_empty:
@@ -230,19 +237,40 @@ class Engine:
                 if self.adapters is not None:
                     self.adapters.wait(timeout=0.01)
             return ended
-        result = self._execute(batch)
+        result = self.runner.execute(batch)
         advanced = self.scheduler.update(batch, result)
+        if self.speculator is not None:
+            drafts = sum(len(item.draft_token_ids) for item in batch.scheduled)
+            self._stepped = (self._stepped[0], batch.num_tokens, result.draft_seconds, drafts)
+            self._log_spec()
         return ended + [make_delta(request) for request in advanced]
 
-    def _execute(self, batch: Batch) -> StepResult:
-        """The runner's forward; with speculation on, timed for the controller's step-time model."""
+    def _time_steps(self) -> None:
+        """With speculation on: the controller's step-time model learns from each step's period, start to next
+        start, so what a step costs besides the forward (scheduling, proposing, verifying, the frontend's
+        output processing) counts too. Only back-to-back steps are measured: a period after an idle or empty
+        step would hold waiting, not work."""
         if self.speculator is None:
-            return self.runner.execute(batch)
-        started = time.perf_counter()
-        result = self.runner.execute(batch)
-        self.speculator.observe_step(batch.num_tokens, time.perf_counter() - started)
-        self._log_spec()
-        return result
+            return
+        now = time.perf_counter()
+        started, num_tokens, draft_seconds, drafts = self._stepped
+        if num_tokens and self.scheduler.has_unfinished_requests():
+            self.speculator.observe_step(num_tokens, now - started, draft_seconds, drafts)
+        self._stepped = (now, 0, 0.0, 0)
+
+    def _start_speculation(self, limits: RunnerLimits) -> None:
+        """A network proposer's drafter in the runner (layer_skip), then the step-time measurement."""
+        spec = self.config.speculative
+        time_draft = None
+        if spec.method == "layer_skip":
+            if not hasattr(self.runner, "use_layer_skip"):
+                raise InvalidParameterError("method", "layer_skip needs the model in this process (not with "
+                                                      "tensor-parallel workers)")
+            self.runner.use_layer_skip(spec.num_layers or max(1, self.arch.num_hidden_layers // 2))
+            time_draft = self.runner.time_draft
+        if hasattr(self.runner, "time_forward"):
+            self.speculator.calibrate(self.runner.time_forward, min(limits.max_num_batched_tokens, self.max_model_len),
+                                      time_draft=time_draft)
 
     def _log_spec(self) -> None:
         """At most every SPEC_LOG_INTERVAL seconds, and only when something was drafted: the acceptance since."""

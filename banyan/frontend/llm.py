@@ -31,12 +31,13 @@ class LLM:
     >>> llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, *, tensor_parallel_size: int = 1, **settings: Any):
+    def __init__(self, model: str = DEFAULT_MODEL, **settings: Any):
         """`settings`: any engine setting by vLLM's name, as `banyan serve --help` lists them (max_model_len=...,
         gpu_memory_utilization=..., scheduling_policy=...; also num_pages and trust_remote_code, which are not
         flags); see banyan/config_args.py. An unknown name is a TypeError naming it."""
-        if tensor_parallel_size != 1:
-            raise InvalidParameterError("tensor_parallel_size", "only 1 is supported so far")
+        if settings.get("data_parallel_size", 1) != 1:
+            raise InvalidParameterError("data_parallel_size", "replicas are served by `banyan serve`; LLM runs one "
+                                        "engine (tensor_parallel_size splits it over processes)")
         self._start(config_from_kwargs(dict(settings, model=model)))
 
     @classmethod

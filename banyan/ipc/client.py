@@ -67,7 +67,7 @@ class RequestError(BanyanError):
 class EngineClient:
     """Use `await EngineClient.start(config)`; the constructor expects a running loop and a fresh ipc dir."""
 
-    def __init__(self, config: EngineConfig, ipc_dir: str, fault: str | None = None):
+    def __init__(self, config: EngineConfig, ipc_dir: str, fault: str | None = None, log_format: str = "text"):
         self.config = config
         self.ipc_dir = ipc_dir
         self.info: m.Ready | None = None
@@ -76,6 +76,8 @@ class EngineClient:
         self._streams: dict[str, asyncio.Queue] = {}
         self._kv_queries: dict[int, asyncio.Future] = {}  # query id -> the KvReport to come
         self._query_ids = itertools.count()
+        self._profile_lock = asyncio.Lock()
+        self._profile_reply: asyncio.Future | None = None  # the ProfileStatus to come
         self._dead: str | None = None
         self._closing = False
         self._shutdown_task: asyncio.Task | None = None
@@ -88,7 +90,7 @@ class EngineClient:
         self._output = self._ctx.socket(zmq.PULL)
         self._input.bind(f"ipc://{ipc_dir}/input")
         self._output.bind(f"ipc://{ipc_dir}/output")
-        self._proc = _spawn(config, ipc_dir, fault)
+        self._proc = _spawn(config, ipc_dir, fault, log_format)
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._stderr_pump = threading.Thread(target=_pump_stderr, args=(self._proc, self._stderr_tail), daemon=True)
         self._stderr_pump.start()
@@ -97,9 +99,11 @@ class EngineClient:
         self._reader = asyncio.create_task(self._read_loop(), name="banyan-engine-reader")
 
     @classmethod
-    async def start(cls, config: EngineConfig, *, fault: str | None = None, ready_timeout: float = 600.0) -> EngineClient:
-        """Spawn the core and wait for Ready; EngineDeadError (with the core's stderr tail) if it fails first."""
-        client = cls(config, tempfile.mkdtemp(prefix="banyan-"), fault)  # mkdtemp: mode 0700
+    async def start(cls, config: EngineConfig, *, fault: str | None = None, ready_timeout: float = 600.0,
+                    log_format: str = "text") -> EngineClient:
+        """Spawn the core and wait for Ready; EngineDeadError (with the core's stderr tail) if it fails first.
+        log_format: the core's log lines, text or json (banyan.logs)."""
+        client = cls(config, tempfile.mkdtemp(prefix="banyan-"), fault, log_format)  # mkdtemp: mode 0700
         try:
             client.info = await asyncio.wait_for(asyncio.shield(client._ready), ready_timeout)
         except BaseException as e:
@@ -190,6 +194,19 @@ class EngineClient:
         finally:
             self._kv_queries.pop(query_id, None)
 
+    async def profile(self, start: bool, directory: str = "", timeout: float = 600.0) -> m.ProfileStatus:
+        """Start or stop the core's torch profiler; one call at a time (an export can take a while).
+        EngineDeadError if the core is gone, asyncio.TimeoutError if it does not answer in time."""
+        async with self._profile_lock:
+            if not self.is_alive():
+                raise EngineDeadError(self._dead or "the engine is not running")
+            self._profile_reply = asyncio.get_running_loop().create_future()
+            try:
+                self._send(m.ProfileControl(start=start, directory=directory))
+                return await asyncio.wait_for(self._profile_reply, timeout)
+            finally:
+                self._profile_reply = None
+
     def _send(self, msg: m.ToCore) -> None:
         # Never awaited: the send goes out at once or queues in order, and a dead peer cannot block a
         # caller (its stream fails through the reader instead).
@@ -252,6 +269,9 @@ class EngineClient:
             self._stats_at = self._progress_at = time.monotonic()  # the heartbeat clock starts now
             if not self._ready.done():
                 self._ready.set_result(msg)
+        elif isinstance(msg, m.ProfileStatus):
+            if self._profile_reply is not None and not self._profile_reply.done():
+                self._profile_reply.set_result(msg)
         elif isinstance(msg, m.EngineDead):
             self._die(msg.message)
 
@@ -295,17 +315,20 @@ class EngineClient:
         for queue in self._streams.values():
             queue.put_nowait(EngineDeadError(reason))
         self._streams.clear()
+        if self._profile_reply is not None and not self._profile_reply.done():
+            self._profile_reply.set_exception(EngineDeadError(reason))
         for future in self._kv_queries.values():
             if not future.done():
                 future.set_exception(EngineDeadError(reason))
 
 
-def _spawn(config: EngineConfig, ipc_dir: str, fault: str | None) -> subprocess.Popen:
+def _spawn(config: EngineConfig, ipc_dir: str, fault: str | None, log_format: str = "text") -> subprocess.Popen:
     """Start the core as a plain subprocess (nothing pickled), by the file path of our own core_launch.py:
     it imports this very banyan package (never one in the working directory) and dies with us."""
     cmd = [sys.executable, str(Path(core_launch.__file__).resolve()), "--parent-pid", str(os.getpid()),
            "--config-json", msgspec.json.encode(config).decode(),
-           "--input", f"ipc://{ipc_dir}/input", "--output", f"ipc://{ipc_dir}/output"]  # fmt: skip
+           "--input", f"ipc://{ipc_dir}/input", "--output", f"ipc://{ipc_dir}/output",
+           "--log-format", log_format]  # fmt: skip
     if fault:
         cmd += ["--fault", fault]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -1,6 +1,7 @@
 """How the engine core process starts: run by file path, tied to its server before anything slow.
 
     python .../banyan/ipc/core_launch.py --parent-pid PID --input ipc://... --output ipc://... ARGS
+    python .../banyan/ipc/core_launch.py --worker --parent-pid PID ARGS    (a tensor-parallel worker)
 
 Only the standard library is imported until step 3, because importing banyan takes seconds:
 
@@ -10,7 +11,7 @@ Only the standard library is imported until step 3, because importing banyan tak
     2. from here on, the core exits (status 1, removing the server's socket files) within moments of
        its parent's death: Linux sends PARENT_DEATH_SIGNAL at once (prctl PR_SET_PDEATHSIG), and the
        engine loop compares the parent pid with --parent-pid (the only watch on other systems).
-    3. core_process.main() runs: loading, then the engine loop.
+    3. core_process.main() runs: loading, then the engine loop (a worker: runner/worker.main(), its step loop).
 """
 
 from __future__ import annotations
@@ -62,9 +63,15 @@ def main() -> int:
         sys.path.insert(0, PACKAGE_ROOT)
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--input", required=True)
-    parser.add_argument("--output", required=True)
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--input", default="")
+    parser.add_argument("--output", default="")
     args, _ = parser.parse_known_args()
+    if args.worker:  # the engine core's child: nothing of its own to clean up
+        exit_with_parent(args.parent_pid, lambda: None)
+        from banyan.runner.worker import main as worker_main
+
+        return worker_main()
 
     def orphaned() -> None:
         remove_ipc_files(args.input, args.output)

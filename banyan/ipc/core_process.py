@@ -39,6 +39,8 @@ from banyan.engine.faults import Fault
 from banyan.errors import BanyanError, InvalidRequestError, error_info
 from banyan.ipc import messages as m
 from banyan.ipc.core_launch import remove_ipc_files
+from banyan.ipc.profiler import CoreProfiler, ProfilerStateError
+from banyan.logs import LOG_FORMATS, configure_logging
 from banyan.request import RequestDelta
 
 logger = logging.getLogger("banyan.engine.core")
@@ -64,6 +66,7 @@ class EngineCore:
         self._encoder = m.encoder()
         self._decoder = m.core_decoder()
         self._next_stats = 0.0
+        self.profiler = CoreProfiler()
 
     def run(self) -> int:
         """Serve until Shutdown (returns 0); raises on a fatal error, Orphaned if the parent died."""
@@ -107,6 +110,8 @@ class EngineCore:
         elif isinstance(msg, m.KvQuery):
             census = self.engine.kv_census()
             self.send(m.KvReport(query_id=msg.query_id, **msgspec.structs.asdict(census)))
+        elif isinstance(msg, m.ProfileControl):
+            self.send(self._profile(msg))
         elif isinstance(msg, m.Shutdown):
             logger.info("shutdown requested")
             self.stopping = True
@@ -126,6 +131,15 @@ class EngineCore:
             )
         except Exception as e:  # request-scoped: this request fails, the engine carries on
             self.send(m.StepOutputs([failed_delta(msg.request_id, e)]))
+
+    def _profile(self, msg: m.ProfileControl) -> m.ProfileStatus:
+        try:
+            if msg.start:
+                self.profiler.start(msg.directory)
+                return m.ProfileStatus(running=True)
+            return m.ProfileStatus(running=False, trace_path=self.profiler.stop())
+        except (ProfilerStateError, OSError) as e:
+            return m.ProfileStatus(running=self.profiler.running, error=str(e), conflict=isinstance(e, ProfilerStateError))
 
     def _abort(self, request_ids: list[str]) -> None:
         """Abort and tell the client, so that each aborted stream ends with finish_reason "abort"."""
@@ -204,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="address to push outputs to")
     parser.add_argument("--parent-pid", type=int, help="the server's pid (default: the parent's now)")
     parser.add_argument("--fault", help="tests only: see banyan/engine/faults.py")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="text")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.INFO, args.log_format, role="engine-core")
     # The server owns shutdown (it drains first, then sends Shutdown). Signals sent to the whole
     # process group (Ctrl-C, systemd's control-group kill) must not end the core before the drain;
     # if the server itself dies, the core notices its parent is gone and exits.

@@ -4,8 +4,8 @@ Never pickle: decoding a message builds only these types (and the dataclasses th
 peer on the socket can send data, never code. A request's data crosses once (AddRequest); after
 that only per-step deltas come back, batched per step.
 
-    server -> core:  AddRequest | AbortRequests | KvQuery | Shutdown
-    core -> server:  Ready | StepOutputs | EngineStats | KvReport | EngineDead
+    server -> core:  AddRequest | AbortRequests | KvQuery | ProfileControl | Shutdown
+    core -> server:  Ready | StepOutputs | EngineStats | KvReport | ProfileStatus | EngineDead
 
 A request that fails, at once or mid-generation, ends with a delta whose `error` says why.
 """
@@ -43,6 +43,13 @@ class KvQuery(msgspec.Struct, tag=True):
     """Check the KV cache's integrity and count its pages now (between two steps); answered by a KvReport."""
 
     query_id: int
+
+
+class ProfileControl(msgspec.Struct, tag=True):
+    """Start (into `directory`) or stop the core's torch profiler; answered by a ProfileStatus."""
+
+    start: bool
+    directory: str = ""
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -83,14 +90,23 @@ class KvReport(KvCensus, tag=True, kw_only=True):
     query_id: int
 
 
+class ProfileStatus(msgspec.Struct, tag=True):
+    """The answer to a ProfileControl: the trace written at stop, or why it could not be done."""
+
+    running: bool
+    trace_path: str | None = None
+    error: str | None = None
+    conflict: bool = False  # the error is the state's: started twice, or stopped while not running
+
+
 class EngineDead(msgspec.Struct, tag=True):
     """The core hit a fatal error and is exiting; every in-flight request has failed."""
 
     message: str
 
 
-ToCore = Union[AddRequest, AbortRequests, KvQuery, Shutdown]
-FromCore = Union[Ready, StepOutputs, EngineStats, KvReport, EngineDead]
+ToCore = Union[AddRequest, AbortRequests, KvQuery, ProfileControl, Shutdown]
+FromCore = Union[Ready, StepOutputs, EngineStats, KvReport, ProfileStatus, EngineDead]
 
 
 def encoder() -> msgspec.msgpack.Encoder:

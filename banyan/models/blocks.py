@@ -128,10 +128,12 @@ class CausalLM(nn.Module):
     def make_layer(self, arch: ModelArch, rotary: RotaryEmbedding, attn_backend: AttentionBackend) -> DecoderLayer:
         raise NotImplementedError
 
-    def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
-        """Hidden states of every new row, [num_tokens, hidden]; kv_caches holds one (k, v) per layer."""
+    def forward(self, batch: ForwardBatch, kv_caches: list[KVCache], num_layers: int | None = None) -> torch.Tensor:
+        """Hidden states of every new row, [num_tokens, hidden]; kv_caches holds one (k, v) per layer.
+        num_layers: only the first layers, then the final norm (layer-skip self-speculation drafts so)."""
         x = self.model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
+        for layer, kv_cache in zip(layers, kv_caches[: len(layers)], strict=True):
             x = layer(x, kv_cache, batch)
         return self.model.norm(x)
 

@@ -21,19 +21,26 @@ from banyan.errors import ModelLoadError
 from banyan.quantization.formats import INT8, Int4Weight, Int8Weight, QuantizedWeight, WeightFormat, shape_of, take_rows
 
 
-def iter_tensors(reader, arch: ModelArch, compact: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+def iter_tensors(reader, arch: ModelArch, compact: bool = False,
+                 shard=None) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(Hugging Face name, tensor) for every tensor: fp32, or with compact=True the ones compact_formats
-    names as banyan's quantized weights (Q4_0/Q4_1 -> Int4Weight, Q8_0 -> Int8Weight)."""
+    names as banyan's quantized weights (Q4_0/Q4_1 -> Int4Weight, Q8_0 -> Int8Weight).
+    shard(name) -> WeightShard | None (tensor parallel, float tensors only): rows are sliced before
+    dequantizing (only they are read), columns after."""
     rope_permuted = arch.architecture == "LlamaForCausalLM"  # llama.cpp permutes Q/K for llama only
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
             continue
-        w = _read_compact(t) if compact and _compact_format(t) is not None else _dequantize(t)
-        if rope_permuted and ".self_attn.q_proj." in name:
-            w = _unpermute_rope(w, arch.num_attention_heads)
-        elif rope_permuted and ".self_attn.k_proj." in name:
-            w = _unpermute_rope(w, arch.num_key_value_heads)
+        part = shard(name) if shard is not None else None
+        if compact and _compact_format(t) is not None:
+            w = _read_compact(t)
+        else:
+            w = _dequantize(t, part.index(1)[0] if part is not None and part.dim == 0 and not part.zero else slice(None))
+        if rope_permuted and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+            w = _unpermute_rope(w, shape_of(w)[0] // arch.head_dim)  # whole heads, sliced or not
+        if part is not None:
+            w = part.finish(w) if part.dim == 0 and not part.zero else part.take(w)
         yield name, w
 
 
@@ -53,11 +60,11 @@ def _compact_format(t) -> WeightFormat | None:
     return {"Q4_0": WeightFormat("int4", 32), "Q4_1": WeightFormat("int4", 32), "Q8_0": INT8}.get(t.tensor_type.name)
 
 
-def _dequantize(t) -> torch.Tensor:
+def _dequantize(t, rows: slice = slice(None)) -> torch.Tensor:
     from gguf.quants import dequantize
 
     try:
-        w = dequantize(t.data, t.tensor_type)  # [out, in] (ggml dims reversed)
+        w = dequantize(t.data[rows], t.tensor_type)  # [out, in] (ggml dims reversed)
     except NotImplementedError:
         raise ModelLoadError(f"{t.name}: ggml type {t.tensor_type.name} cannot be dequantized") from None
     return torch.from_numpy(np.require(w, np.float32, ["C", "W"]))  # a copy when w views the file

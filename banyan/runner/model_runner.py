@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
 from banyan.config import DEFAULT_CPU_KV_BYTES, CacheConfig, LoRAConfig, ModelConfig, default_num_threads
+from banyan.distributed.collectives import TPGroup
+from banyan.distributed.tensor_parallel import ShardPlan, parallelize, shard_arch
 from banyan.errors import InvalidParameterError
 from banyan.layers.attention import AttentionBackend, get_attention_backend
 from banyan.layers.attention.base import FP8
@@ -21,10 +24,11 @@ from banyan.layers.sampler import Sampler, compute_prompt_logprobs, request_gene
 from banyan.lora.layers import LoRAGroups, LoRAModel
 from banyan.models.registry import get_model_class
 from banyan.quantization.formats import FP16
-from banyan.quantization import (default_method, finish_loading, model_weight_bytes, plan_formats, quantize_linears,
+from banyan.quantization import (Choice, default_method, finish_loading, model_weight_bytes, plan_formats, quantize_linears,
                                  use_fixed_order)
 from banyan.registry import UnknownChoiceError
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
+from banyan.runner.drafter import LayerSkipDrafter
 from banyan.forward_batch import ForwardBatch
 from banyan.runner.memory import GiB, KVCapacity, pages_for_budget, profile_batch, profile_cuda_forward
 from banyan.runner.weights import ModelSource
@@ -48,8 +52,12 @@ class RunnerLimits:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, source: ModelSource, limits: RunnerLimits,
-                 lora_config: LoRAConfig | None = None):
+                 lora_config: LoRAConfig | None = None, tp: TPGroup | None = None):
+        """tp: this process's rank of a tensor-parallel group (runner/worker.py): it builds, loads and caches only
+        its shard (`shard_arch`: its heads, KV heads, intermediate and vocabulary rows)."""
         self.arch = source.arch
+        self.tp = tp
+        self.shard = shard_arch(source.arch, tp.size) if tp is not None else source.arch
         self.limits = limits
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, source.arch.torch_dtype, self.device, source.path.is_file())
@@ -68,24 +76,30 @@ class ModelRunner:
         self.kv_caches = [(self._kv_pages(self.num_pages + 1), self._kv_pages(self.num_pages + 1))
                           for _ in range(self.arch.num_hidden_layers)]
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not model_config.enforce_eager:
+        if self.device.type == "cuda" and not model_config.enforce_eager and tp is None:
             self.start_decode_graphs(capture=True)
         self.sampler = Sampler(self.arch.vocab_size, default_seed=model_config.seed)
         self.grammar: GrammarBackend | None = None  # fills the masks of rows with a matcher (structured output)
         self._bitmask: torch.Tensor | None = None  # grammar masks, grown on demand
+        self.drafter: LayerSkipDrafter | None = None  # speculation by a network: drafts inside the step
 
     def _load_model(self, source: ModelSource, model_config: ModelConfig) -> torch.nn.Module:
         model_cls = get_model_class(self.arch.architecture)
         choice = default_method(model_config.quantization, self.device, self.dtype, source.arch.torch_dtype,
                                 source.path.is_file())
+        if self.tp is not None and choice.method == "gguf":  # compact tensors are not sliced (yet): float16
+            choice = Choice("fp16")
         method = choice.method
         with _default_dtype(self.dtype), torch.device(self.device):
-            model = model_cls(self.arch, self.attn)
+            model = model_cls(self.shard, self.attn)
             if method is not None:
                 plan = plan_formats(model, method, model_config.quantization_group_size, source.compact_formats(),
                                     fill=FP16 if choice.mix_fp16 else None)
                 quantize_linears(model, plan, wide_fp16=choice.mix_fp16, batch_invariant=model_config.batch_invariant)
-        model.load_weights(source.iter_weights(compact=method == "gguf"))
+        if self.tp is not None:
+            parallelize(model, self.tp, self.arch)
+        shards = ShardPlan(self.arch, self.tp.size, self.tp.rank) if self.tp is not None else None
+        model.load_weights(source.iter_weights(compact=method == "gguf", shard=shards))
         finish_loading(model)
         if model_config.batch_invariant:
             if self.attn.name != "torch":
@@ -96,11 +110,11 @@ class ModelRunner:
         return model.eval()
 
     def _kv_pages(self, num_pages: int) -> torch.Tensor:
-        shape = (num_pages, self.page_size, self.arch.num_key_value_heads, self.arch.head_dim)
+        shape = (num_pages, self.page_size, self.shard.num_key_value_heads, self.arch.head_dim)
         return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _kv_capacity(self, cache_config: CacheConfig) -> KVCapacity:
-        per_token = self.arch.kv_bytes_per_token(self.kv_dtype.itemsize)
+        per_token = self.shard.kv_bytes_per_token(self.kv_dtype.itemsize)
         if cache_config.num_pages is not None:
             num_pages, basis = cache_config.num_pages, "num_pages"
         else:
@@ -108,6 +122,8 @@ class ModelRunner:
             num_pages = pages_for_budget(budget, self.page_size, per_token)
             if num_pages < 2:
                 raise InvalidParameterError(param, f"{basis}: fewer than 2 pages of {self.page_size * per_token} bytes")
+        if self.tp is not None:  # every rank holds the same pages
+            num_pages = self.tp.agree_min(num_pages)
         dtype = str(self.kv_dtype).removeprefix("torch.")
         return KVCapacity(num_pages, self.page_size, per_token, self.limits.max_model_len, dtype, basis)
 
@@ -133,6 +149,38 @@ class ModelRunner:
         hidden = self.model(fb, one_page)
         return self.model.compute_logits(hidden[fb.logits_indices])
 
+    @torch.inference_mode()
+    def time_forward(self, num_tokens: int, context_len: int = 256) -> float:
+        """Seconds of one step's forward and logits over `num_tokens` query tokens of one sequence that has
+        `context_len` tokens in all (a verify pass's shape; 1 token is a decode), through the kernels a real
+        step takes. Every K/V slot is the reserved page, so the pool and the requests in it are untouched."""
+        if not 1 <= num_tokens <= self.limits.max_model_len:
+            raise ValueError(f"num_tokens must be in [1, max_model_len={self.limits.max_model_len}], got {num_tokens}")
+        fb = self._reserved_page_batch(num_tokens, min(max(context_len, num_tokens), self.limits.max_model_len))
+        started = time.perf_counter()
+        hidden = self._forward(fb)
+        self.model.compute_logits(hidden[fb.logits_indices])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - started
+
+    def _reserved_page_batch(self, num_tokens: int, context_len: int) -> ForwardBatch:
+        P, dev = self.page_size, self.device
+        positions = list(range(context_len - num_tokens, context_len))
+        width = -(-context_len // P)
+        return ForwardBatch(
+            input_ids=torch.zeros(num_tokens, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor([self.reserved_page * P + p % P for p in positions], dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([context_len], dtype=torch.int32, device=dev),
+            block_tables=torch.full((1, width), self.reserved_page, dtype=torch.int32, device=dev),
+            logits_indices=torch.arange(num_tokens, device=dev),
+            query_lens=[num_tokens],
+            context_lens=[context_len],
+            page_size=P,
+        )
+
     def start_decode_graphs(self, capture: bool) -> None:
         """Decode steps through padded static buffers: replayed CUDA graphs, or (capture=False) run eagerly."""
         if capture and not self.attn.supports_cuda_graphs:
@@ -150,9 +198,21 @@ class ModelRunner:
         """The grammar backend, given once, when the first constrained request builds it."""
         self.grammar = backend
 
+    def use_layer_skip(self, num_layers: int) -> None:
+        """Self-speculation: the first num_layers layers draft each step's placeholders (runner/drafter.py)."""
+        self.drafter = LayerSkipDrafter(self.model, self.kv_caches, num_layers, self.sampler.vocab_size,
+                                        self.page_size, self.device)
+
+    def time_draft(self, context_len: int = 256) -> float:
+        """Seconds of one draft position for one request (the drafter's forward), on the reserved page."""
+        position = min(context_len, self.limits.max_model_len) - 1
+        return self.drafter.time_position(position, [self.reserved_page] * (position // self.page_size + 1))
+
     # -- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepResult:
+        drafting = [item for item in batch.scheduled if item.draft_token_ids] if self.drafter is not None else []
+        draft_seconds = self.drafter.draft(drafting) if drafting else 0.0  # placeholders -> the drafter's tokens
         fb, plan = self._prepare(batch)
         hidden = self._forward(fb, self.lora.prepare(batch) if self.lora is not None else None)  # [num_tokens, hidden]
         masks = self._grammar_masks(plan)  # on a GPU, filled on the CPU while the forward runs
@@ -160,6 +220,7 @@ class ModelRunner:
         result = self._sample(logits, plan, masks)
         if plan.pool:  # embedding requests: pooled hidden states instead of a token
             result.pooled = pool(hidden, plan.pool)
+        result.draft_seconds = draft_seconds
         return result
 
     def _forward(self, fb: ForwardBatch, lora: LoRAGroups | None = None) -> torch.Tensor:

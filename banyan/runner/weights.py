@@ -16,7 +16,7 @@ safetensors, gguf_loader GGUF tensors.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
 
@@ -24,20 +24,27 @@ import torch
 
 from banyan.checkpoint import PICKLE_SUFFIXES, Checkpoint, gguf_metadata, open_checkpoint, pickle_refused, read_json
 from banyan.checkpoint.safetensors_header import check_safetensors
+from banyan.distributed.tensor_parallel import WeightShard
 from banyan.errors import ModelLoadError
 from banyan.quantization.formats import QuantizedWeight, WeightFormat
 from banyan.runner import gguf_loader
 
 
+Shards = Callable[[str], WeightShard | None]  # checkpoint name -> this rank's part (tensor parallel)
+
+
 class ModelSource(Checkpoint):
     """A Checkpoint whose tensors can be read."""
 
-    def iter_weights(self, compact: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    def iter_weights(self, compact: bool = False,
+                     shard: Shards | None = None) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         """(Hugging Face name, tensor) pairs, read lazily; float tensors as stored, GGUF dequantized to fp32
-        (compact=True: the GGUF tensors named by compact_formats() come as banyan's quantized weights)."""
+        (compact=True: the GGUF tensors named by compact_formats() come as banyan's quantized weights).
+        shard(name): the part of each tensor this tensor-parallel rank holds (None: all of it); a safetensors
+        file is read only there (get_slice), a GGUF tensor's rows likewise (its columns after dequantizing)."""
         if self.path.is_file():
-            return gguf_loader.iter_tensors(self._reader(), self.arch, compact)
-        return _iter_safetensors(self.path)
+            return gguf_loader.iter_tensors(self._reader(), self.arch, compact, shard)
+        return _iter_safetensors(self.path, shard)
 
     def compact_formats(self) -> dict[str, WeightFormat] | None:
         """Hugging Face name -> quantized format, for the tensors iter_weights(compact=True) keeps compact;
@@ -86,7 +93,7 @@ def _safetensors_plan(path: Path) -> list[tuple[Path, list[str] | None]]:
     raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
-def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(path: Path, shard: Shards | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
     for file, names in _safetensors_plan(path):
@@ -97,6 +104,15 @@ def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in names or [n for n in header if n != "__metadata__"]:
-                    yield name, f.get_tensor(name)
+                    part = shard(name) if shard is not None else None
+                    yield name, f.get_tensor(name) if part is None else _read_part(f, name, part)
         except SafetensorError as e:
             raise ModelLoadError(f"{file}: {e}") from None
+
+
+def _read_part(f, name: str, part: WeightShard) -> torch.Tensor:
+    """Only this rank's slice of the tensor leaves the file."""
+    if part.zero:  # a bias: small
+        return part.take(f.get_tensor(name))
+    view = f.get_slice(name)
+    return part.finish(view[part.index(len(view.get_shape()))])

@@ -88,3 +88,5 @@ class StepResult:
     verified: dict[str, list[int]] = field(default_factory=dict)
     pooled: dict[str, list[float]] = field(default_factory=dict)
     """The embedding of each pooling request whose prompt this step completed."""
+    draft_seconds: float = 0.0
+    """Time the runner spent drafting with a network this step (layer_skip), for the controller's cost model."""

@@ -28,7 +28,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from banyan import __version__
 from banyan.config import ServerConfig
 from banyan.ipc.client import EngineClient, EngineDeadError
-from banyan.server import admin_models, openapi
+from banyan.server import admin_models, openapi, profiling
+from banyan.server.audit import AuditLog
 from banyan.server.auth import ANONYMOUS, AdminAuth, ApiKeyAuth, Tenant
 from banyan.server.errors import APIError, error_body, parse_json_body
 from banyan.server.embeddings import create_embeddings
@@ -96,6 +97,7 @@ class Guard:
             error = self._refuse_admin(headers)
             if error is not None:
                 return error
+            scope["state"]["principal"] = "admin"  # who the audit log names
         elif path not in self.open_paths and self.state.auth.enabled:
             tenant = self.state.auth.authenticate(headers.get("authorization"))
             if tenant is None:
@@ -155,8 +157,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/health", response_class=Response, response_model=None, responses={
         200: {"description": "serving"}, 503: {"description": "not serving: stopped, wedged or shutting down"}})
     async def health() -> Response:
-        clients = [e.client for e in state.models.ready()]
-        healthy = not state.dead and all(c.is_alive() and c.is_making_progress(state.config.wedge_timeout) for c in clients)
+        healthy = not state.dead and all(state.models.engine_healthy(e) for e in state.models.ready())
         return Response(status_code=200 if healthy and not state.draining else 503)
 
     @app.get("/version", **openapi.route_docs(openapi.VersionResponse))
@@ -186,6 +187,16 @@ def build_app(state: ServerState) -> FastAPI:
         census = msgspec.structs.asdict(report)
         del census["query_id"]
         return census | {"integrity": "ok" if report.integrity_error is None else "broken"}
+
+    @app.post("/start_profile", **openapi.route_docs(openapi.ProfileResponse, errors=(400, 401, 403, 404, 409, 503),
+                                                    description=profiling.START_DOC))
+    async def start_profile() -> dict:
+        return await profiling.control_profiler(state.client, state.config.profile_dir, start=True)
+
+    @app.post("/stop_profile", **openapi.route_docs(openapi.ProfileResponse, errors=(400, 401, 403, 404, 409, 503),
+                                                   description=profiling.STOP_DOC))
+    async def stop_profile() -> dict:
+        return await profiling.control_profiler(state.client, state.config.profile_dir, start=False)
 
     @app.post("/v1/completions", **openapi.route_docs(openapi.CompletionResponse, errors=openapi.POST_ERRORS, stream=True))
     async def completions(request: Request) -> Response:
@@ -232,4 +243,5 @@ def build_app(state: ServerState) -> FastAPI:
 
     admin_models.install(app, lambda: state.models, lambda request: read_json(request, limit))
     app.add_middleware(Guard, state=state)
+    app.add_middleware(AuditLog, enabled=state.config.audit_log)  # added last: outermost, sees the Guard's refusals
     return app

@@ -139,7 +139,7 @@ async def _start_models(config: ServerConfig, engine_config: EngineConfig, specs
         return serving, metrics
 
     async def start_client(engine: EngineConfig, fault: str | None) -> EngineClient:
-        return await EngineClient.start(engine, fault=fault)
+        return await EngineClient.start(engine, fault=fault, log_format=config.log_format)
 
     budget = MemoryBudget(config.memory_budget, engine_config.cache.gpu_memory_utilization)
     allow_faults = any(spec.fault for spec in specs)

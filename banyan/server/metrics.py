@@ -60,6 +60,7 @@ class ServerMetrics:
         self.num_requests_running = gauge("num_requests_running", "Requests in model execution.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent.")
+        self.engine_healthy = gauge("engine_healthy", "1 while the engine core runs and makes progress (/health), else 0.")
         self.grammar_cache_entries = gauge("grammar_cache_entries", "Compiled grammars held for reuse.")
         self.grammar_cache_bytes = gauge("grammar_cache_bytes", "Memory held by compiled grammars (estimate).")
 

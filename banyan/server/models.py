@@ -163,12 +163,17 @@ class ModelRegistry:
                          "max_model_len": min((lengths.get(m, 0) for m, _ in r.variants), default=0)}
                         for r in self.routes.values()]
 
+    def engine_healthy(self, entry: ModelEntry) -> bool:
+        """Its engine core runs and makes progress (what /health and banyan:engine_healthy report)."""
+        return entry.client.is_alive() and entry.client.is_making_progress(self.config.wedge_timeout)
+
     def render_metrics(self) -> tuple[bytes, str]:
         """/metrics: every ready model's series (model_name label), then the routes'."""
         ready = self.ready()
         for e in ready:
             if e.client.stats is not None:
                 e.metrics.update_from_engine_stats(e.client.stats)
+            e.metrics.engine_healthy.set(1 if self.engine_healthy(e) else 0)
         return render_all([e.metrics for e in ready], self.route_metrics.registry)
 
     def in_flight(self) -> list:

@@ -182,6 +182,13 @@ class VersionResponse(BaseModel):
     version: str
 
 
+class ProfileResponse(BaseModel):
+    """Whether the engine core's profiler runs now; `trace`: the file /stop_profile wrote."""
+
+    profiling: bool
+    trace: str | None = None
+
+
 class KvReportResponse(BaseModel):
     """The KV cache after its integrity check: num_pages == num_free + num_in_use + num_cached; idle, num_in_use
     is 0 (anything else is a leaked page)."""
@@ -206,6 +213,7 @@ _ERRORS = {
     401: "missing or wrong API key",
     403: "a user key on an admin route",
     404: "unknown model (`code`: model_not_found); an admin route on a server without --admin-api-key",
+    409: "the state does not allow it (e.g. /start_profile while the profiler runs)",
     413: "body over --max-body-bytes",
     429: "rate limit of the API key reached (Retry-After)",
     500: "internal error",

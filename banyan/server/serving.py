@@ -26,6 +26,7 @@ from banyan.request import Slo
 from banyan.sampling_params import SamplingParams
 from banyan.scheduler.policy import refusal, with_defaults
 from banyan.server import protocol
+from banyan.server.audit import record_usage
 from banyan.server.auth import ApiKeyAuth, RateLimiter, Tenant
 from banyan.server.errors import APIError, error_body, from_banyan_error, model_not_found
 from banyan.server.generation import Generation
@@ -256,12 +257,15 @@ class OpenAIServing:
         for gen in self.in_flight():
             gen.abort()
 
-    def _finish(self, gen: Generation) -> None:
+    def _finish(self, gen: Generation, http: Request) -> None:
         gen.close()
         self.live.discard(gen)
         self._record(gen)
         for hook in self.finish_hooks:
             hook(gen)
+        record_usage(http.scope.setdefault("state", {}), model=self.model_names[0], prompt_tokens=gen.prompt_tokens,
+                     completion_tokens=gen.completion_tokens, cached_tokens=gen.cached_tokens,
+                     finish_reasons=[c.seq.finish_reason or "abort" for c in gen.choices])
 
     async def _respond(self, gen: Generation, build: Callable[[], dict], http: Request) -> Response:
         """Wait for every choice (aborting them if the client leaves first), then answer in one body."""
@@ -275,7 +279,7 @@ class OpenAIServing:
             errors = work.result()
         finally:
             gone.cancel()
-            self._finish(gen)
+            self._finish(gen, http)
         if errors:
             raise _error_of(errors[0].error, gen.structured_param)
         return JSONResponse(build())
@@ -289,7 +293,7 @@ class OpenAIServing:
                 err = _error_of(e, gen.structured_param)
                 yield f"data: {json.dumps(error_body(err))}\n\n"
             finally:
-                self._finish(gen)
+                self._finish(gen, http)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -18,9 +18,12 @@ The model (the acceptance math, written once here):
     each feed 1 + k_i tokens; a forward of N tokens takes t(N) seconds (StepTimeModel). The controller maximises
     the step's expected rate
 
-    R(k) = (E_base + sum_i E[emitted_i | k_i]) / t(B + n + T),     T = sum_i k_i
+    R(k) = (E_base + sum_i E[emitted_i | k_i]) / (t(B + n + T) + c T),     T = sum_i k_i
 
-Exactness. t depends on k only through T. Since alpha <= 1, g_{i,j} is non-increasing in j: each request's
+where c is what making one draft costs besides verifying it (0 for a lookup proposer; a network's forward per
+draft token for layer_skip, measured like t).
+
+Exactness. The cost depends on k only through T. Since alpha <= 1, g_{i,j} is non-increasing in j: each request's
 expected output is concave in k_i, so for a fixed T the best numerator takes the T largest gains over all
 (i, j), and those always form a prefix 1..k_i of each request's drafts (ties broken by j). With
 G(T) = sum of the T largest gains,
@@ -116,7 +119,9 @@ class StepTimeModel:
           +---------------------- tokens
     """
 
-    def __init__(self, points: Sequence[tuple[int, float]], rate: float = 0.1):
+    def __init__(self, points: Sequence[tuple[int, float]], rate: float = 0.1, up_rate: float | None = None):
+        """rate: the EWMA weight of an observation below the fit; up_rate: above it (default: rate). A smaller
+        up_rate trusts fast steps more than slow ones, as noise on a shared machine only ever adds time."""
         merged: dict[int, list[float]] = {}
         for tokens, seconds in points:
             if tokens < 1 or not seconds > 0:
@@ -124,11 +129,12 @@ class StepTimeModel:
             merged.setdefault(int(tokens), []).append(float(seconds))
         if len(merged) < 2:
             raise ValueError("a step-time model needs measurements at two or more token counts")
-        if not 0.0 < rate <= 1.0:
-            raise ValueError(f"rate must be in (0, 1], got {rate}")
+        up_rate = rate if up_rate is None else up_rate
+        if not (0.0 < rate <= 1.0 and 0.0 < up_rate <= 1.0):
+            raise ValueError(f"rate and up_rate must be in (0, 1], got {rate}, {up_rate}")
         self.tokens = sorted(merged)
         self.seconds = [sum(merged[t]) / len(merged[t]) for t in self.tokens]
-        self.rate = rate
+        self.rate, self.up_rate = rate, up_rate
         self._refresh()
 
     def predict(self, num_tokens: int) -> float:
@@ -155,16 +161,21 @@ class StepTimeModel:
         if num_tokens <= self.tokens[0] or num_tokens >= self.tokens[last]:
             edge = 0 if num_tokens <= self.tokens[0] else last
             scaled = seconds * self.predict(self.tokens[edge]) / self.predict(num_tokens)
-            self.seconds[edge] += self.rate * (scaled - self.seconds[edge])
+            error = scaled - self.seconds[edge]
+            self.seconds[edge] += self._rate(error) * error
         else:
             a = bisect.bisect_right(self.tokens, num_tokens) - 1
             w = self._weight(a, num_tokens)
             error = seconds - ((1 - w) * self.seconds[a] + w * self.seconds[a + 1])
+            rate = self._rate(error)
             # a step much faster than the fit could push a bucket to 0 or below (and predict() to 0, a
             # divisor above): one observation at most halves a bucket, so every time stays positive
-            self.seconds[a] = max(self.seconds[a] + self.rate * (1 - w) * error, self.seconds[a] / 2)
-            self.seconds[a + 1] = max(self.seconds[a + 1] + self.rate * w * error, self.seconds[a + 1] / 2)
+            self.seconds[a] = max(self.seconds[a] + rate * (1 - w) * error, self.seconds[a] / 2)
+            self.seconds[a + 1] = max(self.seconds[a + 1] + rate * w * error, self.seconds[a + 1] / 2)
         self._refresh()
+
+    def _rate(self, error: float) -> float:
+        return self.up_rate if error > 0 else self.rate
 
     def _weight(self, a: int, num_tokens: int) -> float:
         return (num_tokens - self.tokens[a]) / (self.tokens[a + 1] - self.tokens[a])
@@ -181,10 +192,11 @@ class StepTimeModel:
 
 
 def allocate(gains: Sequence[Sequence[float]], step_time: StepTimeModel, base_tokens: int = 0,
-             base_emitted: float = 0.0, max_drafts: int | None = None) -> list[int]:
+             base_emitted: float = 0.0, max_drafts: int | None = None, draft_seconds: float = 0.0) -> list[int]:
     """The exact argmax of R(k) (module docstring): k_i drafts for request i, given its gains g_{i,1..cap_i}.
 
-    gains[i] must be non-increasing (as products of probabilities are); max_drafts bounds T (a token budget).
+    gains[i] must be non-increasing (as products of probabilities are); max_drafts bounds T (a token budget);
+    draft_seconds is c, the cost of making each draft.
     Candidates with gain <= 0 are never drafted. The scan over T stops as soon as `_can_beat` proves that no
     larger T wins; when speculation cannot pay at all (a large compute-bound batch) that is before sorting.
     """
@@ -193,7 +205,7 @@ def allocate(gains: Sequence[Sequence[float]], step_time: StepTimeModel, base_to
     seconds = step_time.predict(tokens)
     best_rate, best_total = emitted / seconds, 0
     top = max((row[0] for row in gains if row), default=0.0)
-    if max_drafts == 0 or not _can_beat(best_rate, emitted, seconds, step_time.min_slope(tokens), top):
+    if max_drafts == 0 or not _can_beat(best_rate, emitted, seconds, step_time.min_slope(tokens) + draft_seconds, top):
         return [0] * n
     # every candidate draft (i, j), best first; within a request j ascending, so the top T form prefixes
     order = sorted(((g, j, i) for i, row in enumerate(gains) for j, g in enumerate(row) if g > 0.0),
@@ -201,10 +213,10 @@ def allocate(gains: Sequence[Sequence[float]], step_time: StepTimeModel, base_to
     if max_drafts is not None:
         order = order[:max_drafts]
     for total, (g, _, _) in enumerate(order, start=1):
-        if not _can_beat(best_rate, emitted, seconds, step_time.min_slope(tokens + total - 1), g):
+        if not _can_beat(best_rate, emitted, seconds, step_time.min_slope(tokens + total - 1) + draft_seconds, g):
             break  # every draft left is worth at most g
         emitted += g
-        seconds = step_time.predict(tokens + total)
+        seconds = step_time.predict(tokens + total) + draft_seconds * total
         if emitted / seconds > best_rate:
             best_rate, best_total = emitted / seconds, total
     ks = [0] * n
@@ -260,6 +272,7 @@ class SpecController:
         self.request_rate = request_rate
         self.probe_rate = probe_rate
         self.stats: dict[str, AcceptanceStats] = {}
+        self.draft_seconds = 0.0  # c: what making one draft costs (a network proposer's forward per draft token)
 
     def choose(self, request_ids: Sequence[str], proposal_lens: Sequence[int], base_tokens: int = 0,
                base_emitted: float = 0.0, token_budget: int | None = None) -> list[int]:
@@ -283,7 +296,7 @@ class SpecController:
         if not any(row and row[0] > 0.0 for row in gains):
             ks = [0] * len(caps)  # every draft is expected to fail: the plain path, step time not read
         else:
-            ks = allocate(gains, self.step_time, base_tokens, base_emitted, room)
+            ks = allocate(gains, self.step_time, base_tokens, base_emitted, room, self.draft_seconds)
         for rid, cap, k in zip(request_ids, caps, ks):
             if cap and not k:
                 self.stats[rid].idle()

@@ -12,8 +12,8 @@ history (a rewind) is allowed and rebuilds the proposer's state for that request
 request state keyed by request_id (an index over the history, extended by the new tokens only); `finish`
 drops it, and a cross-request proposer (suffix) learns from the finished output there.
 
-Model-free proposers (ngram, suffix) are plain Python and import no torch; `draft_model` and
-`layer_skip` register here too when they exist, and may need more at construction (the runner).
+Model-free proposers (ngram, suffix) are plain Python and import no torch. A network drafts inside the
+runner's step (layer_skip): its proposer offers placeholders that the runner fills (spec/network.py).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class Proposer(ABC):
 PROPOSERS: Registry[type[Proposer]] = Registry("method")
 PROPOSERS.register("ngram", "banyan.spec.ngram:NgramProposer")
 PROPOSERS.register("suffix", "banyan.spec.suffix:SuffixProposer")
+PROPOSERS.register("layer_skip", "banyan.spec.network:NetworkProposer")  # the runner's drafter fills the drafts
 
 
 def make_proposer(method: str, **options: Any) -> Proposer:

@@ -8,23 +8,36 @@
 
 `room` is the most drafts the request may verify (its tokens left, less the one the target always adds); a
 request the caller cannot speculate for (its sampling is not the same at every position) is not a candidate.
-The step-time model starts from a shape (flat while a forward is bound by reading the weights, then linear)
-that the first measured step scales, and every step refines it; only its shape matters to the controller's
-argmax. Pure Python: no torch, no clock.
+The step-time model is measured at start-up (`calibrate`: a verify-shaped forward at each of a ladder of token
+counts, within a time budget; beyond the last point the last slope goes on) and every step refines it. Without
+a measurement (a runner that cannot time forwards) it starts from an assumed shape that the first measured
+step scales. Pure Python: no torch, no clock (the runner's timing callable holds the clock).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from banyan.spec.config import SpeculativeConfig
 from banyan.spec.controller import SpecController, StepTimeModel
 from banyan.spec.proposer import make_proposer
 
+logger = logging.getLogger(__name__)
+
 STEP_TIME_SHAPE = ((1, 1.0), (8, 1.05), (32, 1.3), (256, 4.0), (2048, 30.0))
-"""(tokens, relative seconds) of one forward before anything is measured."""
-PRIORS = {"ngram": (0.7, 0.6, 0.5), "suffix": (0.7, 0.6, 0.5)}
+"""(tokens, relative seconds) of one forward when nothing could be measured at start-up."""
+CALIBRATION_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+"""Token counts whose forward `calibrate` times, smallest first: dense where k+1-row verify passes fall."""
+DRAFT_COST_RATE = 0.1
+"""EWMA weight of each step's measured cost per network draft."""
+STEP_TIME_RATES = (0.1, 0.02)
+"""The step-time model's EWMA weights for a step faster / slower than its fit: a step slowed by another process
+is not a cost of its tokens, and a fit that rose on such noise where nothing drafts would never come down."""
+CALIBRATION_REPEATS = 3
+"""Timings per token count; the least is kept (noise on a shared machine only ever adds time)."""
+PRIORS = {"ngram": (0.7, 0.6, 0.5), "suffix": (0.7, 0.6, 0.5), "layer_skip": (0.5, 0.4, 0.3)}
 """Each proposer's P(draft j accepted | the ones before it were), before any request is observed."""
 
 
@@ -61,13 +74,13 @@ class SpecStats:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig):
-        """A typed error naming `method` for a method that has no proposer yet (draft_model, layer_skip)."""
+        """A typed error naming `method` for a method that has no proposer yet (draft_model)."""
         self.config = config
         options = {}
         if config.method == "ngram":
             options = {"prompt_lookup_min": config.prompt_lookup_min, "prompt_lookup_max": config.prompt_lookup_max}
         self.proposer = make_proposer(config.method, **options)
-        self.controller = SpecController(config, StepTimeModel(STEP_TIME_SHAPE), PRIORS[config.method])
+        self.controller = SpecController(config, step_time_model(STEP_TIME_SHAPE), PRIORS[config.method])
         self.max_k = config.num_speculative_tokens
         self.stats = SpecStats(accepted_per_pos=[0] * self.max_k)
         self._measured = False
@@ -91,11 +104,41 @@ class Speculator:
             stats.accepted_per_pos[j] += 1
         self.controller.observe(request_id, drafted, accepted)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A forward over `num_tokens` tokens took `seconds`; the first one scales the assumed shape."""
+    def calibrate(self, time_forward: Callable[[int], float], max_tokens: int, budget_seconds: float = 2.0,
+                  time_draft: Callable[[], float] | None = None) -> None:
+        """Measure the step-time model: time_forward(n) is the seconds of one forward over n tokens (the runner's);
+        time_draft() the seconds of one draft token of a network proposer (the controller's draft cost).
+
+        Times each of CALIBRATION_TOKENS up to max_tokens (after one warm-up forward) until the time spent passes
+        budget_seconds, so a slow model stops early and the model extrapolates past its last point."""
+        if time_draft is not None:
+            time_draft()  # warm-up
+            self.controller.draft_seconds = min(time_draft() for _ in range(CALIBRATION_REPEATS))
+        time_forward(1)  # warm-up: first-call allocations and kernel builds are not a step's cost
+        points, spent = [], 0.0
+        for n in (n for n in CALIBRATION_TOKENS if n <= max_tokens):
+            times = [time_forward(n) for _ in range(CALIBRATION_REPEATS)]
+            points.append((n, min(times)))
+            spent += sum(times)
+            if spent > budget_seconds:
+                break
+        if len(points) < 2 or not all(seconds > 0 for _, seconds in points):
+            return  # too little to fit a curve: the assumed shape stays, scaled by the first step
+        self.controller.step_time = step_time_model(points)
+        self._measured = True
+        logger.info("speculation: step time at start-up (tokens: ms) %s",
+                    ", ".join(f"{n}: {seconds * 1e3:.1f}" for n, seconds in points))
+
+    def observe_step(self, num_tokens: int, seconds: float, draft_seconds: float = 0.0, num_drafts: int = 0) -> None:
+        """A step over `num_tokens` tokens took `seconds`, of which `draft_seconds` a network spent making its
+        `num_drafts` drafts; without a start-up measurement the first step scales the assumed shape."""
+        if num_drafts and draft_seconds > 0:
+            controller = self.controller
+            controller.draft_seconds += DRAFT_COST_RATE * (draft_seconds / num_drafts - controller.draft_seconds)
+            seconds -= draft_seconds
         if not self._measured and seconds > 0:
             scale = seconds / self.controller.step_time.predict(num_tokens)  # still the assumed shape
-            self.controller.step_time = StepTimeModel([(n, t * scale) for n, t in STEP_TIME_SHAPE])
+            self.controller.step_time = step_time_model([(n, t * scale) for n, t in STEP_TIME_SHAPE])
             self._measured = True
         self.controller.observe_step(num_tokens, seconds)
 
@@ -103,3 +146,8 @@ class Speculator:
         """The request ended (finished, aborted): both forget it, a cross-request proposer learns its output."""
         self.proposer.finish(request_id, output_token_ids)
         self.controller.finish(request_id)
+
+
+def step_time_model(points: Sequence[tuple[int, float]]) -> StepTimeModel:
+    rate, up_rate = STEP_TIME_RATES
+    return StepTimeModel(points, rate=rate, up_rate=up_rate)

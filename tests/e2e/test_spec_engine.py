@@ -29,6 +29,7 @@ CONFIGS = {
     "ngram-adaptive": {"method": "ngram", "num_speculative_tokens": 5},
     "suffix-fixed3": {"method": "suffix", "num_speculative_tokens": 3, "policy": "fixed"},
     "suffix-adaptive": {"method": "suffix", "num_speculative_tokens": 5},
+    "layer_skip-fixed3": {"method": "layer_skip", "num_speculative_tokens": 3, "policy": "fixed", "num_layers": 1},
 }
 
 
@@ -89,10 +90,11 @@ def test_greedy_with_speculation_equals_without(tiny, name, verify_calls):
     assert verify_calls and stats.num_drafts > 0 and stats.num_accepted_tokens > 0
     proposer = engine.speculator.proposer  # per-request state is dropped at finish (suffix keeps its shared trie)
     assert len(engine.speculator.controller.stats) == 0
-    assert not (proposer._histories if name.startswith("ngram") else proposer._local)
+    state = {"ngram": "_histories", "suffix": "_local"}.get(name.split("-")[0])
+    assert state is None or not getattr(proposer, state)
 
 
-@pytest.mark.parametrize("name", ["ngram-fixed3", "suffix-adaptive"])
+@pytest.mark.parametrize("name", ["ngram-fixed3", "suffix-adaptive", "layer_skip-fixed3"])
 def test_greedy_equal_under_chunking_preemption_n_and_stop_strings(tiny, name):
     path, prompts = tiny
     settings = {"max_num_batched_tokens": 16, "num_pages": 28}  # prompts in chunks; too few pages for all at once
@@ -160,8 +162,23 @@ def test_bad_config_is_a_typed_error_naming_the_field(config, field):
 def test_a_method_without_a_proposer_yet_is_refused_at_start_up(tiny):
     path, _ = tiny
     with pytest.raises(InvalidParameterError) as e:
-        LLM(str(path), block_size=4, num_threads=1, speculative_config={"method": "layer_skip"})
+        LLM(str(path), block_size=4, num_threads=1, speculative_config={"method": "draft_model", "model": str(path)})
     assert e.value.param == "method"
+
+
+def test_layer_skip_drafts_with_fewer_layers_than_the_target(tiny):
+    path, _ = tiny  # two layers
+    with pytest.raises(InvalidParameterError) as e:
+        LLM(str(path), block_size=4, num_threads=1, speculative_config={"method": "layer_skip", "num_layers": 2})
+    assert e.value.param == "num_layers" and "1 to 1" in str(e.value)
+
+
+def test_layer_skip_measures_its_draft_cost_and_verifies_network_drafts(tiny, verify_calls):
+    path, prompts = tiny
+    outputs, engine = generate(path, prompts[:2], greedy(), CONFIGS["layer_skip-fixed3"])
+    assert engine.speculator.controller.draft_seconds > 0  # measured at start-up, refreshed by every step
+    stats = engine.speculator.stats
+    assert 0 < stats.num_drafts <= stats.num_draft_tokens <= 3 * stats.num_drafts and verify_calls
 
 
 def test_speculation_counters_add_up_per_request_and_per_position(tiny, monkeypatch, caplog):

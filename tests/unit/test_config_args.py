@@ -9,7 +9,7 @@ import pytest
 
 from banyan.bench.plan import CompareConfig
 from banyan.cli import build_parser
-from banyan.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from banyan.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from banyan.config_args import SETTINGS, config_from_args, config_from_kwargs, engine_config, engine_flags
 from banyan.errors import InvalidParameterError
 from banyan.frontend.llm import LLM
@@ -21,7 +21,8 @@ def parse(*argv: str):
 
 
 def test_every_engine_field_is_one_setting():
-    sections = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig), ("lora", LoRAConfig))
+    sections = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig), ("parallel", ParallelConfig),
+                ("lora", LoRAConfig))
     fields = [(s, f.name) for s, cls in sections for f in dataclasses.fields(cls)]
     assert sorted((s.section, s.field) for s in SETTINGS.values()) == sorted(fields)
     assert SETTINGS["scheduling_policy"].field == "policy"
@@ -37,8 +38,8 @@ def test_keywords_reach_their_sections_including_the_newest_fields():
 def test_an_unknown_keyword_is_a_type_error_naming_it():
     with pytest.raises(TypeError, match="unexpected keyword argument 'max_modle_len'.*'max_model_len'"):
         LLM("unused", max_modle_len=64)
-    with pytest.raises(InvalidParameterError, match="tensor_parallel_size"):
-        LLM("unused", tensor_parallel_size=2)
+    with pytest.raises(InvalidParameterError, match="data_parallel_size"):
+        LLM("unused", data_parallel_size=2)
 
 
 def test_flags_and_keywords_build_the_same_config():

@@ -266,6 +266,19 @@ def test_step_time_converges_to_a_new_curve():
         assert m.predict(n) == pytest.approx(slower(n), rel=0.05)
 
 
+def test_step_time_trusts_fast_steps_more_than_slow_ones():
+    m = StepTimeModel([(1, 0.010), (8, 0.020)], rate=0.1, up_rate=0.02)
+    for _ in range(3):
+        m.observe(8, 0.060)  # a few steps slowed by another process
+    assert m.predict(8) < 0.0225
+    for _ in range(30):
+        m.observe(8, 0.012)  # the step really got cheaper
+    assert m.predict(8) == pytest.approx(0.012, rel=0.1)
+    for _ in range(300):
+        m.observe(8, 0.030)  # ... and a lasting rise is still learned, slowly
+    assert m.predict(8) == pytest.approx(0.030, rel=0.05)
+
+
 def test_step_time_needs_two_token_counts():
     with pytest.raises(ValueError):
         StepTimeModel([(4, 0.01), (4, 0.02)])

@@ -1,0 +1,75 @@
+"""The collectives tensor parallelism needs, over a torch.distributed process group object held here (no
+global default group, so several engines can live in one process): gloo on CPU, NCCL on CUDA, one code path.
+
+Two groups share one TCP store (rank 0 hosts it on 127.0.0.1):
+    startup   every rank loads its shard at its own pace: a long timeout (rendezvous, KV pool agreement)
+    step      the collectives inside a forward: `timeout` seconds, after which a rank waiting on a dead or
+              hung peer raises instead of hanging (WorkerError at rank 0)
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+STARTUP_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass
+class TPGroup:
+    """This process's place in a tensor-parallel group and the groups to talk over."""
+
+    rank: int
+    size: int
+    step: object  # ProcessGroupGloo | ProcessGroupNCCL: the forward's collectives
+    startup: object  # ProcessGroupGloo on the CPU: start-up agreement
+    store: object  # the TCPStore (rank 0 hosts it; kept alive as long as the group)
+
+    @staticmethod
+    def host_store(size: int):
+        """Rank 0's TCP store on 127.0.0.1, on a free port (its `.port`)."""
+        return dist.TCPStore("127.0.0.1", 0, size, True, timeout=STARTUP_TIMEOUT, wait_for_workers=False)
+
+    @staticmethod
+    def connect_store(port: int, size: int):
+        return dist.TCPStore("127.0.0.1", port, size, False, timeout=STARTUP_TIMEOUT)
+
+    @classmethod
+    def over(cls, store, rank: int, size: int, device: torch.device, timeout: float) -> TPGroup:
+        startup = dist.ProcessGroupGloo(dist.PrefixStore("startup", store), rank, size, STARTUP_TIMEOUT)
+        step_timeout = datetime.timedelta(seconds=timeout)
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = step_timeout
+            step = dist.ProcessGroupNCCL(dist.PrefixStore("step", store), rank, size, options)
+        else:
+            step = dist.ProcessGroupGloo(dist.PrefixStore("step", store), rank, size, step_timeout)
+        return cls(rank, size, step, startup, store)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place."""
+        self.step.allreduce([tensor]).wait()
+        return tensor
+
+    def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `tensor` (same shape everywhere) at rank 0, in rank order; None elsewhere."""
+        tensor = tensor.contiguous()
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        if self.rank == 0:
+            parts = [torch.empty_like(tensor) for _ in range(self.size)]
+            self.step.gather([parts], [tensor], options).wait()
+            return parts
+        self.step.gather([], [tensor], options).wait()
+        return None
+
+    def agree_min(self, value: int) -> int:
+        """The smallest `value` over ranks (each rank's KV pool must hold the same pages)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self.startup.allreduce([t], options).wait()
+        return int(t.item())

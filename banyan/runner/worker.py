@@ -1,0 +1,312 @@
+"""Tensor-parallel workers: ranks 1..N-1 of a group whose rank 0 is the engine's own runner.
+
+    engine process (rank 0: TensorParallelRunner)        worker processes (ranks 1..N-1)
+    schedule -> Batch -> ForwardBatch ──── publish ────►  the same ForwardBatch, unpacked
+    forward: one all-reduce after attention, ◄─ gloo ─►  forward, its shard of every layer
+             one after the MLP                 / NCCL
+    logits: vocabulary columns gathered ◄──── gather ──  compute_logits over the same rows
+    sample, grammars, scheduler update
+
+The scheduler, the KV accounting, sampling and grammars stay with rank 0; a worker holds its shard of the
+weights and its KV heads of the same pages. Each forward's ForwardBatch goes out once: one frame on a ZeroMQ
+PUB socket every worker subscribes to (a header and int64 arrays, never pickle). Rank 0 publishes a frame for
+every `_forward` and then computes logits over its `logits_indices` once; a worker does the same, so the
+collectives pair up. Waiting for the next frame has no timeout (an engine may idle for hours); every
+collective inside a forward has `distributed_timeout`.
+
+Failure: a worker that exits is seen before the next publish (its process polled) or in a collective
+(connection closed); one that hangs makes rank 0's collective time out. Either way the step raises WorkerError:
+`LLM` raises it, the engine core dies with it (in-flight requests get an error, the server exits non-zero), and
+the workers are killed and reaped. Workers start through ipc/core_launch.py --worker, so they die with the
+engine process from their first moment (PR_SET_PDEATHSIG), whatever ends it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import torch
+import zmq
+
+from banyan.config import CacheConfig, ModelConfig, ParallelConfig
+from banyan.distributed.collectives import STARTUP_TIMEOUT, TPGroup
+from banyan.distributed.tensor_parallel import check_sizes
+from banyan.errors import InvalidParameterError, WorkerError
+from banyan.forward_batch import ForwardBatch
+from banyan.runner.model_runner import ModelRunner, RunnerLimits, resolve_device
+from banyan.runner.weights import open_model
+
+logger = logging.getLogger(__name__)
+
+CORE_LAUNCH = Path(__file__).resolve().parents[1] / "ipc" / "core_launch.py"  # by path: no import of ipc here
+STOP, FORWARD = 0, 1
+SUBSCRIBE_TIMEOUT = 300.0  # seconds for every worker to import torch and subscribe
+STOP_GRACE = 2.0  # seconds a worker has to leave after STOP before it is killed
+
+
+def runner_factory(parallel: ParallelConfig, factory):
+    """The engine's runner factory: `factory` itself, or with tensor_parallel_size > 1 a TensorParallelRunner
+    (when the factory is the plain ModelRunner; a benchmark's double stays as it is)."""
+    if parallel.tensor_parallel_size == 1 or factory is not ModelRunner:
+        return factory
+    return functools.partial(TensorParallelRunner, parallel=parallel)
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0: a ModelRunner over its shard that starts the other ranks and publishes each forward to them."""
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, source, limits: RunnerLimits,
+                 lora_config=None, *, parallel: ParallelConfig):
+        if lora_config is not None:
+            raise InvalidParameterError("tensor_parallel_size", "LoRA adapters run with tensor_parallel_size 1 only")
+        check_sizes(source.arch, parallel.tensor_parallel_size)
+        self.workers = Workers(WorkerSpec(0, parallel.tensor_parallel_size, 0, "", model_config, cache_config, limits,
+                                          parallel), resolve_device(model_config.device))
+        try:
+            super().__init__(model_config, cache_config, source, limits, tp=self.workers.group)
+        except RuntimeError as e:  # a worker failed while loading: the agreement on the KV pool saw it
+            raise self.workers.failure(e) from e
+        except BaseException:
+            self.workers.close()
+            raise
+
+    def _forward(self, fb: ForwardBatch, *args) -> torch.Tensor:
+        self.workers.publish(encode_step(fb))
+        try:
+            return super()._forward(fb, *args)
+        except RuntimeError as e:
+            raise self.workers.failure(e) from e
+
+    def execute(self, batch):
+        try:
+            return super().execute(batch)
+        except RuntimeError as e:  # the logits' gather
+            raise self.workers.failure(e) from e
+
+    def use_layer_skip(self, num_layers: int) -> None:
+        raise InvalidParameterError("speculative_config", "layer_skip drafts with the model in one process: it needs "
+                                    "tensor_parallel_size 1")
+
+    def close(self) -> None:
+        self.workers.close()
+
+
+class WorkerSpec(msgspec.Struct):
+    """What one worker needs to build its shard and find the others (sent as JSON on its command line)."""
+
+    rank: int
+    size: int
+    port: int  # the TCP store rank 0 hosts on 127.0.0.1
+    steps: str  # the PUB socket's address
+    model: ModelConfig
+    cache: CacheConfig
+    limits: RunnerLimits
+    parallel: ParallelConfig
+
+
+class Workers:
+    """Rank 0's side: start ranks 1..N-1, publish forwards to them, notice their death, stop them."""
+
+    def __init__(self, spec: WorkerSpec, device: torch.device):
+        self.size, self.timeout = spec.size, spec.parallel.distributed_timeout
+        self.dir = tempfile.mkdtemp(prefix="banyan-tp-")  # mode 0700
+        self.context = zmq.Context()
+        self.pub = self.context.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # one subscription message per worker, duplicates too
+        self.pub.setsockopt(zmq.SNDHWM, 0)  # never drop a frame for a slow worker
+        address = f"ipc://{self.dir}/steps"
+        self.pub.bind(address)
+        store = TPGroup.host_store(spec.size)
+        spec = msgspec.structs.replace(spec, port=store.port, steps=address)
+        self.procs = [_spawn(msgspec.structs.replace(spec, rank=rank)) for rank in range(1, spec.size)]
+        self._finalizer = weakref.finalize(self, _reap, self.procs, self.pub, self.context, self.dir)
+        try:
+            self._await_subscriptions()
+            self.group = TPGroup.over(store, 0, spec.size, device, spec.parallel.distributed_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _await_subscriptions(self) -> None:
+        deadline, subscribed = time.monotonic() + SUBSCRIBE_TIMEOUT, 0
+        while subscribed < len(self.procs):
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise WorkerError(f"tensor-parallel workers not started after {SUBSCRIBE_TIMEOUT:.0f} s")
+            if self.pub.poll(100):
+                subscribed += self.pub.recv()[:1] == b"\x01"
+
+    def publish(self, frame: bytes) -> None:
+        self._check_alive()
+        self.pub.send(frame, copy=False)
+
+    def _check_alive(self) -> None:
+        dead = self._dead()
+        if dead:
+            raise self.failure(None)
+
+    def _dead(self) -> list[str]:
+        return [f"rank {rank} (exit status {proc.returncode})"
+                for rank, proc in enumerate(self.procs, 1) if proc.poll() is not None]
+
+    def failure(self, error: BaseException | None) -> WorkerError:
+        """The error the step raises; the workers are stopped (a hung one killed) before it propagates."""
+        time.sleep(0.05)  # a worker that just crashed: let its exit status arrive
+        dead = self._dead()
+        if dead:
+            message = f"tensor-parallel worker {', '.join(dead)} died"
+        else:
+            message = (f"a collective between tensor-parallel workers failed or waited past --distributed-timeout "
+                       f"({self.timeout:g} s): a worker hung ({error})")
+        logger.error("%s; stopping the workers", message)
+        self.close()
+        return WorkerError(message)
+
+    def close(self) -> None:
+        """Stop every worker (STOP, then a kill after STOP_GRACE) and reap it; idempotent."""
+        self._finalizer()
+
+
+def _reap(procs: list[subprocess.Popen], pub: zmq.Socket, context: zmq.Context, directory: str) -> None:
+    if any(proc.poll() is None for proc in procs):
+        try:
+            pub.send(encode_stop(), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+    deadline = time.monotonic() + STOP_GRACE
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    pub.close(linger=0)
+    context.term()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _spawn(spec: WorkerSpec) -> subprocess.Popen:
+    """By the file path of our own core_launch.py (this banyan, never one in the working directory); its log
+    lines go to our stderr."""
+    cmd = [sys.executable, str(CORE_LAUNCH), "--worker", "--parent-pid", str(os.getpid()),
+           "--spec-json", msgspec.json.encode(spec).decode()]
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+
+
+# -- the frame: one forward ------------------------------------------------------------------------
+#   int64: | kind | T | S | W | L | page_size | input_ids[T] | positions[T] | slots[T] | query_start[S+1] |
+#          | seq_lens[S] | block_tables[S*W] | logits_indices[L] |
+_HEADER = 6
+
+
+def encode_step(fb: ForwardBatch) -> bytes:
+    parts = [fb.input_ids, fb.positions, fb.slot_mapping, fb.query_start_loc, fb.seq_lens, fb.block_tables.flatten(),
+             fb.logits_indices]
+    header = [FORWARD, fb.num_tokens, fb.num_seqs, fb.block_tables.shape[1], fb.logits_indices.numel(), fb.page_size]
+    arrays = [np.asarray(header, dtype=np.int64)] + [p.to("cpu", torch.int64).numpy() for p in parts]
+    return np.concatenate(arrays).tobytes()
+
+
+def encode_stop() -> bytes:
+    return np.zeros(_HEADER, dtype=np.int64).tobytes()
+
+
+def decode_step(frame: bytes, device: torch.device) -> ForwardBatch | None:
+    """The ForwardBatch of a FORWARD frame; None for STOP."""
+    data = np.frombuffer(frame, dtype=np.int64)
+    kind, T, S, W, L, page_size = (int(x) for x in data[:_HEADER])
+    if kind == STOP:
+        return None
+    sizes = [T, T, T, S + 1, S, S * W, L]
+    ids, positions, slots, query_start, seq_lens, tables, logits = np.split(data[_HEADER:], np.cumsum(sizes)[:-1])
+
+    def tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(a.copy()).to(device=device, dtype=dtype)
+
+    context_lens = seq_lens.tolist()
+    return ForwardBatch(
+        input_ids=tensor(ids, torch.long),
+        positions=tensor(positions, torch.long),
+        slot_mapping=tensor(slots, torch.long),
+        query_start_loc=tensor(query_start, torch.int32),
+        seq_lens=tensor(seq_lens, torch.int32),
+        block_tables=tensor(tables, torch.int32).view(S, W),
+        logits_indices=tensor(logits, torch.long),
+        query_lens=np.diff(query_start).tolist(),
+        context_lens=context_lens,
+        page_size=page_size,
+    )
+
+
+# -- the worker process ------------------------------------------------------------------------------
+class WorkerFault:
+    """Tests only (ParallelConfig.worker_fault, on rank 1): hang-at-step=N sleeps before the N-th forward (a
+    collective that never completes), exit-at-step=N exits with status 3 there (a worker that dies)."""
+
+    def __init__(self, spec: str):
+        name, _, value = spec.partition("=")
+        if name not in ("hang-at-step", "exit-at-step"):
+            raise ValueError(f"unknown worker fault {spec!r}")
+        self.kind, self.step, self.num_steps = name, int(value), 0
+
+    def __call__(self) -> None:
+        self.num_steps += 1
+        if self.num_steps != self.step:
+            return
+        logger.warning("injected fault: %s at forward %d", self.kind, self.step)
+        if self.kind == "exit-at-step":
+            os._exit(3)
+        time.sleep(STARTUP_TIMEOUT.total_seconds())
+
+
+@torch.inference_mode()
+def serve(runner: ModelRunner, steps: zmq.Socket, fault: WorkerFault | None = None) -> None:
+    """Run each published forward, and its logits (for the gather), until STOP."""
+    while (fb := decode_step(steps.recv(), runner.device)) is not None:
+        if fault is not None:
+            fault()
+        hidden = runner._forward(fb)
+        runner.model.compute_logits(hidden[fb.logits_indices])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="banyan tensor-parallel worker (started by the engine)")
+    parser.add_argument("--spec-json", required=True)
+    parser.add_argument("--parent-pid", type=int)
+    parser.add_argument("--worker", action="store_true")
+    args = parser.parse_args(argv)
+    spec = msgspec.json.decode(args.spec_json, type=WorkerSpec)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-worker-{spec.rank} %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine ends us (STOP, or its death)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    context = zmq.Context()
+    steps = context.socket(zmq.SUB)
+    steps.setsockopt(zmq.RCVHWM, 0)
+    steps.connect(spec.steps)
+    steps.setsockopt(zmq.SUBSCRIBE, b"")
+    device = resolve_device(spec.model.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(spec.rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    group = TPGroup.over(TPGroup.connect_store(spec.port, spec.size), spec.rank, spec.size, device,
+                         spec.parallel.distributed_timeout)
+    source = open_model(spec.model.model, spec.model.trust_remote_code, spec.model.tokenizer)
+    runner = ModelRunner(spec.model, spec.cache, source, spec.limits, tp=group)
+    fault = WorkerFault(spec.parallel.worker_fault) if spec.parallel.worker_fault and spec.rank == 1 else None
+    serve(runner, steps, fault)
+    steps.close(linger=0)
+    context.term()
+    return 0

@@ -1,0 +1,58 @@
+"""The Speculator's start-up measurement of step time (calibrate), on fake forward-time curves: no model, no clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from banyan.spec.config import SpeculativeConfig
+from banyan.spec.speculator import CALIBRATION_REPEATS, STEP_TIME_SHAPE, Speculator
+
+
+def make_speculator() -> Speculator:
+    return Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+
+
+class FakeForward:
+    """time_forward(n) on a known curve; `noise[n]` extra seconds on the first timing of n (a descheduled run)."""
+
+    def __init__(self, curve, noise=None):
+        self.curve, self.noise, self.calls = curve, dict(noise or {}), []
+
+    def __call__(self, n: int) -> float:
+        self.calls.append(n)
+        return self.curve(n) + self.noise.pop(n, 0.0)
+
+
+def test_calibration_fits_the_measured_curve_keeping_the_least_of_each_timing():
+    spec = make_speculator()
+    curve = lambda n: 0.002 + 0.0003 * n  # noqa: E731
+    spec.calibrate(FakeForward(curve, noise={4: 0.1, 16: 0.1}), max_tokens=64)
+    model = spec.controller.step_time
+    assert model.tokens[0] == 1 and model.tokens[-1] == 64
+    for n in (1, 3, 4, 5, 16, 40, 64, 200):  # on the points, between them, and extrapolated past the last
+        assert model.predict(n) == pytest.approx(curve(n))
+
+
+def test_calibration_warms_up_first_and_repeats_each_count():
+    spec, forward = make_speculator(), FakeForward(lambda n: 0.01)
+    spec.calibrate(forward, max_tokens=8)
+    assert forward.calls[0] == 1  # the warm-up, not kept
+    counts = forward.calls[1:]
+    assert sorted(set(counts)) == [1, 2, 3, 4, 5, 6, 8]
+    assert all(counts.count(n) == CALIBRATION_REPEATS for n in set(counts))
+
+
+def test_calibration_stops_at_its_time_budget_and_extrapolates():
+    spec, forward = make_speculator(), FakeForward(lambda n: 0.1 * n)
+    spec.calibrate(forward, max_tokens=1024, budget_seconds=2.0)
+    model = spec.controller.step_time
+    assert model.tokens[-1] < 16  # a slow model is not timed at every count
+    assert model.predict(100) == pytest.approx(10.0)  # the last slope goes on
+
+
+def test_a_failed_measurement_keeps_the_assumed_shape_for_the_first_step_to_scale():
+    spec = make_speculator()
+    spec.calibrate(FakeForward(lambda n: 0.0), max_tokens=64)
+    spec.observe_step(1, 0.05)
+    shape = dict(STEP_TIME_SHAPE)
+    assert spec.controller.step_time.predict(8) == pytest.approx(0.05 * shape[8] / shape[1], rel=0.2)
