@@ -1,4 +1,4 @@
-"""`banyan bench throughput | latency | overhead | speculative | serve | compare`: argument parsing and dispatch."""
+"""`banyan bench throughput | latency | overhead | speculative | lora | serve | compare`: argument parsing and dispatch."""
 
 from __future__ import annotations
 
@@ -55,6 +55,15 @@ def add_bench_parser(commands) -> None:
     spec.add_argument("--num-speculative-tokens", type=int, default=5)
     spec.set_defaults(temperature=None, func=_speculative)  # None: greedy for copy, 1.0 for random
 
+    lora = add("lora", "output tok/s of a batch mixing LoRA adapters vs the base model alone, side by side", None)
+    lora.add_argument("--num-adapters", type=int, default=8, help="random adapters, request i on adapter i mod this")
+    lora.add_argument("--lora-rank", type=int, default=16)
+    lora.add_argument("--num-prompts", type=int, default=32, help="requests, all running at once")
+    lora.add_argument("--input-len", type=int, default=128)
+    lora.add_argument("--output-len", type=int, default=64, help="generated tokens (ignore_eos)")
+    lora.add_argument("--rounds", type=int, default=3, help="timed rounds, each running every configuration once")
+    lora.set_defaults(func=_lora)
+
     srv = add("serve", "load-test an OpenAI-compatible server over HTTP (streamed /v1/completions)", _serve, engine=False)
     srv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     srv.add_argument("--model", default=None, help="the model name to send (default: the server's)")
@@ -101,6 +110,14 @@ def _speculative(args) -> int:
 
     config, results = run_speculative(engine_config(args), args)
     emit(make_report("speculative", config, results), args.output_json, table=markdown(results))
+    return 0
+
+
+def _lora(args) -> int:
+    from banyan.bench.lora import markdown, run_lora
+
+    config, results = run_lora(engine_config(args), args)
+    emit(make_report("lora", config, results), args.output_json, table=markdown(results))
     return 0
 
 
