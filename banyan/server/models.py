@@ -67,6 +67,9 @@ class ModelEntry:
     replacement: ModelEntry | None = None  # a swap loading under the same name
     loaded_at: float | None = None
     tokenizer: object = None  # the server's own copy (templates, tokenizing): opened before the core starts
+    adapters: dict[str, dict] = field(default_factory=dict)
+    """LoRA adapters served on top of this model: name -> extra fields of its /v1/models card (e.g. its path);
+    requests naming one are dispatched to this entry, with `model` unchanged."""
     tasks: set[asyncio.Task] = field(default_factory=set)
 
     @property
@@ -100,10 +103,12 @@ class ModelEntry:
         return out
 
     def cards(self, created: int) -> list[dict]:
-        """Its /v1/models cards, one per name. (Adapters served on top of it add theirs here, with `parent`.)"""
+        """Its /v1/models cards: one per name, then one per adapter with `parent` (as vLLM lists them)."""
         max_len = self.client.info.max_model_len if self.client is not None and self.client.info else None
-        return [{"id": name, "object": "model", "created": created, "owned_by": "banyan", "root": self.spec.source,
-                 "parent": None, "max_model_len": max_len} for name in self.spec.names]
+        base = {"object": "model", "created": created, "owned_by": "banyan", "max_model_len": max_len}
+        return ([{"id": name, "root": self.spec.source, "parent": None, **base} for name in self.spec.names]
+                + [{"id": name, "root": name, "parent": self.name, **base, **extra}
+                   for name, extra in self.adapters.items()])
 
 
 ServingFactory = Callable[["ModelEntry"], tuple[OpenAIServing, ServerMetrics]]
@@ -198,7 +203,7 @@ class ModelRegistry:
             except LookupError:
                 raise APIError(503, f"no model of the route {model!r} is ready", type="server_error",
                                code="model_not_ready", retry_after=LOADING_RETRY_AFTER) from None
-        entry = self.entries.get(model)
+        entry = self.entries.get(model) or next((e for e in self.ready() if model in e.adapters), None)
         if entry is None:
             raise model_not_found(model)
         if entry.state is not ModelState.READY:
@@ -298,6 +303,11 @@ class ModelRegistry:
         if entry.replacement is not None:
             raise APIError(409, f"a swap of {name!r} is loading; unload it once it is done", code="swap_in_progress")
         self._forget(entry)
+        if entry.state is ModelState.LOADING:  # nothing to drain: stop the load (its core is killed)
+            for task in list(entry.tasks):
+                task.cancel()
+            entry.state, entry.error = ModelState.FAILED, "unloaded while loading"
+            return entry
         self._retire(entry, timeout)
         return entry
 
