@@ -1,4 +1,4 @@
-"""`banyan bench throughput | latency | overhead | speculative | lora | serve | compare`: argument parsing and dispatch."""
+"""`banyan bench throughput | latency | overhead | speculative | lang | lora | serve | compare`: argument parsing and dispatch."""
 
 from __future__ import annotations
 
@@ -64,6 +64,19 @@ def add_bench_parser(commands) -> None:
     lora.add_argument("--rounds", type=int, default=3, help="timed rounds, each running every configuration once")
     lora.set_defaults(func=_lora)
 
+    lang = add("lang", "banyan.lang programs: fork with the prefix cache off vs on, run_batch vs one by one, "
+                       "OpenAICompatible vs RuntimeEndpoint on one server", None)
+    lang.add_argument("--context-tokens", type=int, default=1024, help="fork: the shared context's tokens")
+    lang.add_argument("--branches", type=int, default=8, help="fork: branches")
+    lang.add_argument("--branch-tokens", type=int, default=64, help="fork: tokens each branch generates")
+    lang.add_argument("--num-programs", type=int, default=64, help="batch: short programs")
+    lang.add_argument("--program-tokens", type=int, default=16, help="batch and http: tokens each program generates")
+    lang.add_argument("--http-programs", type=int, default=16, help="http: programs per run")
+    lang.add_argument("--http-context-tokens", type=int, default=256, help="http: each program's context tokens")
+    lang.add_argument("--rounds", type=int, default=1, help="timed rounds, each running both sides once")
+    lang.add_argument("--no-http", action="store_true", help="skip the HTTP comparison (it starts a server)")
+    lang.set_defaults(func=_lang)
+
     srv = add("serve", "load-test an OpenAI-compatible server over HTTP (streamed /v1/completions)", _serve, engine=False)
     srv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     srv.add_argument("--model", default=None, help="the model name to send (default: the server's)")
@@ -110,6 +123,14 @@ def _speculative(args) -> int:
 
     config, results = run_speculative(engine_config(args), args)
     emit(make_report("speculative", config, results), args.output_json, table=markdown(results))
+    return 0
+
+
+def _lang(args) -> int:
+    from banyan.bench.lang import markdown, run_lang
+
+    config, results = run_lang(engine_config(args), args)
+    emit(make_report("lang", config, results), args.output_json, table=markdown(results))
     return 0
 
 
