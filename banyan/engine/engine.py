@@ -178,6 +178,7 @@ class Engine:
             prefix_query_tokens=sched.stats.prefix_query_tokens,
             prefix_hit_tokens=sched.stats.prefix_hit_tokens,
             num_preemptions=sched.stats.num_preemptions,
+            num_evicted_pages=self.kv.num_evicted_pages,
             **sched.slo_stats(),
             grammar_cache_entries=grammars.get("entries", 0),
             grammar_cache_bytes=grammars.get("bytes", 0),

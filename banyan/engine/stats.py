@@ -16,6 +16,7 @@ class EngineSnapshot(msgspec.Struct, kw_only=True):
     prefix_query_tokens: int  # prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int  # of those, tokens found there
     num_preemptions: int
+    num_evicted_pages: int = 0  # cached pages evicted for room since start-up (the data-parallel router learns it)
     grammar_cache_entries: int = 0  # compiled grammars held (bounded: RELIABILITY C4 G5)
     grammar_cache_bytes: int = 0
     grammar_cache_evictions: int = 0

@@ -62,6 +62,7 @@ class KVCacheManager:
         self._pool = BlockPool(num_pages)
         self._tree = RadixTree(page_size)
         self._held: dict[str, _Holding] = {}
+        self.num_evicted_pages = 0  # evicted to make room, since start-up
 
     # -- queries (never mutate) ---------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int], namespace: Hashable = None) -> PrefixMatch:
@@ -232,6 +233,7 @@ class KVCacheManager:
         if short <= 0:
             return
         released = self._tree.evict(short)
+        self.num_evicted_pages += len(released)
         if len(self._pool.decref(released)) != len(released):
             raise KVCacheIntegrityError("an evicted page is still held by a request")
 

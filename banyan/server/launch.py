@@ -20,6 +20,7 @@ import uvicorn
 from banyan.config import EngineConfig, ServerConfig
 from banyan.errors import InvalidParameterError
 from banyan.ipc.client import EngineClient
+from banyan.ipc.dp_client import DataParallelClient, start_engine_client
 from banyan.server.app import ServerState, build_app
 from banyan.server.auth import ADMIN_API_KEY_ENV, AdminAuth, ApiKeyAuth, ApiKeyConfigError, load_api_keys
 from banyan.server.connection import DeadlineH11Protocol
@@ -28,6 +29,7 @@ from banyan.server.metrics import ServerMetrics
 from banyan.server.model_memory import MemoryBudget
 from banyan.server.model_specs import ModelSpec, served_names
 from banyan.server.models import ModelRegistry
+from banyan.server.replica_metrics import ReplicaCollector
 from banyan.server.routing import Route, parse_route
 from banyan.server.serving import OpenAIServing
 
@@ -134,12 +136,14 @@ async def _start_models(config: ServerConfig, engine_config: EngineConfig, specs
         metrics = ServerMetrics(entry.name, max_model_len=client.info.max_model_len, vllm_names=config.vllm_metric_names)
         own = replace(config, chat_template=load_chat_template(entry.spec.chat_template)) if entry.spec.chat_template else config
         serving = OpenAIServing(own, client, entry.tokenizer, list(entry.spec.names), metrics)
+        if isinstance(client, DataParallelClient):
+            metrics.registry.register(ReplicaCollector(client, entry.name))
         serving.limiter = models.limiter  # rate limits are per key across all models
         serving.finish_hooks.append(models.observe_route)
         return serving, metrics
 
     async def start_client(engine: EngineConfig, fault: str | None) -> EngineClient:
-        return await EngineClient.start(engine, fault=fault, log_format=config.log_format)
+        return await start_engine_client(engine, fault=fault, log_format=config.log_format)  # DP: several cores
 
     budget = MemoryBudget(config.memory_budget, engine_config.cache.gpu_memory_utilization)
     allow_faults = any(spec.fault for spec in specs)

@@ -1,0 +1,174 @@
+"""Data parallel: N engine cores (each a whole model, each possibly tensor-parallel) behind one API server.
+
+    server ── DataParallelClient ── Router.choose(prompt, loads) ──► EngineClient r ──► engine core r
+                                  ◄── deltas of that request ──────┘
+
+`DataParallelClient` answers what the server asks of an `EngineClient` (generate, abort, stats, info, health,
+shutdown), so the server does not know how many cores there are. Each request goes to the replica the router
+picks (banyan/distributed/router.py; --router-policy, cache_aware by default), and its aborts follow it there.
+Stats are summed over the replicas (per-replica series: server/replica_metrics.py). A replica that dies fails its
+own in-flight requests (their streams raise EngineDeadError), the router stops sending there, and the server
+carries on with the others; only when every replica is gone do the death hooks run (the server exits non-zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+
+from banyan.config import EngineConfig
+from banyan.distributed.router import Router
+from banyan.ipc import messages as m
+from banyan.ipc.client import EngineClient, EngineDeadError
+from banyan.request import RequestDelta
+
+logger = logging.getLogger(__name__)
+
+
+async def start_engine_client(config: EngineConfig, *, fault: str | None = None, log_format: str = "text"):
+    """An EngineClient, or with data_parallel_size > 1 a DataParallelClient over that many cores."""
+    if config.parallel.data_parallel_size == 1:
+        return await EngineClient.start(config, fault=fault, log_format=log_format)
+    return await DataParallelClient.start(config, fault=fault, log_format=log_format)
+
+
+class DataParallelClient:
+    def __init__(self, config: EngineConfig, replicas: list[EngineClient]):
+        self.config = config
+        self.replicas = replicas
+        first = replicas[0].info
+        self.info = msgspec.structs.replace(first, num_pages=sum(r.info.num_pages for r in replicas))
+        self.router = Router(config.parallel.router_policy or "cache_aware", len(replicas), first.page_size,
+                             first.num_pages)
+        self.on_death: list[Callable[[str], object]] = []
+        self._placed: dict[str, int] = {}  # request id -> its replica, while it runs
+        self._dead: set[int] = set()
+        for index, replica in enumerate(replicas):
+            replica.on_death.append(lambda reason, index=index: self._replica_died(index, reason))
+
+    @classmethod
+    async def start(cls, config: EngineConfig, *, fault: str | None = None, log_format: str = "text",
+                    ready_timeout: float = 600.0) -> DataParallelClient:
+        """Start every replica at once; if one fails, the others are shut down and its error raised."""
+        n = config.parallel.data_parallel_size
+        started = await asyncio.gather(*(EngineClient.start(config, fault=fault, log_format=log_format,
+                                                            ready_timeout=ready_timeout) for _ in range(n)),
+                                       return_exceptions=True)
+        failed = [e for e in started if isinstance(e, BaseException)]
+        if failed:
+            await asyncio.gather(*(c.shutdown(timeout=1.0) for c in started if isinstance(c, EngineClient)))
+            raise failed[0]
+        logger.info("data parallel: %d engine cores, router policy %s", n, config.parallel.router_policy or "cache_aware")
+        return cls(config, list(started))
+
+    # -- state --------------------------------------------------------------------------------
+    def alive(self) -> list[bool]:
+        return [i not in self._dead and r.is_alive() for i, r in enumerate(self.replicas)]
+
+    def is_alive(self) -> bool:
+        return any(self.alive())
+
+    def is_making_progress(self, wedge_timeout: float) -> bool:
+        return all(r.is_making_progress(wedge_timeout) for r, ok in zip(self.replicas, self.alive()) if ok)
+
+    @property
+    def stats(self) -> m.EngineStats | None:
+        """Every live replica's stats summed (counters and loads; fractions and times averaged); the router learns
+        each replica's evictions from them."""
+        live = [(i, r.stats) for i, (r, ok) in enumerate(zip(self.replicas, self.alive())) if ok and r.stats]
+        for index, stats in live:
+            self.router.observe_evictions(index, stats.num_evicted_pages)
+        return merge_stats([s for _, s in live]) if live else None
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(r.num_in_flight for r in self.replicas)
+
+    @property
+    def pid(self) -> int:
+        return self.replicas[0].pid
+
+    @property
+    def pids(self) -> list[int]:
+        return [r.pid for r in self.replicas]
+
+    @property
+    def returncode(self) -> int | None:
+        codes = [r.returncode for r in self.replicas]
+        return None if None in codes else next((c for c in codes if c), 0)
+
+    def stderr_tail(self) -> str:
+        return "".join(f"[replica {i}]\n{r.stderr_tail()}" for i, r in enumerate(self.replicas))
+
+    # -- requests -----------------------------------------------------------------------------
+    async def generate(self, request: m.AddRequest) -> AsyncIterator[RequestDelta]:
+        """As EngineClient.generate, on the replica the router picks."""
+        if not self.is_alive():
+            raise EngineDeadError("every data-parallel replica is gone")
+        loads = [r.num_in_flight for r in self.replicas]
+        index = self.router.choose(request.cache_salt, request.prompt_token_ids, loads, self.alive())
+        self._placed[request.request_id] = index
+        try:
+            async for delta in self.replicas[index].generate(request):
+                yield delta
+        finally:
+            self._placed.pop(request.request_id, None)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        by_replica: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            if request_id in self._placed:
+                by_replica.setdefault(self._placed[request_id], []).append(request_id)
+        for index, ids in by_replica.items():
+            await self.replicas[index].abort(ids)
+
+    async def kv_report(self, timeout: float = 10.0) -> m.KvReport:
+        """The first live replica's KV census (each replica checks its own cache)."""
+        return await self._first_alive().kv_report(timeout)
+
+    async def profile(self, start: bool, directory: str = "", timeout: float = 600.0) -> m.ProfileStatus:
+        """The torch profiler of the first live replica."""
+        return await self._first_alive().profile(start, directory, timeout)
+
+    def _first_alive(self) -> EngineClient:
+        for replica, ok in zip(self.replicas, self.alive()):
+            if ok:
+                return replica
+        raise EngineDeadError("every data-parallel replica is gone")
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def _replica_died(self, index: int, reason: str) -> None:
+        self._dead.add(index)
+        self.router.forget(index)
+        logger.error("data-parallel replica %d died (%s); %d left", index, reason, sum(self.alive()))
+        if not self.is_alive():
+            for hook in self.on_death:
+                result = hook(f"every data-parallel replica died; the last: {reason}")
+                if asyncio.iscoroutine(result):
+                    asyncio.ensure_future(result)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        await asyncio.gather(*(r.shutdown(timeout) for r in self.replicas))
+
+
+def merge_stats(parts: list[m.EngineStats]) -> m.EngineStats:
+    """One EngineStats for several cores: integers (counts, counters) and per-position lists summed, floats
+    (a usage fraction, measured times) averaged, num_steps summed (it grows while any core makes progress)."""
+    merged = {}
+    for name in parts[0].__struct_fields__:
+        values = [getattr(p, name) for p in parts]
+        if isinstance(values[0], bool) or values[0] is None:
+            merged[name] = values[0]
+        elif isinstance(values[0], int):
+            merged[name] = sum(values)
+        elif isinstance(values[0], float):
+            merged[name] = sum(values) / len(values)
+        elif isinstance(values[0], list):
+            width = max(len(v) for v in values)
+            merged[name] = [sum(v[i] for v in values if i < len(v)) for i in range(width)]
+        else:
+            merged[name] = values[0]
+    return m.EngineStats(**merged)
