@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 
-.PHONY: install demo test test-fast
+.PHONY: install demo test test-fast ops-deps
 
 # torch first: pinned to the CPU build on CPU machines, or pip would fetch a multi-GB CUDA build.
 install:
@@ -19,3 +19,10 @@ test: install
 
 test-fast:
 	bash scripts/run_tests.sh -m "not slow"
+
+# Optional: what the operations tests drive when present (they skip, saying why, without it): Debian's Chromium
+# for the playground's browser test (Playwright drives it; its own browser download cannot be reached), and
+# Debian's prometheus package for promtool (the alert rules' check).
+ops-deps:
+	apt-get install -y -q chromium prometheus || (apt-get update -q && apt-get install -y -q chromium prometheus)
+	$(PIP) install -q "playwright>=1.40"  # the playground extra alone: never pulls torch before install pins it

@@ -2,7 +2,8 @@
 
 The guard runs before routing, on every path (RELIABILITY rules 5 and 8):
   - a request id (X-Request-Id accepted when sane, else made) echoed on the response;
-  - authentication, default-deny: every path but /health (and /metrics unless protected) needs a
+  - authentication, default-deny: every path but /health (and /metrics unless protected) and the
+    playground's page and files (`/`, `/static/<file>`: no data; its API calls carry a key) needs a
     valid key, so a route added later is protected without anyone remembering to (the OpenAPI
     document and /docs too; unknown paths get 401 before they could get 404);
   - admin routes (ADMIN_PATHS) need an admin key instead: none configured → 404 (the routes do not
@@ -28,7 +29,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from banyan import __version__
 from banyan.config import ServerConfig
 from banyan.ipc.client import EngineClient, EngineDeadError
-from banyan.server import admin_models, openapi, profiling
+from banyan.server import admin_models, openapi, playground, profiling
 from banyan.server.audit import AuditLog
 from banyan.server.auth import ANONYMOUS, AdminAuth, ApiKeyAuth, Tenant
 from banyan.server.errors import APIError, error_body, parse_json_body
@@ -98,7 +99,7 @@ class Guard:
             if error is not None:
                 return error
             scope["state"]["principal"] = "admin"  # who the audit log names
-        elif path not in self.open_paths and self.state.auth.enabled:
+        elif path not in self.open_paths and not playground.is_page_path(path) and self.state.auth.enabled:
             tenant = self.state.auth.authenticate(headers.get("authorization"))
             if tenant is None:
                 return APIError(401, "invalid or missing API key", type="invalid_request_error", code="invalid_api_key")
@@ -242,6 +243,7 @@ def build_app(state: ServerState) -> FastAPI:
         return api_error_response(APIError(500, "internal server error", type="server_error"))
 
     admin_models.install(app, lambda: state.models, lambda request: read_json(request, limit))
+    playground.install(app)
     app.add_middleware(Guard, state=state)
     app.add_middleware(AuditLog, enabled=state.config.audit_log)  # added last: outermost, sees the Guard's refusals
     return app
