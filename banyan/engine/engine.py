@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from banyan.checkpoint.pooling import model_pooling
 from banyan.config import EngineConfig
 from banyan.engine.grammar import Grammars
+from banyan.engine.speculation import draft_runner_kwargs, open_draft, start_speculation
 from banyan.engine.stats import EngineSnapshot, KvCensus
 from banyan.errors import CacheCapacityError, ContextLengthExceededError, InvalidParameterError, LoRAAdapterError
 from banyan.kv_cache import KVCacheIntegrityError, KVCacheManager
@@ -54,13 +55,15 @@ class Engine:
         limits = RunnerLimits(sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len)
         lora = config.lora if config.lora.enable_lora else None
         runner_factory = parallel_runner_factory(config.parallel, runner_factory)  # tensor parallel: workers
-        self.runner = runner_factory(config.model, config.cache, source, limits, **({"lora_config": lora} if lora else {}))
+        draft = open_draft(config, source)  # speculative draft_model: its K/V count in the pool
+        runner_kwargs = ({"lora_config": lora} if lora else {}) | draft_runner_kwargs(config, draft)
+        self.runner = runner_factory(config.model, config.cache, source, limits, **runner_kwargs)
         self.adapters = None if lora is None else ResidentAdapters(  # LoRA: which adapters hold the weight slots
             lora.max_loras, lora.max_lora_rank, self.arch, functools.partial(load_adapter_weights, dtype=self.runner.dtype))
         self.kv = KVCacheManager(self.runner.num_pages, config.cache.block_size, config.cache.enable_prefix_caching)
         self.speculator = Speculator(config.speculative) if config.speculative is not None else None
         if self.speculator is not None:
-            self._start_speculation(limits)
+            start_speculation(self.speculator, self.runner, config, limits, draft)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.speculator, self.adapters)
         self._spec_logged = (time.monotonic(), self.speculator.stats.copy() if self.speculator is not None else None)
         self._stepped = (0.0, 0, 0.0, 0)  # the last step's start, tokens, drafting seconds and drafts: _time_steps
@@ -258,20 +261,6 @@ class Engine:
         if num_tokens and self.scheduler.has_unfinished_requests():
             self.speculator.observe_step(num_tokens, now - started, draft_seconds, drafts)
         self._stepped = (now, 0, 0.0, 0)
-
-    def _start_speculation(self, limits: RunnerLimits) -> None:
-        """A network proposer's drafter in the runner (layer_skip), then the step-time measurement."""
-        spec = self.config.speculative
-        time_draft = None
-        if spec.method == "layer_skip":
-            if not hasattr(self.runner, "use_layer_skip"):
-                raise InvalidParameterError("method", "layer_skip needs the model in this process (not with "
-                                                      "tensor-parallel workers)")
-            self.runner.use_layer_skip(spec.num_layers or max(1, self.arch.num_hidden_layers // 2))
-            time_draft = self.runner.time_draft
-        if hasattr(self.runner, "time_forward"):
-            self.speculator.calibrate(self.runner.time_forward, min(limits.max_num_batched_tokens, self.max_model_len),
-                                      time_draft=time_draft)
 
     def _log_spec(self) -> None:
         """At most every SPEC_LOG_INTERVAL seconds, and only when something was drafted: the acceptance since."""

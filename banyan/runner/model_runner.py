@@ -28,7 +28,7 @@ from banyan.quantization import (Choice, default_method, finish_loading, model_w
                                  use_fixed_order)
 from banyan.registry import UnknownChoiceError
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
-from banyan.runner.drafter import LayerSkipDrafter
+from banyan.runner.drafter import NetworkDrafter
 from banyan.forward_batch import ForwardBatch
 from banyan.runner.memory import GiB, KVCapacity, pages_for_budget, profile_batch, profile_cuda_forward
 from banyan.runner.weights import ModelSource
@@ -52,9 +52,12 @@ class RunnerLimits:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, source: ModelSource, limits: RunnerLimits,
-                 lora_config: LoRAConfig | None = None, tp: TPGroup | None = None):
+                 lora_config: LoRAConfig | None = None, tp: TPGroup | None = None, draft_kv_bytes_per_token: int = 0):
         """tp: this process's rank of a tensor-parallel group (runner/worker.py): it builds, loads and caches only
-        its shard (`shard_arch`: its heads, KV heads, intermediate and vocabulary rows)."""
+        its shard (`shard_arch`: its heads, KV heads, intermediate and vocabulary rows). draft_kv_bytes_per_token:
+        what a draft model's K/V take per token beside this pool's (speculative draft_model): the pool is sized
+        for both."""
+        self.draft_kv_bytes_per_token = draft_kv_bytes_per_token
         self.arch = source.arch
         self.tp = tp
         self.shard = shard_arch(source.arch, tp.size) if tp is not None else source.arch
@@ -81,7 +84,7 @@ class ModelRunner:
         self.sampler = Sampler(self.arch.vocab_size, default_seed=model_config.seed)
         self.grammar: GrammarBackend | None = None  # fills the masks of rows with a matcher (structured output)
         self._bitmask: torch.Tensor | None = None  # grammar masks, grown on demand
-        self.drafter: LayerSkipDrafter | None = None  # speculation by a network: drafts inside the step
+        self.drafter: NetworkDrafter | None = None  # speculation by a network: drafts inside the step
 
     def _load_model(self, source: ModelSource, model_config: ModelConfig) -> torch.nn.Module:
         model_cls = get_model_class(self.arch.architecture)
@@ -114,7 +117,7 @@ class ModelRunner:
         return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _kv_capacity(self, cache_config: CacheConfig) -> KVCapacity:
-        per_token = self.shard.kv_bytes_per_token(self.kv_dtype.itemsize)
+        per_token = self.shard.kv_bytes_per_token(self.kv_dtype.itemsize) + self.draft_kv_bytes_per_token
         if cache_config.num_pages is not None:
             num_pages, basis = cache_config.num_pages, "num_pages"
         else:
@@ -200,8 +203,18 @@ class ModelRunner:
 
     def use_layer_skip(self, num_layers: int) -> None:
         """Self-speculation: the first num_layers layers draft each step's placeholders (runner/drafter.py)."""
-        self.drafter = LayerSkipDrafter(self.model, self.kv_caches, num_layers, self.sampler.vocab_size,
-                                        self.page_size, self.device)
+        total = self.arch.num_hidden_layers
+        if not 1 <= num_layers < total:
+            raise InvalidParameterError("num_layers", f"layer_skip drafts with 1 to {total - 1} of the target's "
+                                                      f"{total} layers, got {num_layers}")
+        self.drafter = NetworkDrafter(self.model, self.kv_caches, self.sampler.vocab_size, self.page_size,
+                                      self.device, num_layers=num_layers)
+
+    def use_draft_model(self, draft: ModelRunner) -> None:
+        """A draft model's runner (its weights, and K/V tensors with as many pages as this pool) drafts each step's
+        placeholders, catching up on what it has not seen (runner/drafter.py)."""
+        vocab = min(self.sampler.vocab_size, draft.sampler.vocab_size)
+        self.drafter = NetworkDrafter(draft.model, draft.kv_caches, vocab, self.page_size, self.device, own_cache=True)
 
     def time_draft(self, context_len: int = 256) -> float:
         """Seconds of one draft position for one request (the drafter's forward), on the reserved page."""
@@ -220,6 +233,8 @@ class ModelRunner:
         result = self._sample(logits, plan, masks)
         if plan.pool:  # embedding requests: pooled hidden states instead of a token
             result.pooled = pool(hidden, plan.pool)
+        if drafting:
+            self.drafter.verified(drafting, result.verified)
         result.draft_seconds = draft_seconds
         return result
 

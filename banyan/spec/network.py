@@ -1,4 +1,4 @@
-"""Drafts made by a network inside the runner's step (layer_skip: the target's first layers).
+"""Drafts made by a network inside the runner's step (layer_skip: the target's first layers; draft_model).
 
 A network can always draft, so its proposer offers the whole room: `propose` returns max_k placeholders, the
 controller picks k from them as for any proposer, the scheduler reserves slots for 1 + k tokens, and the

@@ -13,7 +13,7 @@ request state keyed by request_id (an index over the history, extended by the ne
 drops it, and a cross-request proposer (suffix) learns from the finished output there.
 
 Model-free proposers (ngram, suffix) are plain Python and import no torch. A network drafts inside the
-runner's step (layer_skip): its proposer offers placeholders that the runner fills (spec/network.py).
+runner's step (layer_skip, draft_model): its proposer offers placeholders that the runner fills (spec/network.py).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ PROPOSERS: Registry[type[Proposer]] = Registry("method")
 PROPOSERS.register("ngram", "banyan.spec.ngram:NgramProposer")
 PROPOSERS.register("suffix", "banyan.spec.suffix:SuffixProposer")
 PROPOSERS.register("layer_skip", "banyan.spec.network:NetworkProposer")  # the runner's drafter fills the drafts
+PROPOSERS.register("draft_model", "banyan.spec.network:NetworkProposer")
 
 
 def make_proposer(method: str, **options: Any) -> Proposer:

@@ -37,7 +37,7 @@ STEP_TIME_RATES = (0.1, 0.02)
 is not a cost of its tokens, and a fit that rose on such noise where nothing drafts would never come down."""
 CALIBRATION_REPEATS = 3
 """Timings per token count; the least is kept (noise on a shared machine only ever adds time)."""
-PRIORS = {"ngram": (0.7, 0.6, 0.5), "suffix": (0.7, 0.6, 0.5), "layer_skip": (0.5, 0.4, 0.3)}
+PRIORS = {"ngram": (0.7, 0.6, 0.5), "suffix": (0.7, 0.6, 0.5), "layer_skip": (0.5, 0.4, 0.3), "draft_model": (0.6, 0.5, 0.4)}
 """Each proposer's P(draft j accepted | the ones before it were), before any request is observed."""
 
 
@@ -74,7 +74,6 @@ class SpecStats:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig):
-        """A typed error naming `method` for a method that has no proposer yet (draft_model)."""
         self.config = config
         options = {}
         if config.method == "ngram":

@@ -159,11 +159,45 @@ def test_bad_config_is_a_typed_error_naming_the_field(config, field):
     assert e.value.param == field
 
 
-def test_a_method_without_a_proposer_yet_is_refused_at_start_up(tiny):
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory):
+    """Draft models for the tiny target: one layer with the target's tokenizer, and one with another vocabulary."""
+    root = tmp_path_factory.mktemp("drafts")
+    write_model_dir(root / "small", "llama", seed=5, num_hidden_layers=1)
+    write_model_dir(root / "other_vocab", "llama", seed=5, num_hidden_layers=1, tool_template=True)
+    return root
+
+
+@pytest.mark.parametrize("draft", ["target", "small"])
+def test_draft_model_greedy_equals_without_under_chunking_and_preemption(tiny, drafts, draft):
+    path, prompts = tiny
+    draft_path = path if draft == "target" else drafts / draft  # the target itself drafts: everything is accepted
+    config = {"method": "draft_model", "model": str(draft_path), "num_speculative_tokens": 3, "policy": "fixed"}
+    settings = {"max_num_batched_tokens": 16, "num_pages": 28}
+    plain, _ = generate(path, prompts, greedy(n=2), **settings)
+    spec, engine = generate(path, prompts, greedy(n=2), config, **settings)
+    assert token_ids(spec) == token_ids(plain)
+    stats = engine.speculator.stats
+    assert engine.scheduler.stats.num_preemptions > 0 and stats.num_drafts > 0
+    if draft == "target":  # the draft's own K/V caught up right through prefix hits, skips and preemptions
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_naming_model(tiny, drafts):
     path, _ = tiny
-    with pytest.raises(InvalidParameterError) as e:
-        LLM(str(path), block_size=4, num_threads=1, speculative_config={"method": "draft_model", "model": str(path)})
-    assert e.value.param == "method"
+    for draft in (drafts / "other_vocab", drafts / "missing"):
+        with pytest.raises(InvalidParameterError) as e:
+            LLM(str(path), block_size=4, num_threads=1,
+                speculative_config={"method": "draft_model", "model": str(draft)})
+        assert e.value.param == "model"
+
+
+def test_the_draft_models_kv_counts_in_the_pool(tiny):
+    path, _ = tiny
+    budget = {"block_size": 4, "num_threads": 1, "kv_cache_memory": 1 << 20}
+    alone = LLM(str(path), **budget).engine.runner.num_pages
+    llm = LLM(str(path), speculative_config={"method": "draft_model", "model": str(path)}, **budget)
+    assert llm.engine.runner.num_pages == alone // 2  # the draft is the target's shape: half the pages each
 
 
 def test_layer_skip_drafts_with_fewer_layers_than_the_target(tiny):
