@@ -43,14 +43,17 @@ def add_bench_parser(commands) -> None:
 
     spec = add("speculative", "output tok/s with speculation off and per method and policy, side by side", None)
     spec.add_argument("--workload", default="copy", choices=SPEC_WORKLOADS,
-                      help="copy: rewrite-this-text prompts (chat-templated); random: random prompts, nothing to copy")
+                      help="copy: rewrite-this-text prompts (chat-templated); random: random prompts, nothing to copy; "
+                           "mixed: half of each, interleaved")
     spec.add_argument("--num-prompts", type=int, default=4)
     spec.add_argument("--copy-sentences", type=int, default=8, help="copy: sentences in each text to rewrite")
     spec.add_argument("--input-len", type=int, default=128, help="random: prompt tokens")
     spec.add_argument("--output-len", type=int, default=64, help="generated tokens (ignore_eos)")
     spec.add_argument("--batch-size", type=int, default=1, help="requests running at once (max_num_seqs)")
     spec.add_argument("--rounds", type=int, default=2, help="timed rounds, each running every configuration once")
-    spec.add_argument("--methods", default="ngram,suffix", help="comma-separated speculative methods")
+    spec.add_argument("--methods", default="ngram,suffix", help="comma-separated speculative methods (ngram, suffix, "
+                                                                "layer_skip, draft_model)")
+    spec.add_argument("--draft-model", default=None, help="draft_model: the draft's checkpoint")
     spec.add_argument("--policies", default="adaptive,fixed", help="comma-separated controller policies")
     spec.add_argument("--num-speculative-tokens", type=int, default=5)
     spec.set_defaults(temperature=None, func=_speculative)  # None: greedy for copy, 1.0 for random

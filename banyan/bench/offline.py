@@ -110,8 +110,9 @@ def throughput(prompts: list[BenchPrompt], output_tokens: int, elapsed: float) -
 
 def _generate_turn(llm: LLM, prompts: list[BenchPrompt], temperature: float, use_tqdm: bool) -> int:
     inputs = [{"prompt_token_ids": p.prompt_token_ids} for p in prompts]
-    params = [SamplingParams(temperature=temperature, top_p=1.0, max_tokens=p.output_len, ignore_eos=True,
-                             structured_outputs=p.structured_outputs) for p in prompts]
+    params = [SamplingParams(temperature=temperature if p.temperature is None else p.temperature, top_p=1.0,
+                             max_tokens=p.output_len, ignore_eos=True, structured_outputs=p.structured_outputs)
+              for p in prompts]
     outputs = llm.generate(inputs, params, use_tqdm=use_tqdm)
     return sum(len(c.token_ids) for o in outputs for c in o.outputs)
 

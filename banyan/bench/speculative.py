@@ -16,6 +16,7 @@ Acceptance comes from the engine's Speculator counters (SpecStats), read after t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import time
 
@@ -58,13 +59,15 @@ def copy_prompts(llm: LLM, num_prompts: int, output_len: int, *, sentences: int 
     return prompts
 
 
-def spec_configs(methods: list[str], policies: list[str], num_speculative_tokens: int) -> dict[str, SpeculativeConfig | None]:
+def spec_configs(methods: list[str], policies: list[str], num_speculative_tokens: int,
+                 draft_model: str | None = None) -> dict[str, SpeculativeConfig | None]:
     """Label -> speculative config: `off` first, then every method with every policy."""
     configs: dict[str, SpeculativeConfig | None] = {"off": None}
     for method in methods:
+        extra = {"model": draft_model} if method == "draft_model" else {}
         for policy in policies:
             configs[f"{method}-{policy}"] = SpeculativeConfig.from_dict(
-                {"method": method, "num_speculative_tokens": num_speculative_tokens, "policy": policy})
+                {"method": method, "num_speculative_tokens": num_speculative_tokens, "policy": policy, **extra})
     return configs
 
 
@@ -72,7 +75,8 @@ def run_speculative(config: EngineConfig, args) -> tuple[dict, dict]:
     """Every configuration on the workload, `args.rounds` rounds after a warm-up; results per label."""
     if args.temperature is None:  # greedy copies; sampled random prompts do not fall into repeating loops
         args.temperature = 0.0 if args.workload == "copy" else 1.0
-    configs = spec_configs(_names(args.methods), _names(args.policies), args.num_speculative_tokens)
+    configs = spec_configs(_names(args.methods), _names(args.policies), args.num_speculative_tokens,
+                           getattr(args, "draft_model", None))
     llms = {label: LLM.from_config(_with(config, spec, args.batch_size)) for label, spec in configs.items()}
     try:
         prompts = _workload(next(iter(llms.values())), args)
@@ -80,8 +84,9 @@ def run_speculative(config: EngineConfig, args) -> tuple[dict, dict]:
     finally:
         for llm in llms.values():
             llm.engine.close()
-    bench = {k: getattr(args, k) for k in ("workload", "num_prompts", "copy_sentences", "input_len", "output_len", "batch_size", "rounds",
-                                           "methods", "policies", "num_speculative_tokens", "temperature", "workload_seed")}
+    bench = {k: getattr(args, k, None) for k in ("workload", "num_prompts", "copy_sentences", "input_len", "output_len",
+                                                 "batch_size", "rounds", "methods", "policies", "num_speculative_tokens",
+                                                 "draft_model", "temperature", "workload_seed")}
     return {"engine": dataclasses.asdict(config), "bench": bench}, results
 
 
@@ -143,10 +148,17 @@ def _counters(llm: LLM) -> SpecStats | None:
 
 
 def _workload(llm: LLM, args) -> list[BenchPrompt]:
-    if args.workload == "copy":
-        return copy_prompts(llm, args.num_prompts, args.output_len, sentences=args.copy_sentences, seed=args.workload_seed)
-    return random_prompts(args.num_prompts, args.input_len, args.output_len, llm.engine.arch.vocab_size,
+    """copy: greedy rewrites of a given text; random: random tokens, sampled at temperature 1 (nothing to copy);
+    mixed: the two interleaved, half each, each with its own temperature."""
+    copy = copy_prompts(llm, args.num_prompts, args.output_len, sentences=args.copy_sentences, seed=args.workload_seed)
+    rand = random_prompts(args.num_prompts, args.input_len, args.output_len, llm.engine.arch.vocab_size,
                           seed=args.workload_seed)
+    if args.workload != "mixed":
+        return copy if args.workload == "copy" else rand
+    half = args.num_prompts // 2
+    copies = [dataclasses.replace(p, temperature=0.0) for p in copy[: args.num_prompts - half]]
+    randoms = [dataclasses.replace(p, temperature=1.0) for p in rand[:half]]
+    return [p for pair in itertools.zip_longest(copies, randoms) for p in pair if p is not None]
 
 
 def _with(config: EngineConfig, spec: SpeculativeConfig | None, batch_size: int) -> EngineConfig:

@@ -23,8 +23,8 @@ from pathlib import Path
 from banyan.errors import InvalidParameterError
 
 WORKLOADS = ("random", "shared-prefix", "sharegpt", "multi-turn", "json-schema")
-SPEC_WORKLOADS = ("copy", "random")
-"""`banyan bench speculative`'s: copy is speculative.copy_prompts (rewrite a given text)."""
+SPEC_WORKLOADS = ("copy", "random", "mixed")
+"""`banyan bench speculative`'s: copy is speculative.copy_prompts (rewrite a given text), mixed half of each."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,8 @@ class BenchPrompt:
     turn: int = 0
     structured_outputs: dict | None = None
     """vLLM's structured_outputs (json-schema); None: unconstrained."""
+    temperature: float | None = None
+    """This prompt's sampling temperature; None: the run's."""
 
 
 def random_prompts(num_prompts: int, input_len: int, output_len: int, vocab_size: int, *,

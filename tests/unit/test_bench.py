@@ -302,6 +302,38 @@ def test_speculative_cli_runs_every_configuration_side_by_side(model_dir, tmp_pa
             assert r["num_accepted_tokens"] == sum(r["accepted_per_pos"]) <= r["num_draft_tokens"]
 
 
+def test_speculative_cli_mixed_workload_with_network_drafters(model_dir, tmp_path):
+    out = tmp_path / "speculative.json"
+    argv = ["bench", "speculative", "--model", str(model_dir), *TINY_ENGINE, "--workload", "mixed", "--num-prompts", "2",
+            "--output-len", "6", "--copy-sentences", "2", "--input-len", "12", "--rounds", "1",
+            "--methods", "layer_skip,draft_model", "--draft-model", str(model_dir), "--policies", "fixed",
+            "--num-speculative-tokens", "2", "--output-json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert list(results) == ["off", "layer_skip-fixed", "draft_model-fixed"]
+    assert all(r["total_output_tokens"] == 2 * 6 for r in results.values())
+    assert results["draft_model-fixed"]["num_draft_tokens"] > 0  # the target drafting for itself
+    assert report["config"]["bench"]["workload"] == "mixed"
+
+
+def test_mixed_workload_interleaves_greedy_copies_and_sampled_random_prompts(model_dir):
+    import argparse
+
+    from banyan.bench.speculative import _workload
+    from banyan.frontend.llm import LLM
+
+    llm = LLM(str(model_dir), num_threads=1, kv_cache_memory=16 << 20, max_model_len=256)
+    try:
+        args = argparse.Namespace(workload="mixed", num_prompts=5, output_len=8, copy_sentences=2, input_len=10,
+                                  workload_seed=0)
+        prompts = _workload(llm, args)
+    finally:
+        llm.engine.close()
+    assert [p.temperature for p in prompts] == [0.0, 1.0, 0.0, 1.0, 0.0]
+    assert all(len(p.prompt_token_ids) == 10 for p in prompts[1::2])
+
+
 def test_copy_prompts_ask_to_rewrite_a_seeded_text(model_dir):
     from banyan.bench.speculative import PASSAGE, copy_prompts
     from banyan.frontend.llm import LLM
