@@ -305,6 +305,9 @@ class ServerConfig:
     admin_api_key: tuple[str, ...] = ()
     """Key for the admin routes (/admin/..., adapter loading, profiling); repeatable; also BANYAN_ADMIN_API_KEY.
     Without one, no admin route exists."""
+    lora_modules: tuple[str, ...] = ()
+    """LoRA adapters served from the start, as name=path (PEFT directories; needs --enable-lora): a request
+    selects one by giving its name as `model`."""
     models: str | None = None
     """A YAML file listing the models to serve (name, model, engine_args, memory_share) and routes, instead of
     --model (docs/multi_model.md)."""

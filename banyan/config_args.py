@@ -29,6 +29,7 @@ from banyan.spec.config import SpeculativeConfig
 RENAMED = {"policy": "scheduling_policy"}  # field -> vLLM's name (its flag keeps the field's name too)
 NOT_FLAGS = {"trust_remote_code", "num_pages", "worker_fault"}  # set from Python only
 SIZES = {"kv_cache_memory", "max_body_bytes", "memory_budget"}  # flags that take 4GiB, 512MB, ...
+SEVERAL = {"lora_modules"}  # repeatable flags that also take several values at once (vLLM's --lora-modules a=x b=y)
 SECTIONS: dict[str, type] = {  # model -> ModelConfig, cache -> ..., ...: a section of fields, each its own setting
     name: hint for name, hint in typing.get_type_hints(EngineConfig).items() if dataclasses.is_dataclass(hint)}
 OBJECT_SETTINGS = {"speculative_config": ("speculative", SpeculativeConfig)}
@@ -146,6 +147,8 @@ def _parse_as(name: str, hint: Any) -> dict[str, Any]:
     if hint is bool:
         return {"action": argparse.BooleanOptionalAction}
     if typing.get_origin(hint) is tuple:
+        if name in SEVERAL:
+            return {"action": "extend", "nargs": "+", "default": [], "type": typing.get_args(hint)[0]}
         return {"action": "append", "default": [], "type": typing.get_args(hint)[0]}
     if typing.get_origin(hint) is dict:
         return {"type": json.loads, "metavar": "JSON"}

@@ -128,6 +128,7 @@ class EngineCore:
                 group_id=msg.group_id,
                 slo=msg.slo,
                 pooling_params=msg.pooling_params,
+                lora_request=msg.lora_request,
             )
         except Exception as e:  # request-scoped: this request fails, the engine carries on
             self.send(m.StepOutputs([failed_delta(msg.request_id, e)]))

@@ -19,6 +19,7 @@ import msgspec
 from banyan.engine.stats import EngineSnapshot, KvCensus
 from banyan.request import RequestDelta, Slo
 from banyan.pooling_params import PoolingParams
+from banyan.lora.request import LoRARequest
 from banyan.sampling_params import SamplingParams
 
 
@@ -33,6 +34,8 @@ class AddRequest(msgspec.Struct, tag=True):
     slo: Slo | None = None
     pooling_params: PoolingParams | None = None
     """Set: an embedding request (its one delta carries the embedding)."""
+    lora_request: LoRARequest | None = None
+    """Set: the LoRA adapter the request runs with."""
 
 
 class AbortRequests(msgspec.Struct, tag=True):

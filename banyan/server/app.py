@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from banyan import __version__
 from banyan.config import ServerConfig
 from banyan.ipc.client import EngineClient, EngineDeadError
-from banyan.server import admin_models, openapi, playground, profiling
+from banyan.server import admin_models, lora_adapters, openapi, playground, profiling
 from banyan.server.audit import AuditLog
 from banyan.server.auth import ANONYMOUS, AdminAuth, ApiKeyAuth, Tenant
 from banyan.server.errors import APIError, error_body, parse_json_body
@@ -243,6 +243,8 @@ def build_app(state: ServerState) -> FastAPI:
         return api_error_response(APIError(500, "internal server error", type="server_error"))
 
     admin_models.install(app, lambda: state.models, lambda request: read_json(request, limit))
+    lora_adapters.install(app, lambda: next((e.serving.lora for e in state.models.ready() if e.serving.lora), None),
+                          lambda request: read_json(request, limit))
     playground.install(app)
     app.add_middleware(Guard, state=state)
     app.add_middleware(AuditLog, enabled=state.config.audit_log)  # added last: outermost, sees the Guard's refusals

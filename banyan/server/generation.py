@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from banyan.frontend.prepare import fan_out
 from banyan.ipc.client import EngineClient
 from banyan.ipc.messages import AddRequest
+from banyan.lora.request import LoRARequest
 from banyan.request import Slo
 from banyan.sampling_params import SamplingParams
 from banyan.text.output_processor import SequenceState, best_of, to_position_logprobs
@@ -83,6 +84,7 @@ class Generation:
         priority: int = 0,
         cache_salt: str | None = None,
         slo: Slo | None = None,
+        lora_request: LoRARequest | None = None,
         max_buffered_events: int = MAX_BUFFERED_EVENTS,
     ):
         self.client = client
@@ -104,7 +106,7 @@ class Generation:
                 index = p * n + s.index
                 choice = Choice(index, s.request_id, p, SequenceState(index, s.params, tokenizer, prompt), now)
                 add = AddRequest(s.request_id, prompt, s.params, arrival_time=now, priority=priority,
-                                 cache_salt=cache_salt, group_id=s.group_id, slo=slo)
+                                 cache_salt=cache_salt, group_id=s.group_id, slo=slo, lora_request=lora_request)
                 self.choices.append(choice)
                 self._tasks.append(asyncio.ensure_future(self._pump(choice, add)))
 

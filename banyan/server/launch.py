@@ -24,6 +24,7 @@ from banyan.ipc.dp_client import DataParallelClient, start_engine_client
 from banyan.server.app import ServerState, build_app
 from banyan.server.auth import ADMIN_API_KEY_ENV, AdminAuth, ApiKeyAuth, ApiKeyConfigError, load_api_keys
 from banyan.server.connection import DeadlineH11Protocol
+from banyan.server import lora_adapters
 from banyan.server.errors import APIError
 from banyan.server.metrics import ServerMetrics
 from banyan.server.model_memory import MemoryBudget
@@ -139,6 +140,8 @@ async def _start_models(config: ServerConfig, engine_config: EngineConfig, specs
         if isinstance(client, DataParallelClient):
             metrics.registry.register(ReplicaCollector(client, entry.name))
         serving.limiter = models.limiter  # rate limits are per key across all models
+        if entry.spec.engine.lora.enable_lora:  # --lora-modules: onto the first model
+            serving.lora = lora_adapters.for_model(entry, config.lora_modules if entry.name == models.primary else ())
         serving.finish_hooks.append(models.observe_route)
         return serving, metrics
 

@@ -30,6 +30,7 @@ from banyan.server.audit import record_usage
 from banyan.server.auth import ApiKeyAuth, RateLimiter, Tenant
 from banyan.server.errors import APIError, error_body, from_banyan_error, model_not_found
 from banyan.server.generation import Generation
+from banyan.server.lora_adapters import LoRAAdapters
 from banyan.server.metrics import ServerMetrics
 from banyan.server.renderers import ChatRender, CompletionRender
 from banyan.text.chat_template import ChatTemplateError
@@ -45,6 +46,7 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.model_names = model_names
         self.metrics = metrics
+        self.lora: LoRAAdapters | None = None  # with --enable-lora: adapters a request's `model` may name (launch.py)
         self.limiter = RateLimiter(config.requests_per_minute, config.tokens_per_minute)
         self.max_model_len = client.info.max_model_len
         self.vocab_size = client.info.vocab_size
@@ -64,7 +66,7 @@ class OpenAIServing:
         params = protocol.to_sampling_params(req, default_max_tokens=None)
         gen = self._start(prompts, params, req, tenant, http)
         texts = [self.tokenizer.decode(p) for p in prompts] if req.echo else None
-        render = CompletionRender(gen, req, self.tokenizer, self.model_names[0], texts)
+        render = CompletionRender(gen, req, self.tokenizer, self.answering(req.model), texts)
         if req.stream:
             return self._sse(gen, render.stream(), http)
         return await self._respond(gen, render.response, http)
@@ -81,7 +83,7 @@ class OpenAIServing:
         gen = self._start([ids for _, ids in prepared.prompts], params, req, tenant, http)
         if prepared.grammar is not None:
             gen.structured_param = "tools"
-        render = ChatRender(gen, req, self.tokenizer, self.model_names[0], prepared.calling)
+        render = ChatRender(gen, req, self.tokenizer, self.answering(req.model), prepared.calling)
         if req.stream:
             return self._sse(gen, render.stream(), http)
         return await self._respond(gen, render.response, http)
@@ -115,8 +117,12 @@ class OpenAIServing:
 
     # -- checks -------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
+        if model is not None and model not in self.model_names and (self.lora is None or self.lora.get(model) is None):
             raise model_not_found(model)
+
+    def answering(self, model: str | None) -> str:
+        """The `model` of the response: the adapter's name when one answered (as vLLM), else the model's."""
+        return model if self.lora is not None and self.lora.get(model) is not None else self.model_names[0]
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -240,7 +246,8 @@ class OpenAIServing:
         self._check_slo(slo)
         namespace = ApiKeyAuth.namespace_for(tenant, req.cache_salt)
         gen = Generation(self.client, self.tokenizer, http.state.request_id, prompts, params, priority=req.priority,
-                         cache_salt=namespace, slo=slo, max_buffered_events=self.config.max_buffered_events)
+                         cache_salt=namespace, slo=slo, max_buffered_events=self.config.max_buffered_events,
+                         lora_request=self.lora.get(req.model) if self.lora is not None else None)
         gen.structured_param = req.structured_param  # a grammar that fails to compile is reported against it
         gen.route = getattr(http.state, "route", None)
         self.live.add(gen)
