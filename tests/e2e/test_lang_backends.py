@@ -201,7 +201,7 @@ def test_a_refused_call_is_a_typed_error_naming_the_call(backend):
 
 def test_run_batch_returns_every_state_in_order(backend):
     states = qa.run_batch([{"question": f"Question {i}"} for i in range(6)], temperature=0, backend=backend,
-                          num_threads=3)
+                          num_threads=3, progress_bar=True)
     assert [s.messages()[1]["content"] for s in states] == [f"Question {i}" for i in range(6)]
 
 
