@@ -10,7 +10,8 @@ from collections.abc import Callable
 from banyan.bench.plan import CompareConfig
 from banyan.bench.results import emit, make_report
 from banyan.bench.workloads import SPEC_WORKLOADS, WORKLOADS
-from banyan.config_args import add_config_args, add_engine_args, config_from_args, engine_config
+from banyan.bench.soak import SoakConfig
+from banyan.config_args import add_config_args, add_engine_args, config_from_args, engine_config, engine_flags
 
 
 def add_bench_parser(commands) -> None:
@@ -96,6 +97,13 @@ def add_bench_parser(commands) -> None:
     add_engine_args(cmp)
     add_config_args(cmp, "compare", CompareConfig)
     cmp.set_defaults(func=_compare)
+
+    soak = kinds.add_parser("soak", help="a banyan server it starts, under random streamed traffic for a while, then a "
+                                         "disconnect storm: lost/mangled responses, 5xx, RSS, fds, threads, KV pages")
+    add_engine_args(soak)
+    add_config_args(soak, "soak", SoakConfig)
+    soak.add_argument("--output-dir", default="soak-results", help="soak.json, soak.md and soak.svg go here")
+    soak.set_defaults(func=_soak)
 
 
 def _workload_args(parser: argparse.ArgumentParser, input_len: int, output_len: int, num_prompts: int) -> None:
@@ -189,6 +197,24 @@ def _compare(args) -> int:
     for problem in problems:
         print(f"banyan bench compare: {problem}", file=sys.stderr)
     return 1 if problems else 0
+
+
+def _soak(args) -> int:
+    """Writes the report; exits 1 when a goal was missed."""
+    from pathlib import Path
+
+    from banyan.bench.soak import run_soak
+    from banyan.bench.soak_report import markdown, write_svg
+
+    engine = engine_config(args)
+    results = run_soak(engine, config_from_args(SoakConfig, args), on_progress=lambda m: print(m, file=sys.stderr))
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_svg(results["soak"]["samples"], out / "soak.svg")
+    report = make_report("soak", {"model": engine.model.model, "engine_flags": engine_flags(engine)}, results)
+    (out / "soak.md").write_text(markdown(report), encoding="utf-8")
+    emit(report, str(out / "soak.json"), table=markdown(report))
+    return 0 if all(results["goals"].values()) else 1
 
 
 def _encoder(model: str | None) -> Callable[[str], list[int]] | None:

@@ -43,12 +43,19 @@ def free_port() -> int:
 @contextlib.contextmanager
 def launched(cmd: list[str], port: int, *, ready_timeout: float) -> Iterator[str]:
     """Run `cmd` (listening on `port`) for the duration of the block; yields its base URL."""
+    with launched_process(cmd, port, ready_timeout=ready_timeout) as (base_url, _):
+        yield base_url
+
+
+@contextlib.contextmanager
+def launched_process(cmd: list[str], port: int, *, ready_timeout: float) -> Iterator[tuple[str, subprocess.Popen]]:
+    """As `launched`, also yielding the process (its pid, and its exit status once the block is left)."""
     base_url = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile("w+", prefix="banyan-bench-server-", suffix=".log") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             wait_ready(proc, base_url, ready_timeout, Path(log.name))
-            yield base_url
+            yield base_url, proc
         finally:
             _stop(proc)
 

@@ -295,10 +295,10 @@ class OpenAIServing:
         async def stream():
             try:
                 async for chunk in chunks:
-                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+                    yield sse_event(chunk)
             except Exception as e:  # request-scoped failure mid-stream: an error event, then [DONE]
                 err = _error_of(e, gen.structured_param)
-                yield f"data: {json.dumps(error_body(err))}\n\n"
+                yield sse_event(error_body(err))
             finally:
                 self._finish(gen, http)
             yield "data: [DONE]\n\n"
@@ -321,6 +321,16 @@ class OpenAIServing:
                 e2e=times[-1] - c.arrival,
                 queue_time=c.queue_time,
             )
+
+
+LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+"""Characters JSON leaves raw that str.splitlines (and so httpx's aiter_lines, and SSE clients built on either)
+takes for line ends: escaped, an event stays one line (the soak found a token decoding to one cut an event)."""
+
+
+def sse_event(payload: dict) -> str:
+    """One server-sent event: `data: <json>` on one line, whatever line-break characters the text holds."""
+    return f"data: {json.dumps(payload, ensure_ascii=False).translate(LINE_BREAKS_JSON_KEEPS)}\n\n"
 
 
 async def _client_disconnected(http: Request) -> None:

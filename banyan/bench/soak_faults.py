@@ -1,0 +1,100 @@
+"""Faults injected into a loaded `banyan serve` (RELIABILITY G6), as figures: `banyan bench soak --faults` reports
+them, tests/reliability asserts them.
+
+    kill_core:  `streams` long streams running, the engine core SIGKILLed: every stream must end with an error event
+                and [DONE] within 5 s, /health answer 503 (or the server be gone), the server exit non-zero in 10 s
+    terminate:  `streams` 48-token streams, the server SIGTERMed: in-flight streams drain (finish_reason, [DONE]), new
+                requests get 503, the server exits 0
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+
+from banyan.bench.soak import child_pids
+
+ERRORED_WITHIN = 5.0
+EXIT_WITHIN = 10.0
+LONG = {"prompt": "tell me a long story", "max_tokens": 200, "ignore_eos": True, "stream": True}
+
+
+async def _stream_until_end(http, started: asyncio.Event, body: dict) -> tuple[str, float]:
+    """How the stream ended ('error', a finish_reason, or 'cut': no [DONE]) and when (monotonic)."""
+    end = "cut"
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            started.set()
+            if line == "data: [DONE]":
+                return end if end != "cut" else "no finish_reason", time.monotonic()
+            event = json.loads(line[6:])
+            if "error" in event:
+                end = "error"
+            elif event.get("choices") and event["choices"][0].get("finish_reason"):
+                end = event["choices"][0]["finish_reason"]
+    return "cut", time.monotonic()
+
+
+async def _load(http, streams: int, max_tokens: int) -> tuple[list[asyncio.Task], asyncio.Event]:
+    """`streams` streams of max_tokens each, once the first of them has a token."""
+    started = asyncio.Event()
+    body = LONG | {"max_tokens": max_tokens}
+    tasks = [asyncio.ensure_future(_stream_until_end(http, started, body)) for _ in range(streams)]
+    await asyncio.wait_for(started.wait(), 120)
+    return tasks, started
+
+
+async def kill_core(base_url: str, server: subprocess.Popen, streams: int = 8) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        tasks, _ = await _load(http, streams, max_tokens=200)
+        core = child_pids(server.pid)[0]
+        killed = time.monotonic()
+        os.kill(core, signal.SIGKILL)
+        ends = await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            health = (await http.get("/health", timeout=5)).status_code
+        except httpx.HTTPError:
+            health = None  # already gone
+    exit_status = await _exit_status(server, killed)
+    ended = [e for e in ends if isinstance(e, tuple)]
+    return {"streams": streams, "ended_with_error": sum(1 for how, _ in ended if how == "error"),
+            "errored_within_s": round(max((t for _, t in ended), default=killed) - killed, 2),
+            "health_after": health, "exit_status": exit_status[0], "exited_within_s": exit_status[1],
+            "ok": len(ended) == streams and all(how == "error" for how, _ in ended) and health in (503, None)
+            and max(t for _, t in ended) - killed <= ERRORED_WITHIN and exit_status[0] not in (0, None)
+            and exit_status[1] <= EXIT_WITHIN}
+
+
+async def terminate(base_url: str, server: subprocess.Popen, streams: int = 8) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        tasks, _ = await _load(http, streams, max_tokens=48)
+        signalled = time.monotonic()
+        server.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.2)
+        try:
+            refused = (await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=5)).status_code
+        except httpx.HTTPError:
+            refused = None
+        ends = await asyncio.gather(*tasks, return_exceptions=True)
+    exit_status = await _exit_status(server, signalled, timeout=120)
+    finished = [how for how, _ in (e for e in ends if isinstance(e, tuple))]
+    return {"streams": streams, "finished": {how: finished.count(how) for how in set(finished)},
+            "new_request_status": refused, "exit_status": exit_status[0], "exited_after_s": exit_status[1],
+            "ok": len(finished) == streams and all(how in ("length", "abort") for how in finished)
+            and refused == 503 and exit_status[0] == 0}
+
+
+async def _exit_status(proc: subprocess.Popen, since: float, timeout: float = EXIT_WITHIN + 5) -> tuple[int | None, float]:
+    while proc.poll() is None and time.monotonic() - since < timeout:
+        await asyncio.sleep(0.05)
+    return proc.poll(), round(time.monotonic() - since, 2)

@@ -1,0 +1,60 @@
+"""The reliability tier's short run (CI): `banyan bench soak` scaled down, and faults injected under load.
+
+The long tier is the same code at full size (docs/reliability.md):
+    banyan bench soak --streams 512 --minutes 60 --storm-clients 1000
+Here: 48 streams for 24 s on a tiny random model, then a 200-client disconnect storm. Every correctness figure must
+be met exactly; memory only as a gross-leak guard (the 5% goal needs a warm-up longer than CI can afford).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from banyan.bench.launcher import free_port, launched_process
+from banyan.bench.soak import SoakConfig, run_soak
+from banyan.bench.soak_faults import kill_core, terminate
+from banyan.config import CacheConfig, EngineConfig, ModelConfig
+from tests.factories import write_model_dir
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> EngineConfig:
+    path = tmp_path_factory.mktemp("tiny_soak")
+    write_model_dir(path, "llama", seed=11)
+    return EngineConfig(model=ModelConfig(model=str(path), max_model_len=512, num_threads=1),
+                        cache=CacheConfig(block_size=4, kv_cache_memory=64 << 20))
+
+
+def test_a_short_soak_and_storm_lose_and_mangle_nothing(engine):
+    results = run_soak(engine, SoakConfig(streams=48, minutes=0.4, storm_clients=200, sample_seconds=1.0),
+                       on_progress=lambda _: None)
+    soak, storm = results["soak"], results["storm"]
+    assert soak["checked"] > 100, soak  # the checks ran on real answers
+    correctness = {k: v for k, v in results["goals"].items() if "RSS" not in k}
+    assert all(correctness.values()), (correctness, soak["examples"], soak["error_events"], storm)
+    assert soak["server_rss_growth"] < 0.25 and soak["core_rss_growth"] < 0.25, soak
+    assert results["exit_status"] == 0
+
+
+def served(engine: EngineConfig, *flags: str):
+    from banyan.bench.launcher import banyan_serve_cmd
+
+    port = free_port()
+    return launched_process(banyan_serve_cmd(engine, port) + list(flags), port, ready_timeout=300)
+
+
+def test_sigkill_of_the_core_under_load_errors_every_stream_and_exits_nonzero(engine):
+    with served(engine) as (base_url, proc):
+        figures = asyncio.run(kill_core(base_url, proc, streams=8))
+    assert figures["ok"], figures
+
+
+def test_sigterm_under_load_drains_then_exits_zero(engine):
+    with served(engine, "--shutdown-timeout", "60") as (base_url, proc):
+        figures = asyncio.run(terminate(base_url, proc, streams=8))
+    assert figures["ok"], figures
+    assert figures["finished"] == {"length": 8}  # drained: all ran to max_tokens within the timeout
