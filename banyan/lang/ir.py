@@ -112,8 +112,8 @@ def gen(name: str | None = None, max_tokens: int | None = None, *, min_tokens: i
         seed: int | None = None, regex: str | None = None, json_schema: str | dict | None = None,
         choices: list[str] | None = None) -> Expr:
     """A generation call (SGLang's gen). With `choices` it is a select."""
-    if choices is not None:
-        return select(name, choices, temperature=temperature or 0.0)
+    if choices is not None:  # SGLang's gen(choices=...): a select, whatever the sampling settings
+        return select(name, choices)
     if regex is not None and json_schema is not None:
         raise InvalidParameterError("regex", "cannot be combined with json_schema")
     sampling = SamplingOptions(max_tokens, min_tokens, stop, stop_token_ids, temperature, top_p, top_k, min_p,
