@@ -1,4 +1,4 @@
-"""`banyan bench throughput | latency | overhead | speculative | lang | lora | serve | compare`: argument parsing and dispatch."""
+"""`banyan bench throughput | latency | overhead | speculative | lang | lora | router | serve | compare`: argument parsing and dispatch."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from banyan.bench.plan import CompareConfig
 from banyan.bench.results import emit, make_report
+from banyan.bench.router import add_router_args
 from banyan.bench.workloads import SPEC_WORKLOADS, WORKLOADS
 from banyan.bench.soak import SoakConfig
 from banyan.config_args import add_config_args, add_engine_args, config_from_args, engine_config, engine_flags
@@ -81,6 +82,11 @@ def add_bench_parser(commands) -> None:
     lang.add_argument("--no-http", action="store_true", help="skip the HTTP comparison (it starts a server)")
     lang.set_defaults(func=_lang)
 
+    router = add("router", "data-parallel replicas behind one server: each --router-policy on a multi-tenant "
+                           "workload, prefix hit rate, TTFT, throughput", None)
+    add_router_args(router)
+    router.set_defaults(func=_router)
+
     srv = add("serve", "load-test an OpenAI-compatible server over HTTP (streamed /v1/completions)", _serve, engine=False)
     srv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     srv.add_argument("--model", default=None, help="the model name to send (default: the server's)")
@@ -134,6 +140,14 @@ def _speculative(args) -> int:
 
     config, results = run_speculative(engine_config(args), args)
     emit(make_report("speculative", config, results), args.output_json, table=markdown(results))
+    return 0
+
+
+def _router(args) -> int:
+    from banyan.bench.router import markdown, run_router
+
+    config, results = run_router(engine_config(args), args)
+    emit(make_report("router", config, results), args.output_json, table=markdown(results))
     return 0
 
 
