@@ -117,8 +117,9 @@ class ModelConfig:
     """Weights and activations: auto, float32, bfloat16 or float16 (auto: on a GPU the checkpoint's 16-bit dtype,
     bfloat16 for float32 checkpoints; on a CPU with AMX or AVX512-BF16 bfloat16 for 16-bit and GGUF checkpoints;
     float32 otherwise)."""
-    max_model_len: int | None = None
-    """Longest prompt plus output, in tokens (default: the model's context length)."""
+    max_model_len: int | str | None = None
+    """Longest prompt plus output, in tokens (default: the model's context length); auto: the longest context whose
+    K/V fits the cache's budget for one request, at most the model's (logged at start-up)."""
     seed: int = 0
     """Seed for requests that bring no seed of their own."""
     device: str = "auto"
@@ -159,6 +160,11 @@ class ModelConfig:
     """How embedding requests pool the last hidden states: last (the last token's) or mean (over the input);
     default: the model's sentence-transformers pooling config (modules.json, 1_Pooling/config.json) when it has
     one, else last. The embedding is L2-normalised either way (docs/embeddings.md)."""
+
+    def __post_init__(self):
+        length = self.max_model_len
+        if isinstance(length, str) and length != "auto" or isinstance(length, int) and length < 1:
+            raise InvalidParameterError("max_model_len", f"must be a positive number of tokens or auto, got {length!r}")
 
 
 @dataclass(frozen=True)

@@ -142,6 +142,8 @@ def config_from_args(cls: type, args: argparse.Namespace) -> Any:
 
 def _parse_as(name: str, hint: Any) -> dict[str, Any]:
     """argparse options for a field of this type."""
+    if name == "max_model_len":
+        return {"type": parse_context_length}
     if type(None) in typing.get_args(hint):  # X | None parses as X
         hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
     if hint is bool:
@@ -153,6 +155,16 @@ def _parse_as(name: str, hint: Any) -> dict[str, Any]:
     if typing.get_origin(hint) is dict:
         return {"type": json.loads, "metavar": "JSON"}
     return {"type": parse_size if name in SIZES else hint}
+
+
+def parse_context_length(text: str) -> int | str:
+    """'4096' -> 4096; 'auto' stays 'auto' (the longest context the KV budget holds)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of tokens or auto: {text!r}") from None
 
 
 def parse_size(text: str) -> int:

@@ -27,6 +27,7 @@ from banyan.lora.weights import load_adapter_weights
 from banyan.models.registry import get_model_class
 from banyan.request import Request, RequestDelta, RequestStatus, Slo
 from banyan.pooling_params import PoolingParams
+from banyan.runner.memory import fitting_context
 from banyan.runner.model_runner import ModelRunner, RunnerLimits
 from banyan.runner.worker import runner_factory as parallel_runner_factory
 from banyan.runner.weights import open_model
@@ -58,6 +59,8 @@ class Engine:
         draft = open_draft(config, source)  # speculative draft_model: its K/V count in the pool
         runner_kwargs = ({"lora_config": lora} if lora else {}) | draft_runner_kwargs(config, draft)
         self.runner = runner_factory(config.model, config.cache, source, limits, **runner_kwargs)
+        if config.model.max_model_len == "auto":  # sized from the model's limit; now from what the pool holds
+            self.max_model_len = fitting_context(self.max_model_len, self.runner.num_pages * config.cache.block_size)
         self.adapters = None if lora is None else ResidentAdapters(  # LoRA: which adapters hold the weight slots
             lora.max_loras, lora.max_lora_rank, self.arch, functools.partial(load_adapter_weights, dtype=self.runner.dtype))
         self.kv = KVCacheManager(self.runner.num_pages, config.cache.block_size, config.cache.enable_prefix_caching)
@@ -304,7 +307,7 @@ def resolve_max_model_len(config: EngineConfig, arch) -> int:
         # Without the window in attention, stay where attending to everything equals the model.
         logger.warning("capping the context at the model's sliding window of %d tokens", arch.sliding_window)
         limit = arch.sliding_window
-    wanted = config.model.max_model_len
+    wanted = None if config.model.max_model_len == "auto" else config.model.max_model_len  # auto: see Engine
     if wanted is not None and wanted > limit:
         raise InvalidParameterError("max_model_len", f"{wanted} exceeds the model's context length of {limit}")
     max_model_len = wanted or limit

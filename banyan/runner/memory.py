@@ -14,12 +14,15 @@ The arithmetic is pure (MemoryProfile, KVCapacity); only `profile_cuda_forward` 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from banyan.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 
@@ -67,6 +70,14 @@ class KVCapacity:
         return (f"KV cache: {self.num_pages} pages of {self.page_size} tokens = {self.num_tokens} tokens"
                 f" ({self.dtype}, {size:.2f} GiB); {self.full_length_requests:.1f} requests of the full"
                 f" {self.max_model_len}-token context fit; budget: {self.budget}")
+
+
+def fitting_context(model_limit: int, pool_tokens: int) -> int:
+    """--max-model-len auto: the longest context one request's K/V can fill in the pool, at most the model's."""
+    length = min(model_limit, pool_tokens)
+    logger.info("max_model_len auto: %d tokens (the model allows %d, the KV cache holds %d)",
+                length, model_limit, pool_tokens)
+    return length
 
 
 def pages_for_budget(budget: int, page_size: int, bytes_per_token: int) -> int:
