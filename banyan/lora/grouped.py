@@ -4,16 +4,21 @@ For a wrapped linear layer, every resident adapter's A^T and (scale * B)^T are s
 
     lora_a [num_slots, in, n*R]     lora_b [num_slots, n*R, out]     R = max_lora_rank, n = merged shards (qkv: 3)
 
-and a step adds, for each group g of rows running adapter slot s_g (base-model rows belong to no group):
+The runner orders a step's requests by adapter slot (LoRAModel.prepare), so each group is a run of rows, base-model
+rows first (they belong to no group):
 
-    y[rows_g] += (x[rows_g] @ lora_a[s_g]) @ lora_b[s_g]
+    rows:   [ base ... | slot 0: bounds[0]..bounds[1] | slot 3: bounds[1]..bounds[2] | ... ]
 
-Two ways to run it, chosen once per step (LoRAGroups.build), the same sums either way:
-  padded    rows as a [G, M] index (groups padded to the largest, M rows; padding masked to 0):
-            gather, bmm, bmm, index_add: four kernels per layer whatever G. Used when padding costs
-            less than the real rows (decode batches, one adapter's prefill).
-  segments  rows sorted by group, one pair of matmuls per group: for a long prefill beside a few
-            decodes, where padding every group to the prefill's length would waste work.
+and a step adds, for each group g of rows [lo_g, hi_g) running adapter slot s_g:
+
+    y[lo_g:hi_g] += (x[lo_g:hi_g] @ lora_a[s_g]) @ lora_b[s_g]
+
+Three ways to run it, chosen once per step (LoRAGroups.build), the same sums each way:
+  equal     every group has M rows: x and y viewed as [G, M, *], one bmm and one baddbmm into y, no copies
+            (decode batches spread evenly over adapters; one adapter alone)
+  padded    groups padded to the largest, M rows, through a [G, M] row index, padding masked to 0: gather,
+            bmm, bmm, index_add, four kernels whatever G (uneven groups, when padding costs less than the rows)
+  segments  one addmm pair per group on views (a long prefill beside a few decodes: no group padded to it)
 """
 
 from __future__ import annotations
@@ -25,53 +30,48 @@ import torch
 
 @dataclass
 class LoRAGroups:
-    slots: list[int]  # slot of each group, ascending
-    rows: torch.Tensor  # padded: [G, M] row indices (padding -> row 0); segments: [N] rows sorted by group
-    mask: torch.Tensor | None  # padded with padding: [G, M, 1], 1 for real rows; else None
-    bounds: list[int] | None  # segments: group g is rows[bounds[g]:bounds[g+1]]; padded: None
-    slot_index: torch.Tensor | None  # padded: the slots as a tensor, None when they are 0..G-1 (a view suffices)
+    slots: list[int]  # slot of each group, in row order
+    bounds: list[int]  # group g is rows [bounds[g], bounds[g + 1])
+    strategy: str  # "equal", "padded" or "segments"
+    rows: torch.Tensor | None = None  # padded: [G, M] row indices (padding -> the group's first row)
+    mask: torch.Tensor | None = None  # padded: [G, M, 1], 1 for real rows
+    slot_index: torch.Tensor | None = None  # equal/padded: the slots as an index, None when they run consecutively
 
     @classmethod
-    def build(cls, slot_rows: dict[int, list[int]], device: torch.device) -> LoRAGroups:
-        """slot -> the batch rows that run its adapter (non-empty lists)."""
-        slots = sorted(slot_rows)
-        sizes = [len(slot_rows[s]) for s in slots]
+    def build(cls, slot_bounds: list[tuple[int, int, int]], device: torch.device) -> LoRAGroups:
+        """slot_bounds: (slot, first row, end row) of each group, adjacent, in row order, each non-empty."""
+        slots = [s for s, _, _ in slot_bounds]
+        bounds = [slot_bounds[0][1]] + [end for _, _, end in slot_bounds]
+        sizes = [end - start for _, start, end in slot_bounds]
         longest, total = max(sizes), sum(sizes)
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        index = None if consecutive else torch.tensor(slots, dtype=torch.long, device=device)
+        if min(sizes) == longest:
+            return cls(slots, bounds, "equal", slot_index=index)
         if longest * len(slots) > 2 * total:
-            flat = [r for s in slots for r in slot_rows[s]]
-            bounds = [0]
-            for size in sizes:
-                bounds.append(bounds[-1] + size)
-            return cls(slots, torch.tensor(flat, dtype=torch.long, device=device), None, bounds, None)
-        padded = [slot_rows[s] + [0] * (longest - len(slot_rows[s])) for s in slots]
-        rows = torch.tensor(padded, dtype=torch.long, device=device)
-        mask = None
-        if longest * len(slots) != total:
-            mask = torch.tensor([[[1.0]] * n + [[0.0]] * (longest - n) for n in sizes], device=device)
-        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
-        index = None if contiguous else torch.tensor(slots, dtype=torch.long, device=device)
-        return cls(slots, rows, mask, None, index)
+            return cls(slots, bounds, "segments")
+        rows = [[start + min(j, end - start - 1) for j in range(longest)] for _, start, end in slot_bounds]
+        mask = [[[1.0] if j < n else [0.0] for j in range(longest)] for n in sizes]
+        return cls(slots, bounds, "padded", torch.tensor(rows, dtype=torch.long, device=device),
+                   torch.tensor(mask, device=device), index)
 
     def add_deltas(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
         """y += each group's low-rank product, in place; y [N, out], x [N, in]."""
-        if self.bounds is not None:
-            return self._add_segments(y, x, lora_a, lora_b)
+        if self.strategy == "segments":
+            for g, slot in enumerate(self.slots):
+                lo, hi = self.bounds[g], self.bounds[g + 1]
+                y[lo:hi].addmm_(x[lo:hi] @ lora_a[slot], lora_b[slot])
+            return y
         a, b = self._stacked(lora_a), self._stacked(lora_b)  # [G, in, n*R], [G, n*R, out]
-        t = torch.bmm(x[self.rows], a)  # [G, M, n*R]
-        if self.mask is not None:
-            t = t * self.mask.to(t.dtype)
-        d = torch.bmm(t, b)  # [G, M, out]
-        return y.index_add_(0, self.rows.flatten(), d.flatten(0, 1).to(y.dtype))
+        G, lo, hi = len(self.slots), self.bounds[0], self.bounds[-1]
+        if self.strategy == "equal":
+            yv = y[lo:hi].view(G, (hi - lo) // G, -1)
+            yv.baddbmm_(torch.bmm(x[lo:hi].reshape(G, (hi - lo) // G, -1), a), b)
+            return y
+        t = torch.bmm(x[self.rows], a) * self.mask.to(x.dtype)  # [G, M, n*R], padding rows zeroed
+        return y.index_add_(0, self.rows.flatten(), torch.bmm(t, b).flatten(0, 1))
 
     def _stacked(self, w: torch.Tensor) -> torch.Tensor:
         if self.slot_index is not None:
             return w.index_select(0, self.slot_index)
         return w.narrow(0, self.slots[0], len(self.slots))
-
-    def _add_segments(self, y, x, lora_a, lora_b) -> torch.Tensor:
-        xs = x[self.rows]  # [N, in], sorted by group
-        for g, slot in enumerate(self.slots):
-            lo, hi = self.bounds[g], self.bounds[g + 1]
-            d = (xs[lo:hi] @ lora_a[slot]) @ lora_b[slot]  # [rows_g, out]
-            y.index_add_(0, self.rows[lo:hi], d.to(y.dtype))
-        return y

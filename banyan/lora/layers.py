@@ -92,18 +92,26 @@ class LoRAModel:
         return lora
 
     def prepare(self, batch) -> LoRAGroups | None:
-        """Copy in the adapters the scheduler swapped in for this step (a Batch's lora_loads), and group the rows
-        of the requests that run an adapter by its slot; None when every row runs the base model."""
+        """Before the runner lays out a step (a Batch): copy in the adapters the scheduler swapped in, order the
+        requests by adapter slot (base-model requests first; the order of a batch's requests is free), and return
+        the row groups; None when every row runs the base model."""
         for slot, weights in batch.lora_loads:
             self.load(slot, weights)
-        slot_rows: dict[int, list[int]] = {}
-        row0 = 0
+
+        def slot_of(item) -> int:
+            return batch.lora_slots[item.request.lora_id] if item.request.lora_id else -1
+
+        batch.scheduled.sort(key=slot_of)
+        groups: list[tuple[int, int, int]] = []  # (slot, first row, end row)
+        row = 0
         for item in batch.scheduled:
-            if item.request.lora_id:
-                slot = batch.lora_slots[item.request.lora_id]
-                slot_rows.setdefault(slot, []).extend(range(row0, row0 + item.num_new_tokens))
-            row0 += item.num_new_tokens
-        return LoRAGroups.build(slot_rows, self.device) if slot_rows else None
+            slot, end = slot_of(item), row + item.num_new_tokens
+            if slot >= 0 and groups and groups[-1][0] == slot:
+                groups[-1] = (slot, groups[-1][1], end)
+            elif slot >= 0:
+                groups.append((slot, row, end))
+            row = end
+        return LoRAGroups.build(groups, self.device) if groups else None
 
     def load(self, slot: int, weights: AdapterWeights) -> None:
         for path, layer in self.layers.items():

@@ -226,8 +226,9 @@ class ModelRunner:
     def execute(self, batch: Batch) -> StepResult:
         drafting = [item for item in batch.scheduled if item.draft_token_ids] if self.drafter is not None else []
         draft_seconds = self.drafter.draft(drafting) if drafting else 0.0  # placeholders -> the drafter's tokens
+        lora = self.lora.prepare(batch) if self.lora is not None else None  # orders the requests by adapter
         fb, plan = self._prepare(batch)
-        hidden = self._forward(fb, self.lora.prepare(batch) if self.lora is not None else None)  # [num_tokens, hidden]
+        hidden = self._forward(fb, lora)  # [num_tokens, hidden]
         masks = self._grammar_masks(plan)  # on a GPU, filled on the CPU while the forward runs
         logits = self.model.compute_logits(hidden[fb.logits_indices])  # [num_logits, vocab] fp32
         result = self._sample(logits, plan, masks)

@@ -1,5 +1,5 @@
 """The grouped low-rank product adds each row's own adapter delta, x @ A^T @ (scale B)^T, and nothing to base rows,
-whichever way it runs (padded bmm or per-group segments), whatever slots the groups use."""
+whichever way it runs (equal groups as views, padded, per-group segments), whatever slots the groups use."""
 
 from __future__ import annotations
 
@@ -19,29 +19,33 @@ def reference(x, lora_a, lora_b, row_slot):
     return torch.stack([torch.zeros(OUT) if s is None else x[i] @ lora_a[s] @ lora_b[s] for i, s in enumerate(row_slot)])
 
 
-@pytest.mark.parametrize("row_slot", [
-    [0, 0, 1, 1, None, 2, 2, 3, 3],  # balanced: padded, no padding, slots 0..3 (a view)
-    [2, None, 2, 0, 2, 0],  # unbalanced but cheap to pad: padded with a mask, slots {0, 2} (an index)
-    [1] * 20 + [3, None, 0],  # a long group beside short ones: segments
-    [None, 3, None],  # one group
+def groups_of(row_slot: list[int | None]) -> list[tuple[int, int, int]]:
+    """(slot, first row, end row) of each run of rows with one slot, as the runner's ordering leaves them."""
+    groups, row = [], 0
+    for slot in row_slot:
+        if slot is not None and groups and groups[-1][0] == slot and groups[-1][2] == row:
+            groups[-1] = (slot, groups[-1][1], row + 1)
+        elif slot is not None:
+            groups.append((slot, row, row + 1))
+        row += 1
+    return groups
+
+
+@pytest.mark.parametrize("row_slot, strategy", [
+    ([None, 0, 0, 1, 1, 2, 2, 3, 3], "equal"),  # decode spread evenly; slots 0..3 consecutive (views)
+    ([None, None, 3, 3, 1, 1], "equal"),  # slots 3 then 1: an index
+    ([None, 2, 2, 2, 0, 0, 1, 1, 1], "padded"),  # uneven but cheap to pad
+    ([1] * 20 + [3, 0], "segments"),  # a long group beside short ones
+    ([None, 3, 3, 3], "equal"),  # one group
 ])
-def test_grouped_product_equals_row_by_row(row_slot):
+def test_grouped_product_equals_row_by_row(row_slot, strategy):
     torch.manual_seed(0)
     x = torch.randn(len(row_slot), IN)
     lora_a, lora_b = torch.randn(SLOTS, IN, R), torch.randn(SLOTS, R, OUT)
-    slot_rows: dict[int, list[int]] = {}
-    for row, slot in enumerate(row_slot):
-        if slot is not None:
-            slot_rows.setdefault(slot, []).append(row)
-    groups = LoRAGroups.build(slot_rows, torch.device("cpu"))
+    groups = LoRAGroups.build(groups_of(row_slot), torch.device("cpu"))
+    assert groups.strategy == strategy
     y = groups.add_deltas(torch.zeros(len(row_slot), OUT), x, lora_a, lora_b)
     torch.testing.assert_close(y, reference(x, lora_a, lora_b, row_slot))
-
-
-def test_strategies_are_chosen_by_padding_cost():
-    cpu = torch.device("cpu")
-    assert LoRAGroups.build({0: [0, 1], 1: [2, 3]}, cpu).bounds is None  # padded
-    assert LoRAGroups.build({0: list(range(20)), 1: [20], 3: [21]}, cpu).bounds == [0, 20, 21, 22]  # segments
 
 
 def test_a_merged_layer_puts_each_shard_delta_in_its_own_columns():
@@ -64,9 +68,9 @@ def test_a_merged_layer_puts_each_shard_delta_in_its_own_columns():
     wrapped = model.model.layers[0].self_attn.qkv_proj
     with torch.no_grad():
         base = layer(x)
-        with lora.bound(LoRAGroups.build({1: [0, 2]}, torch.device("cpu"))):
+        with lora.bound(LoRAGroups.build([(1, 1, 3)], torch.device("cpu"))):
             got = wrapped(x)
         assert torch.equal(wrapped(x), base)  # unbound: the base layer alone
     expected = base.clone()
-    expected[[0, 2], 6:8] += x[[0, 2]] @ a.t() @ b.t()
+    expected[1:3, 6:8] += x[1:3] @ a.t() @ b.t()
     torch.testing.assert_close(got, expected)
