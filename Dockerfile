@@ -3,16 +3,19 @@
 #   docker run --rm -p 8000:8000 banyan:cpu                       # serves the default model
 #   docker run --rm -p 8000:8000 -e BANYAN_API_KEY=sk-... banyan:cpu --max-model-len 4096
 # GPU: Dockerfile.cuda. Kubernetes: deploy/helm/banyan. With Prometheus and Grafana: deploy/docker-compose.yml.
-FROM python:3.11-slim
+# BASE: any Debian-like image with python3 (3.10+) and its venv module.
+ARG BASE=python:3.11-slim
+FROM ${BASE}
 
 # cc + OpenMP: banyan compiles its AVX2 kernel for 4/8-bit weights on first use (without it: slower dequantize path)
-RUN apt-get update -q && apt-get install -y -q --no-install-recommends gcc libc6-dev libgomp1 \
+RUN apt-get update -q && apt-get install -y -q --no-install-recommends gcc libc6-dev libgomp1 python3-venv \
     && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 
 # torch first, from the CPU wheel index: from PyPI alone pip would fetch a multi-GB CUDA build
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 
 WORKDIR /opt/banyan
