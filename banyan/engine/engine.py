@@ -55,6 +55,8 @@ class Engine:
         sched = config.scheduler
         limits = RunnerLimits(sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len)
         lora = config.lora if config.lora.enable_lora else None
+        if lora and config.parallel.tensor_parallel_size > 1:  # the slots would need sharding like the layers
+            raise InvalidParameterError("enable_lora", "LoRA adapters are not supported with tensor parallelism yet")
         runner_factory = parallel_runner_factory(config.parallel, runner_factory)  # tensor parallel: workers
         draft = open_draft(config, source)  # speculative draft_model: its K/V count in the pool
         runner_kwargs = ({"lora_config": lora} if lora else {}) | draft_runner_kwargs(config, draft)
