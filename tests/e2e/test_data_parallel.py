@@ -77,7 +77,7 @@ def children(pid: int) -> list[int]:
 
 
 def test_a_server_with_two_replicas_serves_reports_each_and_survives_losing_one(model_dir):
-    server = start_server(model_dir, "--data-parallel-size", "2")
+    server = start_server(model_dir, "--data-parallel-size", "2", "--kv-cache-memory", "4MiB")
     try:
         for i in range(4):
             r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": f"hello {i}", "max_tokens": 3}, timeout=60)

@@ -53,7 +53,7 @@ def alive(pid: int) -> bool:
 def test_a_killed_worker_errors_the_stream_and_the_server_exits_nonzero(model_dir):
     # The core sleeps 2 s in its third step: the stream is still running when the worker is killed.
     server = start_server(model_dir, "--tensor-parallel-size", "2", "--distributed-timeout", "5",
-                          "--fault", "sleep-after-steps=3:2")
+                          "--kv-cache-memory", "4MiB", "--fault", "sleep-after-steps=3:2")
     try:
         (core,) = children(server.proc.pid)
         (worker,) = children(core)
