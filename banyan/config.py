@@ -160,6 +160,10 @@ class ModelConfig:
     """How embedding requests pool the last hidden states: last (the last token's) or mean (over the input);
     default: the model's sentence-transformers pooling config (modules.json, 1_Pooling/config.json) when it has
     one, else last. The embedding is L2-normalised either way (docs/embeddings.md)."""
+    reasoning_parser: str | None = None
+    """Reasoning models: qwen3 or deepseek_r1. The text between the think markers is the reply's `reasoning`
+    (chat: message.reasoning and reasoning deltas; /v1/responses: a reasoning item), the rest its content; a
+    structured output or the tools' grammar applies only after the reasoning ends (docs/reasoning.md)."""
 
     def __post_init__(self):
         length = self.max_model_len

@@ -119,6 +119,8 @@ class Request:
         self.error: ErrorInfo | None = None  # why it ended with FINISHED_ERROR
         self.grammar: Future[GrammarMatcher] | None = None  # set by the engine while WAITING_FOR_GRAMMAR
         self.matcher: GrammarMatcher | None = None  # the grammar's position; advances with each output token
+        self.grammar_gate: int | None = None  # reasoning: the grammar waits for this token (the end of thinking)
+        self.reasoning_may_open: tuple[int, int] | None = None  # (start, end): the first token may open a reasoning
         self.cumulative_logprob = 0.0
         self.logprobs: list[TokenLogprobs] | None = [] if sampling_params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
@@ -165,6 +167,11 @@ class Request:
     @property
     def is_prefill_done(self) -> bool:
         return self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
+    def grammar_active(self) -> bool:
+        """A structured-output request whose grammar constrains the next token (not while it still reasons)."""
+        return self.matcher is not None and self.grammar_gate is None
 
     @property
     def pools_every_token(self) -> bool:

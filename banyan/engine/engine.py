@@ -27,6 +27,7 @@ from banyan.lora.weights import load_adapter_weights
 from banyan.models.registry import get_model_class
 from banyan.request import Request, RequestDelta, RequestStatus, Slo
 from banyan.pooling_params import PoolingParams
+from banyan.text.reasoning import REASONING_PARSERS, GrammarGate
 from banyan.runner.memory import fitting_context
 from banyan.runner.model_runner import ModelRunner, RunnerLimits
 from banyan.runner.worker import runner_factory as parallel_runner_factory
@@ -52,6 +53,7 @@ class Engine:
         self.max_model_len = resolve_max_model_len(config, source.arch)
         self.eos_token_ids = eos_token_ids(source)
         self.pooling = model_pooling(source.path, config.model.pooling)  # how embedding requests pool
+        self.grammar_gate = reasoning_grammar_gate(config.model.reasoning_parser, self.tokenizer)
         sched = config.scheduler
         limits = RunnerLimits(sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len)
         lora = config.lora if config.lora.enable_lora else None
@@ -119,6 +121,8 @@ class Engine:
         )
         # first: a backend that fails to load queues nothing
         if sampling_params.structured_outputs is not None and pooling_params is None:
+            if self.grammar_gate is not None:  # a reasoning model: the grammar starts after the thinking
+                request.grammar_gate, request.reasoning_may_open = self.grammar_gate.for_prompt(prompt_token_ids)
             self.grammars.start(request)
         sched = self.config.scheduler
         request.slo = with_defaults(slo, sched.default_ttft_slo_ms, sched.default_tpot_slo_ms)
@@ -320,6 +324,19 @@ def resolve_max_model_len(config: EngineConfig, arch) -> int:
             f"without chunked prefill it must be >= max_model_len ({max_model_len}), got {sched.max_num_batched_tokens}",
         )
     return max_model_len
+
+
+def reasoning_grammar_gate(parser: str | None, tokenizer) -> GrammarGate | None:
+    """With a reasoning parser whose markers are single tokens: what holds a grammar back until the thinking ends
+    (without one, a grammar applies from the first token, thinking included, and a warning says so)."""
+    if parser is None:
+        return None
+    fmt = REASONING_PARSERS.get(parser)
+    gate = fmt.grammar_gate(tokenizer)
+    if gate is None:
+        logger.warning("reasoning parser %s: %s or %s is not one token of this vocabulary; structured output and "
+                       "tools constrain the reasoning too", parser, fmt.start, fmt.end)
+    return gate
 
 
 def eos_token_ids(source) -> tuple[int, ...]:

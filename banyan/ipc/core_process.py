@@ -197,6 +197,7 @@ def ready_message(engine: Engine) -> m.Ready:
         eos_token_ids=list(engine.eos_token_ids),
         device=engine.device,
         structured_output_backend=engine.config.model.structured_output_backend,
+        reasoning_parser=engine.config.model.reasoning_parser,
         dtype=engine.dtype,
     )
 

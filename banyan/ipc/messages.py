@@ -72,6 +72,7 @@ class Ready(msgspec.Struct, tag=True):
     device: str
     dtype: str
     structured_output_backend: str = "llguidance"
+    reasoning_parser: str | None = None
 
 
 class StepOutputs(msgspec.Struct, tag=True):

@@ -35,6 +35,7 @@ from banyan.runner.weights import ModelSource
 from banyan.scheduler.batch import Batch, SampledToken, ScheduledRequest, StepResult
 from banyan.spec import verify as spec_verify
 from banyan.structured import GrammarBackend, allocate_bitmask
+from banyan.structured.bitmask import allow_token
 
 logger = logging.getLogger(__name__)
 
@@ -250,12 +251,15 @@ class ModelRunner:
 
     def _grammar_masks(self, plan: _LogitsPlan) -> tuple[torch.Tensor, list[int]] | None:
         """(bitmask, sampler rows): bitmask row j masks sampler row rows[j]. None when no row is constrained."""
-        rows = [i for i, request in enumerate(plan.sample_requests) if request.matcher is not None]
+        rows = [i for i, request in enumerate(plan.sample_requests) if request.grammar_active]
         if not rows:
             return None
         if self._bitmask is None or self._bitmask.shape[0] < len(rows):
             self._bitmask = allocate_bitmask(max(16, 2 * len(rows)), self.arch.vocab_size)
         self.grammar.fill_bitmasks(self._bitmask, [(j, plan.sample_requests[i].matcher) for j, i in enumerate(rows)])
+        for j, i in enumerate(rows):  # reasoning: the first token may open a thinking instead (text/reasoning.py)
+            if plan.sample_requests[i].reasoning_may_open is not None:
+                allow_token(self._bitmask, j, plan.sample_requests[i].reasoning_may_open[0])
         return self._bitmask, rows
 
     def _prepare(self, batch: Batch) -> tuple[ForwardBatch, _LogitsPlan]:

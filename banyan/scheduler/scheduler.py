@@ -379,7 +379,14 @@ class Scheduler:
         request.append_token(token_id)
         if request.logprobs is not None:
             request.logprobs.append(logprobs)
-        if request.matcher is not None and self._check_grammar(request):
+        if request.reasoning_may_open is not None:  # the first token: does it open a reasoning (text/reasoning.py)?
+            start, end = request.reasoning_may_open
+            request.reasoning_may_open = None
+            request.grammar_gate = end if token_id == start else None
+        if request.grammar_gate is not None:
+            if token_id == request.grammar_gate:
+                request.grammar_gate = None  # the reasoning ended: the grammar constrains what follows
+        elif request.grammar_active and self._check_grammar(request):
             return
         self._check_stop(request)
 
@@ -387,7 +394,8 @@ class Scheduler:
         """Append the tokens the grammar forces next, each checked like a sampled one (so max_tokens,
         stop tokens and the grammar's end still apply). A forced token's logprob is 0.0: under the
         grammar it was the only choice (its raw logit is never computed)."""
-        if request.matcher is None or request.is_finished or not self.config.enable_jump_forward:
+        if (not request.grammar_active or request.reasoning_may_open is not None or request.is_finished
+                or not self.config.enable_jump_forward):
             return
         for token_id in guarded(request.matcher, request.matcher.forced_tokens, []):
             self._append(request, token_id, TokenLogprobs(token_id, 0.0, 1))

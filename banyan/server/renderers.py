@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from banyan.server.generation import Choice, Generation
 from banyan.server.logprobs import (
     chat_logprobs, completion_logprobs, echoed_prompt_logprobs, joined, vllm_prompt_logprobs,
 )
+from banyan.text.reasoning import ReasoningSplitter
 from banyan.tools import ToolCalling, ToolCallParser
 
 
@@ -141,9 +142,13 @@ class ChatRender(_Render):
     id_prefix = "chatcmpl"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, gen: Generation, req, tokenizer, model: str, calling: ToolCalling):
+    def __init__(self, gen: Generation, req, tokenizer, model: str, calling: ToolCalling,
+                 reasoning: Callable[[], ReasoningSplitter] | None = None):
+        """reasoning: a new splitter per reply (--reasoning-parser): the thinking goes to `reasoning`, the rest is
+        content (read for tool calls)."""
         super().__init__(gen, req, tokenizer, model)
         self.calling = calling
+        self.reasoning = reasoning
 
     def _logprobs(self, c: Choice, start: int = 0, end: int | None = None):
         if not self.req.logprobs:
@@ -152,13 +157,17 @@ class ChatRender(_Render):
 
     def _message(self, c: Choice) -> tuple[dict, str | None]:
         """The reply as a message, and its finish reason ("tool_calls" when it ended with calls)."""
+        text, head = c.seq.text, {"role": "assistant"}
+        if self.reasoning is not None:  # vLLM's field name; None when the reply did not reason
+            reasoning, text = self.reasoning().parse(text)
+            head["reasoning"] = reasoning or None
         parser = self.calling.parser()
         if parser is None:
-            return {"role": "assistant", "content": c.seq.text}, c.seq.finish_reason
-        content, calls = parser.parse(c.seq.text)
+            return head | {"content": text}, c.seq.finish_reason
+        content, calls = parser.parse(text)
         if not calls:
-            return {"role": "assistant", "content": content}, c.seq.finish_reason
-        message = {"role": "assistant", "content": content if content.strip() else None, "tool_calls": [
+            return head | {"content": content}, c.seq.finish_reason
+        message = head | {"content": content if content.strip() else None, "tool_calls": [
             {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}} for t in calls]}
         return message, _tool_finish_reason(c.seq.finish_reason, parser)
 
@@ -176,13 +185,15 @@ class ChatRender(_Render):
             yield self._head([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
         sent = {c.index: 0 for c in self.gen.choices}  # logprob positions already sent
         parsers = {c.index: self.calling.parser() for c in self.gen.choices}
+        splitters = {c.index: self.reasoning() for c in self.gen.choices} if self.reasoning else {}
         async for event in self.gen.events():
             if event.error is not None:
                 raise event.error
             c, parser = event.choice, parsers[event.choice.index]
             logprobs = self._logprobs(c, sent[c.index], event.num_tokens)
             sent[c.index] = event.num_tokens
-            delta = _stream_delta(parser, event.text, done=event.finish_reason is not None)
+            delta = _stream_delta(parser, event.text, done=event.finish_reason is not None,
+                                  splitter=splitters.get(c.index))
             if delta or logprobs:
                 yield self._head([{"index": c.index, "delta": delta or {"content": ""}, "logprobs": logprobs, "finish_reason": None}])
             if event.finish_reason is not None:
@@ -190,14 +201,23 @@ class ChatRender(_Render):
                 yield self._head([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
 
 
-def _stream_delta(parser: ToolCallParser | None, text: str, done: bool) -> dict:
-    """One chunk's delta: new content, and tool-call pieces (id and name first, then arguments)."""
+def _stream_delta(parser: ToolCallParser | None, text: str, done: bool,
+                  splitter: ReasoningSplitter | None = None) -> dict:
+    """One chunk's delta: new reasoning (with a reasoning parser), new content, and tool-call pieces (id and name
+    first, then arguments)."""
+    reasoning = ""
+    if splitter is not None:
+        reasoning, text = splitter.feed(text)
+        if done:
+            more_reasoning, more_text = splitter.finish()
+            reasoning, text = reasoning + more_reasoning, text + more_text
+    head = {"reasoning": reasoning} if reasoning else {}
     if parser is None:
-        return {"content": text} if text else {}
+        return head | ({"content": text} if text else {})
     content, pieces = parser.feed(text)
     if done:
         content += parser.finish()[0]
-    delta: dict = {"content": content} if content else {}
+    delta: dict = head | ({"content": content} if content else {})
     if pieces:
         delta["tool_calls"] = [_tool_call_piece(p) for p in pieces]
     return delta

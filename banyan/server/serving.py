@@ -34,6 +34,7 @@ from banyan.server.lora_adapters import LoRAAdapters
 from banyan.server.metrics import ServerMetrics
 from banyan.server.renderers import ChatRender, CompletionRender
 from banyan.text.chat_template import ChatTemplateError
+from banyan.text.reasoning import splitters
 from banyan.text.tokenizer import with_special_tokens
 
 T = TypeVar("T")
@@ -83,7 +84,8 @@ class OpenAIServing:
         gen = self._start([ids for _, ids in prepared.prompts], params, req, tenant, http)
         if prepared.grammar is not None:
             gen.structured_param = "tools"
-        render = ChatRender(gen, req, self.tokenizer, self.answering(req.model), prepared.calling)
+        render = ChatRender(gen, req, self.tokenizer, self.answering(req.model), prepared.calling,
+                            reasoning=splitters(self.client.info.reasoning_parser, prepared.prompts[0][0]))
         if req.stream:
             return self._sse(gen, render.stream(), http)
         return await self._respond(gen, render.response, http)

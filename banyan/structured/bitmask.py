@@ -30,6 +30,11 @@ def allocate_bitmask(max_rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((max_rows, bitmask_words(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
 
 
+def allow_token(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    """Allow one more token in a filled row (e.g. a reasoning model's start-of-thinking token)."""
+    bitmask[row, token_id // 32] |= _BITS[token_id % 32]
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | torch.Tensor | None = None) -> None:
     """Set disallowed logits to -inf, in place. logits: [batch, V] on any device, finite.
 
