@@ -4,7 +4,10 @@
                     thread unless resident or on its way
     schedule    ──► admit(): a running request pins its adapter's slot; an adapter whose tensors are read
                     takes a free slot, or the least recently used one no running request pins (LRU), and is
-                    handed to the runner in the step's Batch (lora_loads) to be copied in before the forward
+                    handed to the runner in the step's Batch (lora_loads) to be copied in before the forward;
+                    one that finds every slot pinned is starved: no request pins a slot anew until it has one,
+                    so the running ones drain a slot for it (else steady traffic on resident adapters would
+                    keep it waiting for ever)
     preempt     ──► unpin();  finish ──► forget(): an adapter no request needs is dropped if still loading
 
 So the step loop never reads a file: it only copies tensors the loader thread has made ready. At most
@@ -41,6 +44,7 @@ class ResidentAdapters:
         self.users: dict[int, int] = {}  # resident adapter id -> running requests pinning it
         self.needed: dict[int, int] = {}  # adapter id -> unfinished requests using it
         self.pending_loads: list[tuple[int, Any]] = []  # (slot, tensors) for the next step's Batch
+        self.starved: dict[int, None] = {}  # adapters ready to run that found every slot pinned, first first
         self.num_loads = 0  # adapters copied into a slot since start-up (evictions + first loads)
 
     # -- requests ------------------------------------------------------------------------------
@@ -63,6 +67,8 @@ class ResidentAdapters:
         """Pin the request's adapter in a slot so it can run this step; False when it must wait (still loading,
         or every slot pinned). A load that failed fails the request (request.is_finished)."""
         adapter_id = request.lora_id
+        if self.starved and adapter_id not in self.starved:
+            return False  # let pinned slots drain for the adapter that waits for one
         if adapter_id in self.slot_of:
             self.idle.pop(adapter_id, None)
         elif not self._swap_in(request):
@@ -89,6 +95,7 @@ class ResidentAdapters:
             self.needed[request.lora_id] = left
             return
         self.needed.pop(request.lora_id, None)
+        self.starved.pop(request.lora_id, None)
         future = self.loading.pop(request.lora_id, None)
         if future is not None:
             future.cancel()
@@ -123,7 +130,9 @@ class ResidentAdapters:
             return False
         slot = self._free_slot()
         if slot is None:
+            self.starved[adapter_id] = None
             return False
+        self.starved.pop(adapter_id, None)
         self.loading.pop(adapter_id)
         self.slot_of[adapter_id] = slot
         self.pending_loads.append((slot, future.result()))

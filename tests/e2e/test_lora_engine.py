@@ -164,3 +164,23 @@ def test_lora_needs_enable_lora(tiny):
     with pytest.raises(LoRAAdapterError, match="LoRA is not enabled"):
         llm.generate({"prompt_token_ids": [5, 6]}, greedy(), use_tqdm=False, lora_request=requests["all"])
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_an_adapter_waiting_for_a_slot_is_not_starved_by_steady_traffic(tiny):
+    """max_loras=1 and a new request on the resident adapter every step: the other adapter's request still runs
+    (new pins stop until its slot drains), long before that traffic ends."""
+    root, _, _, requests = tiny
+    engine = make_llm(root, max_loras=1).engine
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first_token_step: dict[str, int] = {}
+    for step in range(60):
+        if step < 40:
+            engine.add_request(f"a{step}", [5, 6, 7], params, lora_request=requests["all"])
+        if step == 3:
+            engine.add_request("x", [5, 6, 7], params, lora_request=requests["mlp"])
+        for delta in engine.step():
+            first_token_step.setdefault(delta.request_id, step)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert first_token_step["x"] < first_token_step["a39"]
+    assert not engine.adapters.pinned and not engine.adapters.starved
