@@ -12,6 +12,7 @@ shape; the engine core reads the tensors when the first request needs them.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import re
 from collections.abc import Callable
@@ -91,7 +92,7 @@ def install(app: FastAPI, adapters_of: Callable[[], LoRAAdapters | None], read_b
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         body = await read_body(request)
         name = body.get("lora_name")
-        adapters().load(name, body.get("lora_path"))
+        await asyncio.to_thread(adapters().load, name, body.get("lora_path"))  # reads files: off the event loop
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
