@@ -11,6 +11,7 @@ from banyan.bench.plan import CompareConfig
 from banyan.bench.results import emit, make_report
 from banyan.bench.router import add_router_args
 from banyan.bench.workloads import SPEC_WORKLOADS, WORKLOADS
+from banyan.bench.deadlines import DeadlineBenchConfig
 from banyan.bench.soak import SoakConfig
 from banyan.config_args import add_config_args, add_engine_args, config_from_args, engine_config, engine_flags
 
@@ -110,6 +111,13 @@ def add_bench_parser(commands) -> None:
     add_config_args(soak, "soak", SoakConfig)
     soak.add_argument("--output-dir", default="soak-results", help="soak.json, soak.md and soak.svg go here")
     soak.set_defaults(func=_soak)
+
+    dl = kinds.add_parser("deadlines", help="goodput at 1.5x and 3x the measured capacity with a TTFT target: "
+                                            "--scheduling-policy slo against fcfs, each on a server it starts")
+    add_engine_args(dl)
+    add_config_args(dl, "deadlines", DeadlineBenchConfig)
+    dl.add_argument("--output-json", default=None, help="write the results JSON here")
+    dl.set_defaults(func=_deadlines)
 
 
 def _workload_args(parser: argparse.ArgumentParser, input_len: int, output_len: int, num_prompts: int) -> None:
@@ -229,6 +237,16 @@ def _soak(args) -> int:
     (out / "soak.md").write_text(markdown(report), encoding="utf-8")
     emit(report, str(out / "soak.json"), table=markdown(report))
     return 0 if all(results["goals"].values()) else 1
+
+
+def _deadlines(args) -> int:
+    from banyan.bench.deadlines import markdown, run_deadlines
+
+    engine, config = engine_config(args), config_from_args(DeadlineBenchConfig, args)
+    results = run_deadlines(engine, config, on_progress=lambda m: print(m, file=sys.stderr))
+    report = make_report("deadlines", {"model": engine.model.model, "engine_flags": engine_flags(engine)}, results)
+    emit(report, args.output_json, table=markdown(results, config))
+    return 0
 
 
 def _encoder(model: str | None) -> Callable[[str], list[int]] | None:
