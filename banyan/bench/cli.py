@@ -1,4 +1,4 @@
-"""`banyan bench throughput | latency | overhead | speculative | lang | lora | router | serve | compare`: argument parsing and dispatch."""
+"""`banyan bench throughput | latency | overhead | speculative | lang | lora | swap | router | serve | compare`: argument parsing and dispatch."""
 
 from __future__ import annotations
 
@@ -69,6 +69,17 @@ def add_bench_parser(commands) -> None:
     lora.add_argument("--output-len", type=int, default=64, help="generated tokens (ignore_eos)")
     lora.add_argument("--rounds", type=int, default=3, help="timed rounds, each running every configuration once")
     lora.set_defaults(func=_lora)
+
+    swap = add("swap", "a model swapped under load on a server it starts: longest token gap, TTFT p50/p99 during "
+                       "the swap vs before, failed requests", None)
+    swap.add_argument("--swap-model", default=None, help="the source to swap to (default: the --model itself)")
+    swap.add_argument("--concurrency", type=int, default=16, help="clients streaming back to back")
+    swap.add_argument("--input-len", type=int, default=64)
+    swap.add_argument("--output-len", type=int, default=32, help="generated tokens per request (ignore_eos)")
+    swap.add_argument("--warmup-seconds", type=float, default=5.0)
+    swap.add_argument("--before-seconds", type=float, default=20.0, help="the window measured before the swap")
+    swap.add_argument("--after-seconds", type=float, default=2.0)
+    swap.set_defaults(func=_swap)
 
     lang = add("lang", "banyan.lang programs: fork with the prefix cache off vs on, run_batch vs one by one, "
                        "OpenAICompatible vs RuntimeEndpoint on one server", None)
@@ -165,6 +176,14 @@ def _lang(args) -> int:
     config, results = run_lang(engine_config(args), args)
     emit(make_report("lang", config, results), args.output_json, table=markdown(results))
     return 0
+
+
+def _swap(args) -> int:
+    from banyan.bench.swap import markdown, run_swap
+
+    config, results = run_swap(engine_config(args), args)
+    emit(make_report("swap", config, results), args.output_json, table=markdown(results))
+    return 1 if results["failed"] or results["swap_error"] else 0
 
 
 def _lora(args) -> int:

@@ -185,3 +185,17 @@ def test_metrics_of_several_models_are_one_family_each_with_a_series_per_model()
     assert 'banyan:kv_cache_usage_perc{model_name="b"} 0.25' in text
     assert 'vllm:kv_cache_usage_perc{model_name="b"} 0.25' in text
     assert render_all([a])[0] == a.render()[0]
+
+
+# -- bench swap's arithmetic ------------------------------------------------------------------------
+def test_the_swap_window_measures_the_longest_gap_between_anyones_tokens():
+    from banyan.bench.metrics import RequestTiming
+    from banyan.bench.swap import Stream, _window
+
+    a = Stream(10.0, RequestTiming(success=True, ttft=0.5, itl=[0.1, 0.1]))  # tokens at 10.5, 10.6, 10.7
+    b = Stream(10.2, RequestTiming(success=True, ttft=1.0, itl=[0.2]))  # 11.2, 11.4
+    c = Stream(10.9, RequestTiming(success=False, error="HTTP 503"))
+    w = _window([a, b, c], 10.0, 12.0)
+    assert w["tokens"] == 5 and w["longest_gap_ms"] == 600.0  # 12.0 - 11.4 (the window's end counts)
+    assert w["requests_started"] == 3 and w["failed"] == 1 and w["ttft_p50_ms"] == 750.0
+    assert _window([a, b, c], 11.0, 11.3)["tokens"] == 1
