@@ -64,7 +64,9 @@ def num_parameters(arch: ModelArch) -> int:
     h, heads, kv, d, inter = (arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads,
                               arch.head_dim, arch.intermediate_size)
     attention = h * heads * d * 2 + h * kv * d * 2
-    layer = attention + 3 * h * inter + 2 * h + (2 * d if arch.qk_norm else 0)
+    biases = ((heads + 2 * kv) * d if arch.attention_bias else 0) + (h if arch.o_proj_bias else 0)
+    biases += 2 * inter + h if arch.mlp_bias else 0
+    layer = attention + biases + 3 * h * inter + 2 * h + (2 * d if arch.qk_norm else 0)
     embeddings = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
     return embeddings + arch.num_hidden_layers * layer + h
 
