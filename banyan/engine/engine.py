@@ -126,7 +126,8 @@ class Engine:
             self.grammars.start(request)
         sched = self.config.scheduler
         request.slo = with_defaults(slo, sched.default_ttft_slo_ms, sched.default_tpot_slo_ms)
-        self.scheduler.check_deadline(request)  # slo: refused now rather than late
+        if self.scheduler.policy.deadlines is not None:  # slo: refused now rather than late
+            self.scheduler.policy.deadlines.check_new(request, self.scheduler.running, self.scheduler.waiting)
         if lora_request is not None:
             self._use_adapter(request, lora_request)
         try:
@@ -191,7 +192,7 @@ class Engine:
             prefix_hit_tokens=sched.stats.prefix_hit_tokens,
             num_preemptions=sched.stats.num_preemptions,
             num_evicted_pages=self.kv.num_evicted_pages,
-            **sched.slo_stats(),
+            **self._slo_stats(),
             grammar_cache_entries=grammars.get("entries", 0),
             grammar_cache_bytes=grammars.get("bytes", 0),
             grammar_cache_evictions=grammars.get("evictions", 0),
@@ -210,6 +211,11 @@ class Engine:
                         num_cached=kv.num_cached, num_locked=self.kv.num_locked_pages(),
                         num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.waiting_for_grammar),
                         integrity_error=error)
+
+    def _slo_stats(self) -> dict:
+        """Under the slo policy, what the server's admission check reads (EngineSnapshot's slo_* fields)."""
+        sched = self.scheduler
+        return {} if sched.policy.deadlines is None else sched.policy.deadlines.snapshot(sched.running, sched.waiting)
 
     def _spec_stats(self) -> dict:
         """SpecStats as the snapshot's spec_* fields (none without speculation: they stay zero)."""

@@ -114,16 +114,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_grammar)
 
-    # -- deadlines (the slo policy; no-ops under the others) -------------------------------------
-    def check_deadline(self, request: Request) -> None:
-        """Raise SloUnattainableError if the request, queued where its deadline puts it, cannot meet its targets."""
-        if self.policy.deadlines is not None:
-            self.policy.deadlines.check_new(request, self.running, self.waiting)
-
-    def slo_stats(self) -> dict[str, float]:
-        """What the server's admission check reads (EngineSnapshot's slo_* fields); empty unless slo."""
-        return {} if self.policy.deadlines is None else self.policy.deadlines.snapshot(self.running, self.waiting)
-
     def _refuse_unattainable(self, batch: Batch) -> None:
         """Waiting requests that can no longer meet their TTFT deadline end now, never run (503 slo_unattainable)."""
         order = self.policy.admission_order(self.waiting)

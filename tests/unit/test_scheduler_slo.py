@@ -36,6 +36,11 @@ def slo_request(clock: FakeClock, ttft_ms=None, tpot_ms=None, tenant=None, promp
     return r
 
 
+def check(s, request) -> None:
+    """What the engine runs as a request arrives under slo: raises SloUnattainableError, or queues nothing."""
+    s.policy.deadlines.check_new(request, s.running, s.waiting)
+
+
 def timed_step(s, clock: FakeClock, seconds: float = STEP) -> dict:
     scheduled = step(s)
     clock.now += seconds
