@@ -79,7 +79,7 @@ def test_the_victim_of_a_preemption_is_the_request_with_most_slack():
 def test_nothing_is_refused_before_a_queue_was_measured():
     clock = FakeClock()
     s = slo_scheduler(clock)
-    s.check_deadline(slo_request(clock, ttft_ms=1))  # no measurement: optimistic
+    check(s, slo_request(clock, ttft_ms=1))  # no measurement: optimistic
 
 
 def test_a_request_the_queue_would_make_late_is_refused_when_it_arrives():
@@ -87,25 +87,25 @@ def test_a_request_the_queue_would_make_late_is_refused_when_it_arrives():
     s = backlogged(clock, num_queued=10, ttft_ms=1550)  # queued 0.4 s ago: their deadlines are 1.15 s from now
     # behind those 10: 10 + itself + the step of its first token = 1.2 s
     with pytest.raises(SloUnattainableError) as refused:
-        s.check_deadline(slo_request(clock, ttft_ms=1180))  # due 1.18 s from now, after all 10
+        check(s, slo_request(clock, ttft_ms=1180))  # due 1.18 s from now, after all 10
     info = error_info(refused.value)
     assert (info.status, info.code) == (503, "slo_unattainable") and "1180 ms ttft" in info.message
     assert info.retry_after == pytest.approx(0.02)
-    s.check_deadline(slo_request(clock, ttft_ms=1300))
+    check(s, slo_request(clock, ttft_ms=1300))
 
 
 def test_a_tighter_deadline_waits_only_behind_the_tighter_ones():
     clock = FakeClock()
     s = backlogged(clock, num_queued=10, ttft_ms=60_000)
-    s.check_deadline(slo_request(clock, ttft_ms=300))  # goes first: 1 + 1 steps
+    check(s, slo_request(clock, ttft_ms=300))  # goes first: 1 + 1 steps
 
 
 def test_a_step_slower_than_the_tpot_target_is_refused():
     clock = FakeClock()
     s = backlogged(clock, num_queued=0)
     with pytest.raises(SloUnattainableError, match="50 ms tpot"):
-        s.check_deadline(slo_request(clock, tpot_ms=50))
-    s.check_deadline(slo_request(clock, tpot_ms=150))
+        check(s, slo_request(clock, tpot_ms=50))
+    check(s, slo_request(clock, tpot_ms=150))
 
 
 def test_waiting_requests_that_can_no_longer_make_it_end_unrun():
@@ -145,8 +145,7 @@ def test_fcfs_ignores_targets_and_refuses_nothing():
     first, second = slo_request(clock, 5000), slo_request(clock, 1)
     for r in (first, second):
         s.add_request(r)
-        s.check_deadline(r)
-    assert s.slo_stats() == {}
+    assert s.policy.deadlines is None
     assert [next(iter(step(s))) for _ in range(2)] == [first.request_id, second.request_id]
 
 
