@@ -55,6 +55,7 @@ class AdminModel(BaseModel):
     memory_estimate_bytes: int
     aliases: list[str]
     pid: int | None = None
+    ready_at: float | None = None
     max_model_len: int | None = None
     kv_cache_tokens: int | None = None
     error: str | None = None

@@ -92,6 +92,8 @@ class ModelEntry:
         out = {"name": self.name, "model": self.spec.source, "state": self.state.value,
                "memory_bytes": self.resident or self.estimate.total, "memory_estimate_bytes": self.estimate.total,
                "aliases": list(self.spec.names[1:])}
+        if self.loaded_at is not None:
+            out["ready_at"] = self.loaded_at  # unix time it became ready (a swap: when the name switched to it)
         if self.client is not None and self.client.info is not None:
             out |= {"pid": self.client.pid, "max_model_len": self.client.info.max_model_len,
                     "kv_cache_tokens": self.client.info.num_pages * self.client.info.page_size}
