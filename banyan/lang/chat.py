@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from banyan.lang.errors import LangError
 from banyan.lang.ir import ROLES
 
-MARK = "\x1dBANYAN_LANG_MARK{}\x1d"
+MARK = "BANYAN_LANG_MARK_{}_"  # letters, digits and _ only: every tokenizer writes them back as they were
 
 
 class ChatFormatError(LangError):

