@@ -171,13 +171,28 @@ class MemoryBudget:
 
 
 def available_ram() -> tuple[int, int]:
-    """(MemAvailable, MemTotal) in bytes, from /proc/meminfo (elsewhere: the physical pages, all of them free)."""
+    """(available, total) bytes: /proc/meminfo's MemAvailable and MemTotal, within the container's cgroup limit when
+    it has one (elsewhere: the physical pages, all of them free)."""
     try:
         fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        return int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024
+        available, total = int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return total, total
+        available = total
+    limit = _cgroup_limit()
+    if limit is not None and limit[0] < total:
+        total, available = limit[0], min(available, limit[0] - limit[1])
+    return available, total
+
+
+def _cgroup_limit() -> tuple[int, int] | None:
+    """(memory.max, memory.current) of this process's cgroup (v2), None without a limit."""
+    try:
+        cgroup = Path("/sys/fs/cgroup")
+        limit = (cgroup / "memory.max").read_text().strip()
+        return None if limit == "max" else (int(limit), int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        return None
 
 
 def gpu_total_bytes() -> int | None:
