@@ -15,7 +15,7 @@ from banyan.config import EngineConfig
 from banyan.errors import InvalidParameterError
 from banyan.runner.model_runner import ModelRunner, RunnerLimits, resolve_device, resolve_dtype
 from banyan.runner.weights import ModelSource, open_model
-from banyan.spec.speculator import Speculator
+from banyan.spec.speculator import NETWORK_METHODS, Speculator
 
 
 def open_draft(config: EngineConfig, target: ModelSource) -> ModelSource | None:
@@ -52,7 +52,7 @@ def start_speculation(speculator: Speculator, runner, config: EngineConfig, limi
     """A network proposer's drafter in the runner (layer_skip, draft_model), then the step-time measurement."""
     spec = config.speculative
     time_draft = None
-    if spec.method in ("layer_skip", "draft_model"):
+    if spec.method in NETWORK_METHODS:
         if not hasattr(runner, "use_layer_skip"):
             raise InvalidParameterError("method", f"{spec.method} needs the model in this process (not with "
                                                   "tensor-parallel workers)")

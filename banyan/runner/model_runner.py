@@ -34,8 +34,8 @@ from banyan.runner.memory import GiB, KVCapacity, pages_for_budget, profile_batc
 from banyan.runner.weights import ModelSource
 from banyan.scheduler.batch import Batch, SampledToken, ScheduledRequest, StepResult
 from banyan.spec import verify as spec_verify
-from banyan.structured import GrammarBackend, allocate_bitmask
-from banyan.structured.bitmask import allow_token
+from banyan.structured import GrammarBackend, allocate_bitmask, apply_bitmask
+from banyan.structured.bitmask import allow_token, draft_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -324,6 +324,9 @@ class ModelRunner:
         width = 1 + max(len(drafts) for _, drafts, _ in verify)
         index = [[first + min(j, len(drafts)) for j in range(width)] for _, drafts, first in verify]
         raw = logits[torch.tensor(index, device=logits.device).flatten(), : self.sampler.vocab_size]
+        constrained = [(b, r.matcher, drafts) for b, (r, drafts, _) in enumerate(verify) if r.matcher is not None]
+        if constrained:  # structured output: p_j under the grammar's state after the first j drafts
+            apply_bitmask(raw, *draft_bitmask(constrained, width, self.arch.vocab_size))
         probs = target_distribution(raw, [r for r in requests for _ in range(width)])  # [B * (K + 1), V]
         draft_ids = [list(drafts) + [0] * (width - 1 - len(drafts)) for _, drafts, _ in verify]
         out = spec_verify.verify(

@@ -34,6 +34,7 @@ samples from the last position, so k forced tokens cost one forward pass instead
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import time
 from collections.abc import Hashable, Iterable
@@ -262,15 +263,24 @@ class Scheduler:
                 base_emitted += 1
         if not candidates:
             return {}
-        return self.speculator.drafts(candidates, base_tokens, base_emitted, self.config.max_num_batched_tokens)
+        drafts = self.speculator.drafts(candidates, base_tokens, base_emitted, self.config.max_num_batched_tokens)
+        for request_id, draft in list(drafts.items()):  # structured output: cut at the first token the grammar refuses
+            matcher = self.requests[request_id].matcher
+            if matcher is not None:
+                drafts[request_id] = draft[: guarded(matcher, functools.partial(matcher.valid_prefix, draft), 0)]
+        return {request_id: draft for request_id, draft in drafts.items() if draft}
 
     def _draft_room(self, request: Request) -> int:
         """Most drafts the request may verify: none where its sampling is not the same at every position of a
-        verify pass (penalties and min_tokens would count the drafts before it, a grammar mask follows them, and
-        the verifier reports no logprobs); else its tokens left less the one the target always adds."""
+        verify pass (penalties and min_tokens would count the drafts before it, and the verifier reports no
+        logprobs), nor for a grammar that is not yet constraining (a reasoning model thinking) or drafts made
+        inside the runner (they could not be cut to the grammar here); else its tokens left less the one the
+        target always adds."""
         p = request.sampling_params
-        if (request.matcher is not None or request.logprobs is not None or request.num_output_tokens < p.min_tokens
-                or p.has_penalties):
+        if request.logprobs is not None or request.num_output_tokens < p.min_tokens or p.has_penalties:
+            return 0
+        if request.matcher is not None and (not request.grammar_active or request.reasoning_may_open is not None
+                                            or self.speculator.drafts_in_runner):
             return 0
         return min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
 

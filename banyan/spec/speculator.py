@@ -26,6 +26,8 @@ from banyan.spec.proposer import make_proposer
 
 logger = logging.getLogger(__name__)
 
+NETWORK_METHODS = ("layer_skip", "draft_model")
+"""Methods whose drafts a network makes in the runner's step (the proposer offers placeholders)."""
 STEP_TIME_SHAPE = ((1, 1.0), (8, 1.05), (32, 1.3), (256, 4.0), (2048, 30.0))
 """(tokens, relative seconds) of one forward when nothing could be measured at start-up."""
 CALIBRATION_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -83,6 +85,11 @@ class Speculator:
         self.max_k = config.num_speculative_tokens
         self.stats = SpecStats(accepted_per_pos=[0] * self.max_k)
         self._measured = False
+
+    @property
+    def drafts_in_runner(self) -> bool:
+        """A network drafts inside the runner's step (layer_skip, draft_model): `drafts` returns placeholders."""
+        return self.config.method in NETWORK_METHODS
 
     def drafts(self, candidates: Sequence[tuple[str, Sequence[int], int]], base_tokens: int, base_emitted: float,
                token_budget: int) -> dict[str, list[int]]:

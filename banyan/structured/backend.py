@@ -82,6 +82,20 @@ class GrammarMatcher(ABC):
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (speculative decoding, jump-forward retokenizing)."""
 
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many of token_ids, in order, the grammar accepts from here (none past its end); the state is left
+        as it was, `error` too (speculation cuts its drafts there: a refused draft is no fault of the output).
+        This default accepts and rolls back, for libraries whose refusal changes nothing."""
+        error, count = self.error, 0
+        for token_id in token_ids:
+            if self.is_terminated() or not self.accept_token(token_id):
+                break
+            count += 1
+        self.error = error
+        if count:
+            self.rollback(count)
+        return count
+
     @abstractmethod
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next (possibly none); accepting them is the caller's move."""

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from banyan.structured.backend import GrammarMatcher, guarded
+
 _NEG_INF = float("-inf")
 _BITS = torch.tensor([1 << k for k in range(31)] + [-(1 << 31)], dtype=torch.int32)  # bit k of an int32 word
 
@@ -90,3 +92,24 @@ def allowed_tokens(bitmask: torch.Tensor, row: int, vocab_size: int) -> torch.Te
     """The ids allowed in one row (tests and debugging; syncs)."""
     allowed = (bitmask[row].cpu().unsqueeze(-1) & _BITS).ne(0).flatten()
     return allowed[:vocab_size].nonzero().flatten()
+
+
+def draft_bitmask(constrained: Sequence[tuple[int, GrammarMatcher, Sequence[int]]], width: int,
+                  vocab_size: int) -> tuple[torch.Tensor, list[int]]:
+    """(bitmask, rows) for speculative verify rows: for each (b, matcher, drafts), logits rows b * width + j allow
+    what the grammar allows after the first j drafts (past the drafts the last state repeats, for padding rows).
+    Each matcher ends where it began; a library failure ends only its own request (guarded sets its error)."""
+    rows = [b * width + j for b, _, _ in constrained for j in range(width)]
+    bitmask = allocate_bitmask(len(rows), vocab_size)
+    for i, (_, matcher, drafts) in enumerate(constrained):
+        guarded(matcher, functools.partial(_fill_after_drafts, matcher, drafts, bitmask, i * width, width), None)
+    return bitmask, rows
+
+
+def _fill_after_drafts(matcher: GrammarMatcher, drafts: Sequence[int], bitmask: torch.Tensor, row0: int,
+                       width: int) -> None:
+    for j in range(width):
+        matcher.fill_bitmask(bitmask, row0 + j)
+        if j < len(drafts):
+            matcher.accept_token(drafts[j])  # the scheduler cut the drafts to what the grammar accepts
+    matcher.rollback(len(drafts))

@@ -98,6 +98,9 @@ class LLGuidanceMatcher(GrammarMatcher):
     def is_terminated(self) -> bool:
         return self._matcher.is_stopped()
 
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        return self._matcher.validate_tokens(list(token_ids))  # a refused token here would stop the matcher
+
     def rollback(self, num_tokens: int) -> None:
         if not self._matcher.rollback(num_tokens):
             raise ValueError(f"cannot roll back {num_tokens} tokens: {self._matcher.get_error()}")

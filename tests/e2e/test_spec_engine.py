@@ -111,6 +111,27 @@ def test_greedy_equal_under_chunking_preemption_n_and_stop_strings(tiny, name):
     assert engine.scheduler.stats.num_preemptions > 0 and engine.speculator.stats.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_structured_output_drafts_are_cut_to_the_grammar_and_verified_under_its_mask(tiny, backend):
+    path, prompts = tiny
+    vocab = LLM(str(path), block_size=4, num_threads=1, num_pages=64).tokenizer
+    words = [vocab.decode([t]) for t in prompts[0][:9]]  # the prompts' own repeated phrase: something to copy
+    alternatives = "|".join(sorted({w for w in words if w.strip() and w.isprintable()}, key=len)[:4])
+    regex = f"(({alternatives}) ?){{6,20}}"
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, structured_outputs={"regex": regex}),
+              greedy(), SamplingParams(temperature=0.0, max_tokens=MAX_NEW,
+                                       structured_outputs={"choice": ["yes please", "no thanks"]})]
+    settings = {"structured_output_backend": backend}
+    plain, _ = generate(path, prompts[:3], params, **settings)
+    spec, engine = generate(path, prompts[:3], params, CONFIGS["ngram-fixed3"], **settings)
+    assert token_ids(spec) == token_ids(plain)
+    assert [o.outputs[0].text for o in spec] == [o.outputs[0].text for o in plain]
+    assert spec[2].outputs[0].text in ("yes please", "no thanks")
+    constrained = spec[0].metrics
+    assert constrained.spec_draft_tokens > 0  # drafted under the grammar, not skipped
+    assert engine.speculator.stats.num_accepted_tokens > 0
+
+
 def test_seeded_sampling_is_reproducible_and_samples_the_plain_tokens(tiny):
     path, prompts = tiny
     params = [SamplingParams(temperature=0.1, top_p=0.9, seed=7 + i, max_tokens=MAX_NEW, ignore_eos=True)

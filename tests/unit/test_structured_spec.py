@@ -7,9 +7,10 @@ import json
 import time
 
 import pytest
+import torch
 
 from banyan.errors import InvalidParameterError
-from banyan.structured import GrammarCache, StructuredOutputError, StructuredOutputSpec
+from banyan.structured import GrammarCache, StructuredOutputError, StructuredOutputSpec, allocate_bitmask
 from banyan.structured.spec import MAX_CHOICES, MAX_REGEX_REPEAT, MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS, default_compact
 from tests.unit.structured_helpers import BACKEND_NAMES, backend, tokenizer
 
@@ -221,3 +222,24 @@ def test_sampling_params_refuse_a_bad_spec_naming_structured_outputs(bad):
     with pytest.raises(InvalidParameterError) as e:
         SamplingParams(structured_outputs=bad)
     assert e.value.param == "structured_outputs"
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_valid_prefix_counts_what_the_grammar_accepts_and_changes_nothing(name):
+    """Speculation cuts its drafts where the grammar refuses one: the matcher's state and error stay as they were."""
+    tok, be = tokenizer("tiny"), backend(name)
+    matcher = be.matcher(be.compile(StructuredOutputSpec.regex("(ab|cd){3}")))
+    ids = tok.encode("abcdab", add_special_tokens=False)
+    assert matcher.accept_token(ids[0])
+    rest = ids[1:] + tok.encode("zz", add_special_tokens=False)
+    before = allocate_mask(be, matcher)
+    assert matcher.valid_prefix(rest) == len(ids) - 1  # stops at the refused "zz", none past the end either
+    assert matcher.valid_prefix(tok.encode("zz", add_special_tokens=False)) == 0
+    assert matcher.error == "" and torch.equal(allocate_mask(be, matcher), before)
+    assert matcher.accept_tokens(ids[1:]) and matcher.valid_prefix(ids[:1]) == 0  # complete: nothing more
+
+
+def allocate_mask(be, matcher):
+    mask = allocate_bitmask(1, be.vocab_size)
+    matcher.fill_bitmask(mask, 0)
+    return mask.clone()
