@@ -245,17 +245,19 @@ class ModelRegistry:
     # -- loading ---------------------------------------------------------------------------------------
     async def start(self, specs: list[ModelSpec]) -> None:
         """The models given at start-up, all loaded before the server listens; the first failure is raised."""
-        entries = [await self.load(spec) for spec in specs]
+        # One model and no --memory-budget: as a single-model server always was, the core's own sizing decides.
+        check = len(specs) > 1 or self.budget.budget is not None
+        entries = [await self.load(spec, check_memory=check) for spec in specs]
         await asyncio.gather(*(t for e in entries for t in e.tasks), return_exceptions=True)
         failed = next((e for e in entries if e.state is ModelState.FAILED), None)
         if failed is not None:
             await self.shutdown()
             raise BanyanError(f"model {failed.name!r} failed to load: {failed.error}")
 
-    async def load(self, spec: ModelSpec) -> ModelEntry:
+    async def load(self, spec: ModelSpec, *, check_memory: bool = True) -> ModelEntry:
         """Accept a load (names free, memory fits) and start it in the background; the entry says how it goes."""
         self._check_names_free(spec)
-        entry = await self._accepted(spec)
+        entry = await self._accepted(spec, check_memory)
         self._check_names_free(spec)  # again: another load may have taken a name meanwhile
         for name in spec.names:
             self.entries[name] = entry
@@ -313,7 +315,7 @@ class ModelRegistry:
         self._retire(entry, timeout)
         return entry
 
-    async def _accepted(self, spec: ModelSpec) -> ModelEntry:
+    async def _accepted(self, spec: ModelSpec, check_memory: bool = True) -> ModelEntry:
         """The entry for a load that fits (or MemoryBudgetExceededError with the numbers; a bad checkpoint: 400)."""
         if spec.fault is not None and not self.allow_faults:
             spec = dataclasses.replace(spec, fault=None)
@@ -326,7 +328,8 @@ class ModelRegistry:
         gpu = runs_on_gpu(spec.engine)
         spec = self._with_share(spec, checkpoint, path, gpu)
         estimate = estimate_memory(spec.engine, checkpoint.arch, path, gpu)
-        self.budget.check(spec.name, estimate, self.holdings(), gpu)
+        if check_memory:
+            self.budget.check(spec.name, estimate, self.holdings(), gpu)
         return ModelEntry(spec, estimate, tokenizer=checkpoint.tokenizer)
 
     def _with_share(self, spec: ModelSpec, checkpoint, path, gpu: bool) -> ModelSpec:
