@@ -98,8 +98,10 @@ class LLM:
         tool_choice: str | dict | None = None,
         parallel_tool_calls: bool | None = None,
         tool_call_parser: str = "auto",
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the chat template (sandboxed Jinja), then generate.
+        """Render each conversation with the chat template (sandboxed Jinja), then generate (lora_request: as
+        generate's).
 
         With `tools` (OpenAI's shape), tool_choice "auto" (the default), "required" or
         {"type": "function", "function": {"name": ...}} constrains calls to the tools' schemas, and each
@@ -114,7 +116,7 @@ class LLM:
         if prepared.grammar is not None:
             params = [p.clone(structured_outputs=prepared.grammar) for p in params]
         prompts = [{"prompt": text, "prompt_token_ids": ids} for text, ids in prepared.prompts]
-        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
         calling = prepared.calling
         if calling.active:
             for output in outputs:

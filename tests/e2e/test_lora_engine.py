@@ -184,3 +184,14 @@ def test_an_adapter_waiting_for_a_slot_is_not_starved_by_steady_traffic(tiny):
         engine.step()
     assert first_token_step["x"] < first_token_step["a39"]
     assert not engine.adapters.pinned and not engine.adapters.starved
+
+
+def test_chat_takes_a_lora_request(tiny):
+    root, _, _, requests = tiny
+    llm = make_llm(root)
+    messages = [{"role": "user", "content": "The quick brown fox"}]
+    base = llm.chat(messages, greedy(), use_tqdm=False)[0]
+    tuned = llm.chat(messages, greedy(), use_tqdm=False, lora_request=requests["all"])[0]
+    alone = llm.generate({"prompt_token_ids": tuned.prompt_token_ids}, greedy(), use_tqdm=False,
+                         lora_request=requests["all"])[0]
+    assert tuned.outputs[0].token_ids == alone.outputs[0].token_ids != base.outputs[0].token_ids
