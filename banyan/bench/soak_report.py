@@ -14,12 +14,13 @@ def markdown(report: dict) -> str:
     s, machine = results["soak"], report.get("machine", {})
     cfg = results["config"]
     lines = [f"# banyan bench soak: {cfg['streams']} streams x {cfg['minutes']:g} min",
-             "", f"Machine: {machine.get('cpu', '?')}, {machine.get('cpus', '?')} CPUs. Model: {report['config'].get('model')}.",
+             "", f"Machine: {machine.get('cpu', '?')} ({isa()}), {machine.get('num_cpus', '?')} CPUs. "
+             f"Model: {report['config'].get('model')}.",
              "", "| goal | met |", "|---|---|"]
     lines += [f"| {name} | {'yes' if ok else '**no**'} |" for name, ok in results["goals"].items()]
     lines += ["", "| soak figure | value |", "|---|---|"]
     for key in ("duration_s", "requests", "checked", "left_on_purpose", "lost", "mangled", "http_5xx", "error_events",
-                "status_counts", "completion_tokens", "integrity_failures", "server_rss_mib", "server_rss_growth",
+                "status_counts", "completion_tokens", "integrity_failures", "kv_unanswered", "server_rss_mib", "server_rss_growth",
                 "server_fds", "server_threads", "core_rss_mib", "core_rss_growth", "core_fds", "core_threads"):
         if key in s:
             lines.append(f"| {key} | {_fmt(s[key])} |")
@@ -31,6 +32,15 @@ def markdown(report: dict) -> str:
     if s.get("examples"):
         lines += ["", "Examples of what failed:", ""] + [f"- `{e}`" for e in s["examples"]]
     return "\n".join(lines) + "\n"
+
+
+def isa() -> str:
+    """The widest x86 vector extension the CPU has (reports name it: CPU timings depend on it)."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "ISA unknown"
+    return next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags), "no AVX2")
 
 
 def _fmt(value) -> str:

