@@ -228,6 +228,19 @@ def test_layer_skip_drafts_with_fewer_layers_than_the_target(tiny):
     assert e.value.param == "num_layers" and "1 to 1" in str(e.value)
 
 
+def test_the_step_time_model_learns_from_back_to_back_step_periods(tiny, monkeypatch):
+    path, prompts = tiny
+    llm = LLM(str(path), block_size=4, num_threads=1, num_pages=256, speculative_config=CONFIGS["ngram-adaptive"])
+    assert llm.engine.speculator.controller.step_time.tokens[:3] == [1, 2, 3]  # measured at start-up
+    seen = []
+    monkeypatch.setattr(llm.engine.speculator, "observe_step", lambda *args: seen.append(args))
+    steps = []
+    monkeypatch.setattr(llm.engine, "before_step", [lambda e: steps.append(e.scheduler.has_unfinished_requests())])
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], greedy(), use_tqdm=False)
+    assert len(seen) == sum(steps) - 1  # every step after the first of the run, none after the last
+    assert all(tokens > 0 and seconds > 0 and draft_seconds == 0 for tokens, seconds, draft_seconds, _ in seen)  # no network
+
+
 def test_layer_skip_measures_its_draft_cost_and_verifies_network_drafts(tiny, verify_calls):
     path, prompts = tiny
     outputs, engine = generate(path, prompts[:2], greedy(), CONFIGS["layer_skip-fixed3"])
