@@ -87,6 +87,7 @@ async def _measure(base_url: str, args) -> dict:
             await asyncio.sleep(0.02)
         t_drained = time.perf_counter()
         await asyncio.sleep(args.after_seconds)
+        load_average = round(os.getloadavg()[0], 1)  # other work on the machine shares its CPUs: say how much
         load.stop = True
         await asyncio.gather(*clients)
     before = _window(load.streams, t_before, t_swap)
@@ -94,7 +95,7 @@ async def _measure(base_url: str, args) -> dict:
     return {"before": before, "during_swap": during, "swap_load_s": t_switch - t_swap, "drain_s": t_drained - t_switch,
             "swap_error": failed_swap, "failed": sum(not s.timing.success for s in load.streams),
             "errors": sorted({s.timing.error for s in load.streams if s.timing.error})[:5],
-            "requests": len(load.streams)}
+            "requests": len(load.streams), "load_average_1m": load_average}
 
 
 async def _client(http, prompt: BenchPrompt, load: Load) -> None:
@@ -144,4 +145,4 @@ def markdown(results: dict) -> str:
     header, body = table.split("\n", 1)
     return (f"{header}\n|{'---|' * len(rows[0])}\n{body}\n\nswap: new core ready after {results['swap_load_s']:.1f} s, "
             f"old core drained and exited {results['drain_s']:.1f} s later; {results['failed']} of "
-            f"{results['requests']} requests failed")
+            f"{results['requests']} requests failed; load average {results['load_average_1m']}")
