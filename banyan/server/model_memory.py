@@ -16,6 +16,7 @@ accepted until its core has exited. Everything here runs in the API server: no t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -108,6 +109,15 @@ def kv_cache_bytes(engine: EngineConfig, arch: ModelArch, on_gpu: bool) -> int:
     if cache.kv_cache_memory is not None:
         return cache.kv_cache_memory
     return 0 if on_gpu else DEFAULT_CPU_KV_BYTES  # GPU: what --gpu-memory-utilization leaves (the budget's own rule)
+
+
+def gpu_cache_by_utilization(estimate: MemoryEstimate, utilization: float) -> MemoryEstimate:
+    """A GPU core without kv_cache_memory takes for its KV cache what `utilization` of the device leaves after its
+    weights: count that, so that a second such model is refused instead of running out of memory."""
+    total = gpu_total_bytes()
+    if total is None:
+        return estimate
+    return dataclasses.replace(estimate, kv_cache=max(0, int(total * utilization) - estimate.weights))
 
 
 def checkpoint_bytes(path: Path) -> int:

@@ -36,7 +36,8 @@ from banyan.ipc.client import EngineClient
 from banyan.server.auth import ANONYMOUS, RateLimiter, Tenant
 from banyan.server.errors import APIError, model_not_found
 from banyan.server.metrics import ServerMetrics, render_all
-from banyan.server.model_memory import Holding, MemoryBudget, MemoryEstimate, estimate_memory, resident_bytes, runs_on_gpu
+from banyan.server.model_memory import (Holding, MemoryBudget, MemoryEstimate, estimate_memory, gpu_cache_by_utilization,
+                                        resident_bytes, runs_on_gpu)
 from banyan.server.model_specs import ModelSpec, with_engine
 from banyan.server.routing import Route, RouteMetrics
 from banyan.server.serving import OpenAIServing
@@ -328,6 +329,8 @@ class ModelRegistry:
         gpu = runs_on_gpu(spec.engine)
         spec = self._with_share(spec, checkpoint, path, gpu)
         estimate = estimate_memory(spec.engine, checkpoint.arch, path, gpu)
+        if gpu and spec.engine.cache.kv_cache_memory is None and spec.engine.cache.num_pages is None:
+            estimate = gpu_cache_by_utilization(estimate, spec.engine.cache.gpu_memory_utilization)
         if check_memory:
             self.budget.check(spec.name, estimate, self.holdings(), gpu)
         return ModelEntry(spec, estimate, tokenizer=checkpoint.tokenizer)
