@@ -48,7 +48,8 @@ class SoakConfig:
     traffic_seed: int = 0
     """Seed of the random requests."""
     faults: bool = False
-    """Then, each on a server of its own under load: SIGKILL the engine core, SIGTERM the server (soak_faults.py)."""
+    """Then, each on a server of its own under load: SIGKILL the engine core, SIGTERM the server, saturate its
+    tokenizer threads (soak_faults.py)."""
 
 
 @dataclass
@@ -277,11 +278,12 @@ def run_soak(engine: EngineConfig, config: SoakConfig, server_flags: list[str] |
         results = asyncio.run(_run(base_url, config, probe, on_progress))
     results["exit_status"] = proc.returncode
     if config.faults:
-        from banyan.bench.soak_faults import kill_core, terminate
+        from banyan.bench.soak_faults import kill_core, terminate, text_pool
 
-        on_progress("faults: SIGKILL of the engine core, then SIGTERM of the server, under load")
+        on_progress("faults: SIGKILL of the engine core, SIGTERM of the server, the text pool saturated")
         results["faults"] = {"kill_core": _on_own_server(engine, kill_core),
-                             "terminate": _on_own_server(engine, terminate, "--shutdown-timeout", "60")}
+                             "terminate": _on_own_server(engine, terminate, "--shutdown-timeout", "60"),
+                             "text_pool": _on_own_server(engine, text_pool)}
     results["goals"] = goals(results)
     return results
 

@@ -5,6 +5,9 @@ them, tests/reliability asserts them.
                 and [DONE] within 5 s, /health answer 503 (or the server be gone), the server exit non-zero in 10 s
     terminate:  `streams` 48-token streams, the server SIGTERMed: in-flight streams drain (finish_reason, [DONE]), new
                 requests get 503, the server exits 0
+    text_pool:  the server's tokenizer/template threads saturated (`big` prompts of 2 MB without a space, each
+                tokenized up to the render time cap): every one answered 200 or 400, /health stays fast (p99 of
+                its latency meanwhile), and a normal request queued behind them is answered
 """
 
 from __future__ import annotations
@@ -98,3 +101,27 @@ async def _exit_status(proc: subprocess.Popen, since: float, timeout: float = EX
     while proc.poll() is None and time.monotonic() - since < timeout:
         await asyncio.sleep(0.05)
     return proc.poll(), round(time.monotonic() - since, 2)
+
+
+async def text_pool(base_url: str, server: subprocess.Popen, big: int = 6) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+        heavy = [asyncio.ensure_future(http.post("/v1/completions", json={"prompt": "a" * 2_000_000, "max_tokens": 1}))
+                 for _ in range(big)]
+        await asyncio.sleep(0.5)  # the pool is busy now
+        normal = asyncio.ensure_future(http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4}))
+        health = []
+        while not all(t.done() for t in heavy):
+            asked = time.monotonic()
+            health.append(((await http.get("/health", timeout=30)).status_code, time.monotonic() - asked))
+            await asyncio.sleep(0.05)
+        statuses = [t.result().status_code for t in heavy]
+        normal_status = (await normal).status_code
+    latencies = sorted(t for _, t in health)
+    p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else None
+    return {"big_prompts": big, "statuses": {str(c): statuses.count(c) for c in set(statuses)},
+            "normal_request_status": normal_status, "health_checks": len(health),
+            "health_p99_ms": round(1000 * p99, 1) if p99 is not None else None,
+            "ok": set(statuses) <= {200, 400} and normal_status == 200 and all(c == 200 for c, _ in health)
+            and (p99 is None or p99 < 0.1)}

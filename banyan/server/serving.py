@@ -152,7 +152,7 @@ class OpenAIServing:
         slo = Slo(asked.ttft_ms, asked.tpot_ms, tenant.tenant_id) if asked else Slo(tenant=tenant.tenant_id)
         return with_defaults(slo, sched.default_ttft_slo_ms, sched.default_tpot_slo_ms)
 
-    def _check_slo(self, slo: Slo | None) -> None:
+    def _check_slo(self, slo: Slo | None, tenant: Tenant) -> None:
         """slo policy: refuse now (503, Retry-After) what the queue would make late, before it costs a step. The
         core's measurements come a few times a second; requests sent since are counted at its measured pace."""
         stats = self.client.stats
@@ -162,6 +162,7 @@ class OpenAIServing:
         wait = stats.slo_queue_wait + unseen * stats.slo_seconds_per_request
         error = refusal(slo, 0.0, wait, stats.slo_step_seconds)
         if error is not None:
+            self.metrics.observe_rejection(tenant.tenant_id, 503, error.code)
             raise from_banyan_error(error)
 
     def _admit(self, tenant: Tenant, num_tokens: int, num_requests: int) -> None:
@@ -245,7 +246,7 @@ class OpenAIServing:
         budget = sum(len(p) + (params.max_tokens or self.max_model_len - len(p)) for p in prompts) * params.num_sequences
         self._admit(tenant, budget, len(prompts) * params.num_sequences)
         slo = self._slo(req, tenant)
-        self._check_slo(slo)
+        self._check_slo(slo, tenant)
         namespace = ApiKeyAuth.namespace_for(tenant, req.cache_salt)
         gen = Generation(self.client, self.tokenizer, http.state.request_id, prompts, params, priority=req.priority,
                          cache_salt=namespace, slo=slo, max_buffered_events=self.config.max_buffered_events,
