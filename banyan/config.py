@@ -256,6 +256,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     """Processes that each hold a slice of every layer (heads, MLP rows, vocabulary), one all-reduce after the
     attention and one after the MLP; gloo on CPU, NCCL on GPUs (docs/parallel.md)."""
+    pipeline_parallel_size: int = 1
+    """Processes that each hold a contiguous range of the layers (a stage), hidden states passed from one to the
+    next in micro-batches so stages overlap; not together with tensor_parallel_size > 1 yet (docs/parallel.md)."""
     data_parallel_size: int = 1
     """Engine cores, each a whole copy of the model, behind one API server; a router picks one per request
     (banyan serve only)."""
@@ -269,7 +272,7 @@ class ParallelConfig:
     """Tests only (runner/worker.py): hang-at-step=N or exit-at-step=N on worker rank 1."""
 
     def __post_init__(self):
-        for name in ("tensor_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.router_policy is not None and self.router_policy not in ROUTER_POLICIES:

@@ -66,6 +66,14 @@ class TPGroup:
         self.step.gather([], [tensor], options).wait()
         return None
 
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0):
+        """Send without waiting (the caller keeps the tensor and waits on the returned work)."""
+        return self.step.send([tensor], dst, tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        self.step.recv([tensor], src, tag).wait()
+        return tensor
+
     def agree_min(self, value: int) -> int:
         """The smallest `value` over ranks (each rank's KV pool must hold the same pages)."""
         t = torch.tensor([value], dtype=torch.int64)

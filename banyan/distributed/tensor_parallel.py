@@ -60,13 +60,15 @@ def shard_arch(arch: ModelArch, size: int) -> ModelArch:
 @dataclass(frozen=True)
 class WeightShard:
     """Rank's part of one checkpoint tensor: [start, stop) along `dim`, zero-padded to `size` rows there;
-    zero: all zeros of the tensor's own shape (a row-parallel bias on ranks other than 0)."""
+    zero: all zeros of the tensor's own shape (a row-parallel bias on ranks other than 0); skip: none of it, not
+    even read (another pipeline stage's layer)."""
 
     dim: int
     start: int = 0
     stop: int = 0
     size: int = 0
     zero: bool = False
+    skip: bool = False
 
     def index(self, ndim: int) -> tuple[slice, ...]:
         return (slice(None),) * self.dim + (slice(self.start, self.stop),) + (slice(None),) * (ndim - self.dim - 1)
@@ -125,6 +127,31 @@ class ShardPlan:
             head = r * kv // size if kv >= size else r // (size // kv)  # first KV head of this rank
             return head * D, local.num_key_value_heads * D
         return r * local.intermediate_size, local.intermediate_size
+
+
+@dataclasses.dataclass
+class TensorParallel:
+    """This rank's shard: what the runner builds, loads and hooks (the same protocol as pipeline.Pipeline)."""
+
+    group: TPGroup
+    arch: ModelArch
+
+    def local_arch(self) -> ModelArch:
+        return shard_arch(self.arch, self.group.size)
+
+    def weights(self, source, compact: bool):
+        return source.iter_weights(compact, shard=ShardPlan(self.arch, self.group.size, self.group.rank))
+
+    def transform(self, model: nn.Module) -> nn.Module:
+        return parallelize(model, self.group, self.arch)
+
+    def agree_min(self, value: int) -> int:
+        return self.group.agree_min(value)
+
+    def worker_step(self, runner, fb) -> None:
+        """Ranks 1..N-1: the forward and the logits' gather, as rank 0 runs them."""
+        hidden = runner._forward(fb)
+        runner.model.compute_logits(hidden[fb.logits_indices])
 
 
 def parallelize(model: nn.Module, group: TPGroup, arch: ModelArch) -> nn.Module:

@@ -33,6 +33,8 @@ def iter_tensors(reader, arch: ModelArch, compact: bool = False,
         if name is None:
             continue
         part = shard(name) if shard is not None else None
+        if part is not None and part.skip:
+            continue
         if compact and _compact_format(t) is not None:
             w = _read_compact(t)
         else:

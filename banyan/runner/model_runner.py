@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from banyan.config import DEFAULT_CPU_KV_BYTES, CacheConfig, LoRAConfig, ModelConfig, default_num_threads
-from banyan.distributed.collectives import TPGroup
-from banyan.distributed.tensor_parallel import ShardPlan, parallelize, shard_arch
+from banyan.distributed.pipeline import Pipeline
+from banyan.distributed.tensor_parallel import TensorParallel
 from banyan.errors import InvalidParameterError
 from banyan.layers.attention import AttentionBackend, get_attention_backend
 from banyan.layers.attention.base import FP8
@@ -53,15 +53,16 @@ class RunnerLimits:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, source: ModelSource, limits: RunnerLimits,
-                 lora_config: LoRAConfig | None = None, tp: TPGroup | None = None, draft_kv_bytes_per_token: int = 0):
-        """tp: this process's rank of a tensor-parallel group (runner/worker.py): it builds, loads and caches only
-        its shard (`shard_arch`: its heads, KV heads, intermediate and vocabulary rows). draft_kv_bytes_per_token:
-        what a draft model's K/V take per token beside this pool's (speculative draft_model): the pool is sized
-        for both."""
+                 lora_config: LoRAConfig | None = None, parallel: TensorParallel | Pipeline | None = None,
+                 draft_kv_bytes_per_token: int = 0):
+        """parallel: this process's place in a tensor-parallel or pipeline group (runner/worker.py): it builds, loads
+        and caches only its part (`local_arch`: its heads, KV heads, MLP and vocabulary rows, or its layers).
+        draft_kv_bytes_per_token: what a draft model's K/V take per token beside this pool's (speculative
+        draft_model): the pool is sized for both."""
         self.draft_kv_bytes_per_token = draft_kv_bytes_per_token
         self.arch = source.arch
-        self.tp = tp
-        self.shard = shard_arch(source.arch, tp.size) if tp is not None else source.arch
+        self.parallel = parallel
+        self.shard = parallel.local_arch() if parallel is not None else source.arch
         self.limits = limits
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, source.arch.torch_dtype, self.device, source.path.is_file())
@@ -78,9 +79,9 @@ class ModelRunner:
         self.num_pages = self.capacity.num_pages
         self.reserved_page = self.num_pages  # one page past the pool: padding rows of graph batches write there
         self.kv_caches = [(self._kv_pages(self.num_pages + 1), self._kv_pages(self.num_pages + 1))
-                          for _ in range(self.arch.num_hidden_layers)]
+                          for _ in range(self.shard.num_hidden_layers)]
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not model_config.enforce_eager and tp is None:
+        if self.device.type == "cuda" and not model_config.enforce_eager and parallel is None:
             self.start_decode_graphs(capture=True)
         self.sampler = Sampler(self.arch.vocab_size, default_seed=model_config.seed)
         self.grammar: GrammarBackend | None = None  # fills the masks of rows with a matcher (structured output)
@@ -91,7 +92,7 @@ class ModelRunner:
         model_cls = get_model_class(self.arch.architecture)
         choice = default_method(model_config.quantization, self.device, self.dtype, source.arch.torch_dtype,
                                 source.path.is_file())
-        if self.tp is not None and choice.method == "gguf":  # compact tensors are not sliced (yet): float16
+        if self.parallel is not None and choice.method == "gguf":  # compact tensors are not sliced (yet): float16
             choice = Choice("fp16")
         method = choice.method
         with _default_dtype(self.dtype), torch.device(self.device):
@@ -100,15 +101,15 @@ class ModelRunner:
                 plan = plan_formats(model, method, model_config.quantization_group_size, source.compact_formats(),
                                     fill=FP16 if choice.mix_fp16 else None)
                 quantize_linears(model, plan, wide_fp16=choice.mix_fp16, batch_invariant=model_config.batch_invariant)
-        if self.tp is not None:
-            parallelize(model, self.tp, self.arch)
-        shards = ShardPlan(self.arch, self.tp.size, self.tp.rank) if self.tp is not None else None
-        model.load_weights(source.iter_weights(compact=method == "gguf", shard=shards))
+        compact = method == "gguf"
+        model.load_weights(self.parallel.weights(source, compact) if self.parallel else source.iter_weights(compact))
         finish_loading(model)
         if model_config.batch_invariant:
             if self.attn.name != "torch":
                 raise InvalidParameterError("batch_invariant", f"needs the torch attention backend, not {self.attn.name}")
             self.attn.fixed_order = use_fixed_order(model)  # attention in a fixed order too
+        if self.parallel is not None:  # the collectives, hooked on the final modules
+            model = self.parallel.transform(model)
         logger.info("weights: %.1f MiB (%s%s)", model_weight_bytes(model) / 2**20, method or self.dtype,
                     ", float16 for the rest and for wide batches" if choice.mix_fp16 else "")
         return model.eval()
@@ -126,8 +127,8 @@ class ModelRunner:
             num_pages = pages_for_budget(budget, self.page_size, per_token)
             if num_pages < 2:
                 raise InvalidParameterError(param, f"{basis}: fewer than 2 pages of {self.page_size * per_token} bytes")
-        if self.tp is not None:  # every rank holds the same pages
-            num_pages = self.tp.agree_min(num_pages)
+        if self.parallel is not None:  # every rank holds the same pages
+            num_pages = self.parallel.agree_min(num_pages)
         dtype = str(self.kv_dtype).removeprefix("torch.")
         return KVCapacity(num_pages, self.page_size, per_token, self.limits.max_model_len, dtype, basis)
 
@@ -149,7 +150,7 @@ class ModelRunner:
         limits = self.limits
         fb = profile_batch(limits.max_num_batched_tokens, limits.max_model_len, limits.max_num_seqs,
                            self.page_size, self.device)
-        one_page = [(self._kv_pages(1), self._kv_pages(1))] * self.arch.num_hidden_layers
+        one_page = [(self._kv_pages(1), self._kv_pages(1))] * self.shard.num_hidden_layers
         hidden = self.model(fb, one_page)
         return self.model.compute_logits(hidden[fb.logits_indices])
 

@@ -105,6 +105,8 @@ def _iter_safetensors(path: Path, shard: Shards | None = None) -> Iterator[tuple
             with safe_open(str(file), framework="pt") as f:
                 for name in names or [n for n in header if n != "__metadata__"]:
                     part = shard(name) if shard is not None else None
+                    if part is not None and part.skip:
+                        continue
                     yield name, f.get_tensor(name) if part is None else _read_part(f, name, part)
         except SafetensorError as e:
             raise ModelLoadError(f"{file}: {e}") from None

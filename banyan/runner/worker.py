@@ -1,14 +1,17 @@
-"""Tensor-parallel workers: ranks 1..N-1 of a group whose rank 0 is the engine's own runner.
+"""Tensor-parallel and pipeline workers: ranks 1..N-1 of a group whose rank 0 is the engine's own runner.
 
-    engine process (rank 0: TensorParallelRunner)        worker processes (ranks 1..N-1)
+    engine process (rank 0: ParallelRunner)              worker processes (ranks 1..N-1)
     schedule -> Batch -> ForwardBatch ──── publish ────►  the same ForwardBatch, unpacked
     forward: one all-reduce after attention, ◄─ gloo ─►  forward, its shard of every layer
              one after the MLP                 / NCCL
     logits: vocabulary columns gathered ◄──── gather ──  compute_logits over the same rows
     sample, grammars, scheduler update
 
+(Pipeline parallel, distributed/pipeline.py: the same frames; each rank runs its layers on the hidden states the
+rank before sends it, micro-batch by micro-batch, and the last sends them back to rank 0.)
+
 The scheduler, the KV accounting, sampling and grammars stay with rank 0; a worker holds its shard of the
-weights and its KV heads of the same pages. Each forward's ForwardBatch goes out once: one frame on a ZeroMQ
+weights (or its layers) and its part of the KV of the same pages. Each forward's ForwardBatch goes out once: one frame on a ZeroMQ
 PUB socket every worker subscribes to (a header and int64 arrays, never pickle). Rank 0 publishes a frame for
 every `_forward` and then computes logits over its `logits_indices` once; a worker does the same, so the
 collectives pair up. Waiting for the next frame has no timeout (an engine may idle for hours); every
@@ -43,7 +46,8 @@ import zmq
 
 from banyan.config import CacheConfig, ModelConfig, ParallelConfig
 from banyan.distributed.collectives import STARTUP_TIMEOUT, TPGroup
-from banyan.distributed.tensor_parallel import check_sizes
+from banyan.distributed.pipeline import Pipeline, check_stages
+from banyan.distributed.tensor_parallel import TensorParallel, check_sizes
 from banyan.errors import InvalidParameterError, WorkerError
 from banyan.forward_batch import ForwardBatch
 from banyan.runner.model_runner import ModelRunner, RunnerLimits, resolve_device
@@ -58,25 +62,42 @@ STOP_GRACE = 2.0  # seconds a worker has to leave after STOP before it is killed
 
 
 def runner_factory(parallel: ParallelConfig, factory):
-    """The engine's runner factory: `factory` itself, or with tensor_parallel_size > 1 a TensorParallelRunner
-    (when the factory is the plain ModelRunner; a benchmark's double stays as it is)."""
-    if parallel.tensor_parallel_size == 1 or factory is not ModelRunner:
+    """The engine's runner factory: `factory` itself, or with tensor_parallel_size or pipeline_parallel_size > 1 a
+    ParallelRunner (when the factory is the plain ModelRunner; a benchmark's double stays as it is)."""
+    if group_size(parallel) == 1 or factory is not ModelRunner:
         return factory
-    return functools.partial(TensorParallelRunner, parallel=parallel)
+    return functools.partial(ParallelRunner, parallel=parallel)
 
 
-class TensorParallelRunner(ModelRunner):
-    """Rank 0: a ModelRunner over its shard that starts the other ranks and publishes each forward to them."""
+def group_size(parallel: ParallelConfig) -> int:
+    return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+
+
+def placement(parallel: ParallelConfig, group: TPGroup, arch) -> TensorParallel | Pipeline:
+    """This rank's part: a tensor-parallel shard or a pipeline stage (not both at once yet)."""
+    if parallel.pipeline_parallel_size > 1:
+        return Pipeline(group, arch)
+    return TensorParallel(group, arch)
+
+
+class ParallelRunner(ModelRunner):
+    """Rank 0: a ModelRunner over its shard (or stage) that starts the other ranks and publishes each forward."""
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, source, limits: RunnerLimits,
                  lora_config=None, *, parallel: ParallelConfig):
         if lora_config is not None:
-            raise InvalidParameterError("tensor_parallel_size", "LoRA adapters run with tensor_parallel_size 1 only")
+            raise InvalidParameterError("tensor_parallel_size", "LoRA adapters run in one process (tensor and "
+                                        "pipeline parallel size 1) only")
+        if parallel.tensor_parallel_size > 1 and parallel.pipeline_parallel_size > 1:
+            raise InvalidParameterError("pipeline_parallel_size", "pipeline and tensor parallel together are not "
+                                        "supported yet: set one of them to 1")
         check_sizes(source.arch, parallel.tensor_parallel_size)
-        self.workers = Workers(WorkerSpec(0, parallel.tensor_parallel_size, 0, "", model_config, cache_config, limits,
+        check_stages(source.arch, parallel.pipeline_parallel_size)
+        self.workers = Workers(WorkerSpec(0, group_size(parallel), 0, "", model_config, cache_config, limits,
                                           parallel), resolve_device(model_config.device))
         try:
-            super().__init__(model_config, cache_config, source, limits, tp=self.workers.group)
+            super().__init__(model_config, cache_config, source, limits,
+                             parallel=placement(parallel, self.workers.group, source.arch))
         except RuntimeError as e:  # a worker failed while loading: the agreement on the KV pool saw it
             raise self.workers.failure(e) from e
         except BaseException:
@@ -274,12 +295,11 @@ class WorkerFault:
 
 @torch.inference_mode()
 def serve(runner: ModelRunner, steps: zmq.Socket, fault: WorkerFault | None = None) -> None:
-    """Run each published forward, and its logits (for the gather), until STOP."""
+    """Run each published forward (tensor parallel: and its logits, for the gather; pipeline: this stage) until STOP."""
     while (fb := decode_step(steps.recv(), runner.device)) is not None:
         if fault is not None:
             fault()
-        hidden = runner._forward(fb)
-        runner.model.compute_logits(hidden[fb.logits_indices])
+        runner.parallel.worker_step(runner, fb)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     group = TPGroup.over(TPGroup.connect_store(spec.port, spec.size), spec.rank, spec.size, device,
                          spec.parallel.distributed_timeout)
     source = open_model(spec.model.model, spec.model.trust_remote_code, spec.model.tokenizer)
-    runner = ModelRunner(spec.model, spec.cache, source, spec.limits, tp=group)
+    part = placement(spec.parallel, group, source.arch)
+    runner = ModelRunner(spec.model, spec.cache, source, spec.limits, parallel=part)
     fault = WorkerFault(spec.parallel.worker_fault) if spec.parallel.worker_fault and spec.rank == 1 else None
     serve(runner, steps, fault)
     steps.close(linger=0)

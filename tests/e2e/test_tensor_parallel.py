@@ -1,5 +1,6 @@
-"""Tensor parallel on CPU (gloo over loopback, one thread per rank): the same tokens and the same logits as one
-process, with prefix hits, chunked prefill and preemption in one run (faults: test_tensor_parallel_faults.py)."""
+"""Tensor and pipeline parallel on CPU (gloo over loopback, one thread per rank): the same tokens and the same
+logits as one process, with prefix hits, chunked prefill and preemption in one run (faults:
+test_tensor_parallel_faults.py)."""
 
 from __future__ import annotations
 
@@ -27,10 +28,11 @@ def workload(vocab: int) -> list[list[int]]:
     return prompts
 
 
-def make_llm(path, tp: int = 1, **kw) -> LLM:
+def make_llm(path, tp: int = 1, pp: int = 1, **kw) -> LLM:
     # 20 pages of 4 tokens: the longest request needs 17 alone, the batch after it preempts; a budget of 8 tokens a
     # step cuts every prompt into chunks.
-    kw = dict(num_threads=1, block_size=4, num_pages=20, max_num_batched_tokens=8, tensor_parallel_size=tp) | kw
+    kw = dict(num_threads=1, block_size=4, num_pages=20, max_num_batched_tokens=8, tensor_parallel_size=tp,
+              pipeline_parallel_size=pp) | kw
     return LLM(str(path), **kw)
 
 
@@ -71,6 +73,26 @@ def test_llama_same_tokens_and_logits_as_one_process(tiny_llama, tp):
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_hit_tokens >= 2 * 24  # prompts 1-3 hit prompt 4's pages
     llm.engine.kv.check_integrity()
+    llm.engine.close()
+
+
+def test_pipeline_stages_give_the_same_tokens_and_logits(tiny_llama):
+    """Two stages of one layer each; micro-batches of whole requests pass through them."""
+    path, prompts, want = tiny_llama
+    llm = make_llm(path, pp=2)
+    assert_same(run(llm, prompts), want)
+    assert llm.engine.stats().num_preemptions > 0
+    llm.engine.kv.check_integrity()
+    llm.engine.close()
+
+
+def test_three_uneven_stages(tmp_path):
+    """5 layers over 3 stages: 2, 2 and 1."""
+    model = write_model_dir(tmp_path, "llama", seed=7, num_hidden_layers=5)
+    prompts = workload(model.config.vocab_size)
+    want = run(make_llm(tmp_path), prompts)
+    llm = make_llm(tmp_path, pp=3)
+    assert_same(run(llm, prompts), want)
     llm.engine.close()
 
 

@@ -26,10 +26,13 @@ def model_dir(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("fault, message", [("exit-at-step=3", r"worker rank 1 \(exit status 3\) died"),
-                                            ("hang-at-step=3", "waited past --distributed-timeout")])
-def test_a_worker_that_dies_or_hangs_fails_the_engine(model_dir, fault, message):
-    llm = LLM(str(model_dir), num_threads=1, tensor_parallel_size=2, worker_fault=fault, distributed_timeout=2.0)
+@pytest.mark.parametrize("split, fault, message", [
+    ("tensor_parallel_size", "exit-at-step=3", r"worker rank 1 \(exit status 3\) died"),
+    ("tensor_parallel_size", "hang-at-step=3", "waited past --distributed-timeout"),
+    ("pipeline_parallel_size", "hang-at-step=3", "waited past --distributed-timeout"),
+])
+def test_a_worker_that_dies_or_hangs_fails_the_engine(model_dir, split, fault, message):
+    llm = LLM(str(model_dir), num_threads=1, worker_fault=fault, distributed_timeout=2.0, **{split: 2})
     workers = llm.engine.runner.workers
     started = time.monotonic()
     with pytest.raises(WorkerError, match=message):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from banyan.config import ModelArch
+from banyan.distributed.pipeline import check_stages, micro_batch_bounds, split, stage_ranges
 from banyan.distributed.tensor_parallel import ShardPlan, WeightShard, check_sizes, shard_arch
 from banyan.errors import InvalidParameterError
 from banyan.forward_batch import ForwardBatch
@@ -78,3 +79,25 @@ def test_a_forward_travels_as_one_frame():
         a, b = getattr(got, f.name), getattr(fb, f.name)
         assert torch.equal(a, b) and a.dtype == b.dtype if isinstance(b, torch.Tensor) else a == b, f.name
     assert decode_step(encode_stop(), torch.device("cpu")) is None
+
+
+def test_stages_are_contiguous_and_balanced():
+    assert [list(r) for r in stage_ranges(5, 3)] == [[0, 1], [2, 3], [4]]
+    assert [len(r) for r in stage_ranges(30, 4)] == [8, 8, 7, 7]
+    with pytest.raises(InvalidParameterError, match="3 stages for the model's 2 layers"):
+        check_stages(dataclasses.replace(SMOLLM2, num_hidden_layers=2), 3)
+
+
+def test_micro_batches_cut_whole_requests_of_about_equal_tokens():
+    assert micro_batch_bounds([1, 1, 1, 1], 2) == [0, 2, 4]
+    assert micro_batch_bounds([30, 1, 1, 1], 2) == [0, 1, 4]
+    assert micro_batch_bounds([5], 2) == [0, 1]
+    fb = decode_step(encode_step(ForwardBatch(
+        input_ids=torch.tensor([5, 6, 7, 8]), positions=torch.tensor([0, 1, 2, 9]),
+        slot_mapping=torch.tensor([40, 41, 42, 13]), query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32),
+        seq_lens=torch.tensor([3, 10], dtype=torch.int32),
+        block_tables=torch.tensor([[10, 0, 0], [1, 2, 3]], dtype=torch.int32), logits_indices=torch.tensor([2, 3]),
+        query_lens=[3, 1], context_lens=[3, 10], page_size=4)), torch.device("cpu"))
+    second = split(fb, 1, 2)
+    assert second.input_ids.tolist() == [8] and second.query_start_loc.tolist() == [0, 1]
+    assert second.block_tables.tolist() == [[1, 2, 3]] and second.context_lens == [10] and second.query_lens == [1]

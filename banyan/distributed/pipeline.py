@@ -1,0 +1,154 @@
+"""Pipeline parallelism: each rank holds a contiguous range of decoder layers (a stage) and their KV; the
+hidden states travel rank 0 -> 1 -> ... -> last -> rank 0, one micro-batch after another so stages overlap.
+
+    layers:      [ 0 .. 9 | 10 .. 19 | 20 .. 29 ]          stage_ranges(30, 3): the first stages take any extra
+    rank 0:      embed, stage 0, ─send─►      ...      ◄─recv─ final hidden, norm -> logits, sampling
+    rank 1:                  ─recv─► stage 1 ─send─►
+    rank 2:                                  ─recv─► stage 2 ─send─► rank 0
+
+A step's ForwardBatch is cut into micro-batches of whole requests (about equal tokens, at most one per stage):
+
+    time ->     mb0      mb1      mb2
+    rank 0:   [ s0 ]   [ s0 ]   [ s0 ]
+    rank 1:            [ s1 ]   [ s1 ]   [ s1 ]
+    rank 2:                     [ s2 ]   [ s2 ]   [ s2 ]
+
+Every rank loads the embedding, the final norm and lm_head (small beside the layers; rank 0 uses them), and only
+its own layers, renamed to start at 0. Sends and receives have the step timeout (collectives.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+from torch import nn
+
+from banyan.config import ModelArch
+from banyan.distributed.collectives import TPGroup
+from banyan.distributed.tensor_parallel import WeightShard
+from banyan.errors import InvalidParameterError
+from banyan.forward_batch import ForwardBatch
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+SKIP = WeightShard(0, skip=True)
+
+
+def stage_ranges(num_layers: int, size: int) -> list[range]:
+    """Contiguous layer ranges, one per stage, sizes differing by at most one (the first stages the larger)."""
+    base, extra = divmod(num_layers, size)
+    starts = [s * base + min(s, extra) for s in range(size + 1)]
+    return [range(starts[s], starts[s + 1]) for s in range(size)]
+
+
+def check_stages(arch: ModelArch, size: int) -> None:
+    if size > arch.num_hidden_layers:
+        raise InvalidParameterError("pipeline_parallel_size", f"{size} stages for the model's "
+                                    f"{arch.num_hidden_layers} layers: each stage needs one")
+
+
+def micro_batch_bounds(query_lens: list[int], parts: int) -> list[int]:
+    """Request boundaries [0, ..., num_seqs] cutting the batch into at most `parts` runs of about equal tokens."""
+    total, bounds, running = sum(query_lens), [0], 0
+    for i, n in enumerate(query_lens[:-1], 1):
+        running += n
+        if running * parts >= total * len(bounds) and len(bounds) < parts:
+            bounds.append(i)
+    return bounds + [len(query_lens)]
+
+
+def split(fb: ForwardBatch, first: int, last: int) -> ForwardBatch:
+    """Requests [first, last) of the batch as a batch of their own (no logits rows: stages return hidden states).
+
+        rows:  [ ... | first's rows ... last-1's rows | ... ]
+                      r0 = query_start_loc[first]      r1 = query_start_loc[last]
+    """
+    r0, r1 = sum(fb.query_lens[:first]), sum(fb.query_lens[:last])
+    return ForwardBatch(
+        input_ids=fb.input_ids[r0:r1], positions=fb.positions[r0:r1], slot_mapping=fb.slot_mapping[r0:r1],
+        query_start_loc=fb.query_start_loc[first : last + 1] - r0, seq_lens=fb.seq_lens[first:last],
+        block_tables=fb.block_tables[first:last], logits_indices=fb.logits_indices[:0],
+        query_lens=fb.query_lens[first:last], context_lens=fb.context_lens[first:last], page_size=fb.page_size,
+    )
+
+
+@dataclasses.dataclass
+class Pipeline:
+    """This rank's stage: what the runner builds, loads, and how a forward runs (rank 0: PipelineModel)."""
+
+    group: TPGroup
+    arch: ModelArch
+
+    @property
+    def layers(self) -> range:
+        return stage_ranges(self.arch.num_hidden_layers, self.group.size)[self.group.rank]
+
+    def local_arch(self) -> ModelArch:
+        return dataclasses.replace(self.arch, num_hidden_layers=len(self.layers))
+
+    def weights(self, source, compact: bool):
+        """The checkpoint's tensors this stage holds: its layers (renumbered from 0), the embedding, norm, lm_head."""
+        first = self.layers.start
+        for name, tensor in source.iter_weights(compact, shard=self._skip_other_layers):
+            match = _LAYER.match(name)
+            yield (name if match is None else f"model.layers.{int(match.group(1)) - first}.{name[match.end():]}"), tensor
+
+    def _skip_other_layers(self, name: str) -> WeightShard | None:
+        match = _LAYER.match(name)
+        return SKIP if match is not None and int(match.group(1)) not in self.layers else None
+
+    def transform(self, model: nn.Module) -> nn.Module:
+        return PipelineModel(model, self) if self.group.rank == 0 else model
+
+    def agree_min(self, value: int) -> int:
+        return self.group.agree_min(value)
+
+    def micro_batches(self, fb: ForwardBatch) -> list[ForwardBatch]:
+        bounds = micro_batch_bounds(fb.query_lens, min(self.group.size, fb.num_seqs))
+        return [split(fb, a, b) for a, b in zip(bounds, bounds[1:])]
+
+    def run_layers(self, model: nn.Module, x: torch.Tensor, kv_caches, mb: ForwardBatch) -> torch.Tensor:
+        for layer, kv_cache in zip(model.model.layers, kv_caches, strict=True):
+            x = layer(x, kv_cache, mb)
+        return x
+
+    def worker_step(self, runner, fb: ForwardBatch) -> None:
+        """Ranks 1..N-1: receive each micro-batch's hidden states, run this stage, pass them on."""
+        rank, size = self.group.rank, self.group.size
+        sent = []
+        for i, mb in enumerate(self.micro_batches(fb)):
+            x = torch.empty(mb.num_tokens, self.arch.hidden_size, dtype=runner.dtype, device=runner.device)
+            self.group.recv(x, rank - 1, tag=i)
+            x = self.run_layers(runner.model, x, runner.kv_caches, mb)
+            sent.append((x, self.group.isend(x, (rank + 1) % size, tag=i)))
+        for _, work in sent:
+            work.wait()
+
+
+class PipelineModel(nn.Module):
+    """Rank 0's model: embedding and stage 0 here, the other stages in the workers, the final norm here again.
+    Returns what CausalLM.forward does: the final hidden states of every row."""
+
+    def __init__(self, model: nn.Module, pipeline: Pipeline):
+        super().__init__()
+        self.inner, self.pipeline = model, pipeline
+
+    def forward(self, fb: ForwardBatch, kv_caches) -> torch.Tensor:
+        pipeline, inner = self.pipeline, self.inner
+        last = pipeline.group.size - 1
+        sent, parts = [], pipeline.micro_batches(fb)
+        for i, mb in enumerate(parts):
+            x = pipeline.run_layers(inner, inner.model.embed_tokens(mb.input_ids), kv_caches, mb)
+            sent.append((x, pipeline.group.isend(x, 1, tag=i)))  # the next micro-batch runs while this one travels
+        outs = []
+        for i, mb in enumerate(parts):
+            out = torch.empty(mb.num_tokens, inner.arch.hidden_size, dtype=sent[i][0].dtype, device=sent[i][0].device)
+            pipeline.group.recv(out, last, tag=i)
+            outs.append(out)
+        for _, work in sent:
+            work.wait()
+        return inner.model.norm(torch.cat(outs))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.inner.compute_logits(hidden)
