@@ -196,6 +196,8 @@ class Engine:
             grammar_cache_entries=grammars.get("entries", 0),
             grammar_cache_bytes=grammars.get("bytes", 0),
             grammar_cache_evictions=grammars.get("evictions", 0),
+            lora_resident_adapters=len(self.adapters.slot_of) if self.adapters is not None else 0,
+            lora_adapter_loads=self.adapters.num_loads if self.adapters is not None else 0,
             **self._spec_stats(),
         )
 

@@ -20,6 +20,8 @@ class EngineSnapshot(msgspec.Struct, kw_only=True):
     grammar_cache_entries: int = 0  # compiled grammars held (bounded: RELIABILITY C4 G5)
     grammar_cache_bytes: int = 0
     grammar_cache_evictions: int = 0
+    lora_resident_adapters: int = 0  # LoRA adapters holding a weight slot now
+    lora_adapter_loads: int = 0  # adapters copied into a slot since start-up (first loads, and reloads after eviction)
     # speculation (zero without it): the Speculator's SpecStats, vLLM's spec_decode_* counters
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0

@@ -63,6 +63,7 @@ class ServerMetrics:
         self.engine_healthy = gauge("engine_healthy", "1 while the engine core runs and makes progress (/health), else 0.")
         self.grammar_cache_entries = gauge("grammar_cache_entries", "Compiled grammars held for reuse.")
         self.grammar_cache_bytes = gauge("grammar_cache_bytes", "Memory held by compiled grammars (estimate).")
+        self.lora_resident_adapters = gauge("lora_resident_adapters", "LoRA adapters holding a weight slot.")
 
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
@@ -70,6 +71,7 @@ class ServerMetrics:
             "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
         self.grammar_cache_evictions = counter("grammar_cache_evictions", "Compiled grammars dropped from the cache.")
+        self.lora_adapter_loads = counter("lora_adapter_loads", "LoRA adapters copied into a slot (loads and reloads).")
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Generation tokens processed.")
         self.spec_num_drafts = counter("spec_decode_num_drafts", "Speculative verifications (request-steps with drafts).")
@@ -122,12 +124,14 @@ class ServerMetrics:
         self.kv_cache_usage.set(stats.kv_usage)
         self.grammar_cache_entries.set(stats.grammar_cache_entries)
         self.grammar_cache_bytes.set(stats.grammar_cache_bytes)
+        self.lora_resident_adapters.set(stats.lora_resident_adapters)
         last = self._last_stats
         for counter, field in [
             (self.prefix_cache_queries, "prefix_query_tokens"),
             (self.prefix_cache_hits, "prefix_hit_tokens"),
             (self.num_preemptions, "num_preemptions"),
             (self.grammar_cache_evictions, "grammar_cache_evictions"),
+            (self.lora_adapter_loads, "lora_adapter_loads"),
             (self.spec_num_drafts, "spec_num_drafts"),
             (self.spec_num_draft_tokens, "spec_num_draft_tokens"),
             (self.spec_num_accepted_tokens, "spec_num_accepted_tokens"),

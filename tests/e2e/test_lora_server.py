@@ -69,6 +69,9 @@ def test_requests_select_an_adapter_by_model_name(served):
     texts = [r.choices[0].text for r in responses]
     assert texts == expected_texts(root, ["sql", "chat", None])
     assert len(set(texts)) == 3
+    metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text  # stats reach the server a few times a second
+    assert 'banyan:lora_resident_adapters{model_name="base"}' in metrics
+    assert 'banyan:lora_adapter_loads_total{model_name="base"}' in metrics
 
 
 def test_an_unknown_adapter_is_a_404(served):
