@@ -127,7 +127,7 @@ def _window(streams: list[Stream], start: float, end: float) -> dict:
     ttfts = [s.timing.ttft * 1000 for s in started if s.timing.ttft > 0]
     return {"seconds": round(end - start, 2), "tokens": len(times),
             "tokens_per_s": round(len(times) / (end - start), 1) if end > start else 0.0,
-            "longest_gap_ms": round(max(b - a for a, b in zip(edges, edges[1:])) * 1000, 1),
+            "longest_gap_ms": round(max(b - a for a, b in itertools.pairwise(edges)) * 1000, 1),
             "requests_started": len(started),
             "ttft_p50_ms": round(percentile(ttfts, 50), 1) if ttfts else None,
             "ttft_p99_ms": round(percentile(ttfts, 99), 1) if ttfts else None,

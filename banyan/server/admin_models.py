@@ -17,13 +17,13 @@ from the server's own engine settings, a swap from the swapped model's.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-
 from typing import Literal
 
 from fastapi import FastAPI
 from pydantic import BaseModel
 from starlette.requests import Request
 
+from banyan.config import EngineConfig
 from banyan.errors import BanyanError
 from banyan.server import openapi
 from banyan.server.errors import APIError, from_banyan_error

@@ -23,7 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from banyan.config import EngineConfig
-from banyan.config_args import OBJECT_SETTINGS, SECTIONS, SETTINGS, SIZES, config_from_kwargs, engine_config, parse_size
+from banyan.config_args import (
+    OBJECT_SETTINGS,
+    SECTIONS,
+    SETTINGS,
+    SIZES,
+    config_from_kwargs,
+    engine_config,
+    parse_size,
+)
 from banyan.errors import InvalidParameterError
 from banyan.server.routing import Route, make_route
 
@@ -205,7 +213,7 @@ def _spec_from_entry(entry: Any, index: int, base: EngineConfig) -> ModelSpec:
         raise InvalidParameterError(where, "must be a mapping with name and model")
     unknown = set(entry) - {"name", "model", "engine_args", "memory_share"}
     if unknown:
-        raise InvalidParameterError(f"{where}.{sorted(unknown)[0]}", "is not a field (name, model, engine_args, "
+        raise InvalidParameterError(f"{where}.{min(unknown)}", "is not a field (name, model, engine_args, "
                                     "memory_share)")
     names = entry.get("name")
     names = [names] if isinstance(names, str) else names

@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
@@ -36,8 +34,14 @@ from banyan.ipc.client import EngineClient
 from banyan.server.auth import ANONYMOUS, RateLimiter, Tenant
 from banyan.server.errors import APIError, model_not_found
 from banyan.server.metrics import ServerMetrics, render_all
-from banyan.server.model_memory import (Holding, MemoryBudget, MemoryEstimate, estimate_memory, gpu_cache_by_utilization,
-                                        resident_bytes, runs_on_gpu)
+from banyan.server.model_entry import ModelEntry, ModelState
+from banyan.server.model_memory import (
+    Holding,
+    MemoryBudget,
+    estimate_memory,
+    gpu_cache_by_utilization,
+    runs_on_gpu,
+)
 from banyan.server.model_specs import ModelSpec, with_engine
 from banyan.server.routing import Route, RouteMetrics
 from banyan.server.serving import OpenAIServing
@@ -46,72 +50,6 @@ logger = logging.getLogger("banyan.server")
 
 LOADING_RETRY_AFTER = 5  # seconds a client is told to wait for a loading model
 UNLOAD_KILL_AFTER = 10.0  # seconds a draining core gets to exit on its own
-
-
-class ModelState(str, enum.Enum):
-    LOADING = "loading"
-    READY = "ready"
-    DRAINING = "draining"
-    FAILED = "failed"
-
-
-@dataclass(eq=False)
-class ModelEntry:
-    spec: ModelSpec
-    estimate: MemoryEstimate
-    state: ModelState = ModelState.LOADING
-    error: str | None = None
-    client: EngineClient | None = None
-    serving: OpenAIServing | None = None
-    metrics: ServerMetrics | None = None
-    active: int = 0  # requests resolved to this entry whose handler has not returned yet
-    replacement: ModelEntry | None = None  # a swap loading under the same name
-    loaded_at: float | None = None
-    tokenizer: object = None  # the server's own copy (templates, tokenizing): opened before the core starts
-    adapters: dict[str, dict] = field(default_factory=dict)
-    """LoRA adapters served on top of this model: name -> extra fields of its /v1/models card (e.g. its path);
-    requests naming one are dispatched to this entry, with `model` unchanged."""
-    tasks: set[asyncio.Task] = field(default_factory=set)
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def resident(self) -> int:
-        """What its core holds now (RSS; 0 before it started and after it exited)."""
-        return resident_bytes(self.client.pid) if self.client is not None and self.client.is_alive() else 0
-
-    def holding(self) -> Holding:
-        return Holding(self.name, self.estimate.total, self.resident)
-
-    def busy(self) -> bool:
-        return self.active > 0 or (self.serving is not None and bool(self.serving.in_flight()))
-
-    def describe(self) -> dict:
-        """GET /admin/models' entry."""
-        out = {"name": self.name, "model": self.spec.source, "state": self.state.value,
-               "memory_bytes": self.resident or self.estimate.total, "memory_estimate_bytes": self.estimate.total,
-               "aliases": list(self.spec.names[1:])}
-        if self.loaded_at is not None:
-            out["ready_at"] = self.loaded_at  # unix time it became ready (a swap: when the name switched to it)
-        if self.client is not None and self.client.info is not None:
-            out |= {"pid": self.client.pid, "max_model_len": self.client.info.max_model_len,
-                    "kv_cache_tokens": self.client.info.num_pages * self.client.info.page_size}
-        if self.error is not None:
-            out["error"] = self.error
-        if self.replacement is not None:
-            out["swap"] = {"model": self.replacement.spec.source, "state": self.replacement.state.value,
-                           **({"error": self.replacement.error} if self.replacement.error else {})}
-        return out
-
-    def cards(self, created: int) -> list[dict]:
-        """Its /v1/models cards: one per name, then one per adapter with `parent` (as vLLM lists them)."""
-        max_len = self.client.info.max_model_len if self.client is not None and self.client.info else None
-        base = {"object": "model", "created": created, "owned_by": "banyan", "max_model_len": max_len}
-        return ([{"id": name, "root": self.spec.source, "parent": None, **base} for name in self.spec.names]
-                + [{"id": name, "root": name, "parent": self.name, **base, **extra}
-                   for name, extra in self.adapters.items()])
 
 
 ServingFactory = Callable[["ModelEntry"], tuple[OpenAIServing, ServerMetrics]]
@@ -356,7 +294,7 @@ class ModelRegistry:
             entry.serving, entry.metrics = self.make_serving(entry)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # the reason goes to GET /admin/models; the server carries on
+        except Exception as e:  # noqa: BLE001 - the reason goes to GET /admin/models; the server carries on
             entry.state, entry.error = ModelState.FAILED, _reason(e)
             logger.error("model %r (%s) failed to load: %s", entry.name, entry.spec.source, entry.error)
             if entry.client is not None:
