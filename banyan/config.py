@@ -366,6 +366,11 @@ class ServerConfig:
     max_buffered_events: int = 1024
     """Stream events held per choice for a client that reads slower than the model writes; beyond it the request
     is aborted."""
+    responses_store_size: int = 1024
+    """/v1/responses kept for previous_response_id and GET /v1/responses/{id}, over all API keys (the oldest go
+    first; 0 keeps none). Each API key reads only its own."""
+    responses_store_ttl: float = 3600.0
+    """Seconds a stored response is kept."""
     vllm_metric_names: bool = True
     """Export every metric vLLM also has under its vLLM name too (vllm:..., same labels), beside banyan:..., so
     dashboards and alerts written for vLLM work unchanged."""

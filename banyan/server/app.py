@@ -34,6 +34,8 @@ from banyan.server.audit import AuditLog
 from banyan.server.auth import ANONYMOUS, AdminAuth, ApiKeyAuth, Tenant
 from banyan.server.errors import APIError, error_body, parse_json_body
 from banyan.server.embeddings import create_embeddings
+from banyan.server.response_store import ResponseStore
+from banyan.server.responses import ResponsesServing
 from banyan.server.metrics import ServerMetrics
 from banyan.server.models import ModelRegistry
 from banyan.server.serving import OpenAIServing
@@ -215,6 +217,19 @@ def build_app(state: ServerState) -> FastAPI:
         tenant = tenant_of(request)
         return await state.models.dispatch(await read_json(request, limit), tenant, request,
                                            lambda serving, body: create_embeddings(serving, body, tenant, request))
+
+    responses = ResponsesServing(ResponseStore(state.config.responses_store_size, state.config.responses_store_ttl))
+
+    @app.post("/v1/responses", **openapi.route_docs(openapi.ResponseObject, errors=openapi.POST_ERRORS, stream=True,
+                                                    description=openapi.RESPONSES_DOC))
+    async def create_response(request: Request) -> Response:
+        tenant = tenant_of(request)
+        return await state.models.dispatch(await read_json(request, limit), tenant, request,
+                                           lambda serving, body: responses.create(serving, body, tenant, request))
+
+    @app.get("/v1/responses/{response_id}", **openapi.route_docs(openapi.ResponseObject, errors=(401, 404)))
+    async def get_response(response_id: str, request: Request) -> Response:
+        return responses.get(response_id, tenant_of(request))
 
     @app.post("/tokenize", **openapi.route_docs(openapi.TokenizeResponse, errors=openapi.POST_ERRORS, description=(
         "A prompt, or messages rendered with the chat template; add_special_tokens (default true for a prompt, false "

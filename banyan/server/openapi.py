@@ -22,6 +22,7 @@ from pydantic.json_schema import models_json_schema
 
 from banyan.server import protocol
 from banyan.server.embeddings import EmbeddingRequest
+from banyan.server.responses import ResponsesRequest
 
 DESCRIPTION = (
     "OpenAI-compatible inference server. Request bodies are validated strictly (no \"1\" for 1, finite numbers "
@@ -36,7 +37,14 @@ REQUEST_BODIES: dict[str, tuple[type[BaseModel], ...]] = {
     "/tokenize": (protocol.TokenizeCompletionRequest, protocol.TokenizeChatRequest),
     "/detokenize": (protocol.DetokenizeRequest,),
     "/v1/embeddings": (EmbeddingRequest,),
+    "/v1/responses": (ResponsesRequest,),
 }
+RESPONSES_DOC = (
+    "OpenAI's Responses API (its core): input as text or items (messages, function_call, function_call_output), "
+    "instructions, max_output_tokens, sampling, function tools and tool_choice, text.format json_schema, "
+    "previous_response_id over the responses stored for the same API key (404 for any other id). With stream, "
+    "server-sent events `event: <type>` / `data: {...}` numbered by sequence_number, from response.created to "
+    "response.completed (docs/responses.md).")
 
 
 # -- answers ---------------------------------------------------------------------------------------
@@ -153,6 +161,41 @@ class EmbeddingResponse(BaseModel):
     data: list[Embedding]
     model: str
     usage: EmbeddingUsage
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """A response of the Responses API; `output` holds reasoning, message and function_call items."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    model: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    output: list[dict[str, Any]]
+    error: None
+    incomplete_details: dict[str, str] | None
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    parallel_tool_calls: bool
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    text: dict[str, Any]
+    previous_response_id: str | None
+    store: bool
+    metadata: dict[str, str]
+    truncation: str
+    user: str | None
+    usage: ResponseUsage | None
 
 
 class TokenizeResponse(BaseModel):

@@ -74,6 +74,17 @@ class OpenAIServing:
 
     async def chat(self, body: dict, tenant: Tenant, http: Request) -> Response:
         req = protocol.parse(protocol.ChatCompletionRequest, body)
+        gen, prepared = await self.start_chat(req, tenant, http)
+        render = ChatRender(gen, req, self.tokenizer, self.answering(req.model), prepared.calling,
+                            reasoning=splitters(self.client.info.reasoning_parser, prepared.prompts[0][0]))
+        if req.stream:
+            return self._sse(gen, render.stream(), http)
+        return await self._respond(gen, render.response, http)
+
+    async def start_chat(self, req: protocol.ChatCompletionRequest, tenant: Tenant,
+                         http: Request) -> tuple[Generation, PreparedChat]:
+        """A validated chat request running in the core (also /v1/responses' path): the template rendered with
+        the tools, the grammar of tool calls or of the response format, admission."""
         self.check_model(req.model)
         if req.chat_template is not None and not self.config.allow_request_chat_template:
             raise APIError(400, "request chat templates are disabled on this server", param="chat_template")
@@ -84,11 +95,7 @@ class OpenAIServing:
         gen = self._start([ids for _, ids in prepared.prompts], params, req, tenant, http)
         if prepared.grammar is not None:
             gen.structured_param = "tools"
-        render = ChatRender(gen, req, self.tokenizer, self.answering(req.model), prepared.calling,
-                            reasoning=splitters(self.client.info.reasoning_parser, prepared.prompts[0][0]))
-        if req.stream:
-            return self._sse(gen, render.stream(), http)
-        return await self._respond(gen, render.response, http)
+        return gen, prepared
 
     async def tokenize(self, body: dict) -> Response:
         if "messages" in body:
@@ -294,17 +301,24 @@ class OpenAIServing:
             raise _error_of(errors[0].error, gen.structured_param)
         return JSONResponse(build())
 
-    def _sse(self, gen: Generation, chunks: AsyncIterator[dict], http: Request) -> StreamingResponse:
+    def _sse(self, gen: Generation, chunks: AsyncIterator[dict], http: Request, *,
+             encode: Callable[[dict], str] | None = None, error_event: Callable[[APIError], dict] = error_body,
+             done: str = "data: [DONE]\n\n") -> StreamingResponse:
+        """The chunks as server-sent events (`encode`, default sse_event); a request-scoped failure mid-stream becomes
+        an error event, then `done` ends the stream (chat and completions; /v1/responses brings its own three)."""
+        encode = encode or sse_event
+
         async def stream():
             try:
                 async for chunk in chunks:
-                    yield sse_event(chunk)
+                    yield encode(chunk)
             except Exception as e:  # request-scoped failure mid-stream: an error event, then [DONE]
                 err = _error_of(e, gen.structured_param)
-                yield sse_event(error_body(err))
+                yield encode(error_event(err))
             finally:
                 self._finish(gen, http)
-            yield "data: [DONE]\n\n"
+            if done:
+                yield done
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -313,6 +327,9 @@ class OpenAIServing:
             self.metrics.observe_max_generation_tokens(max(len(c.seq.token_ids) for c in gen.choices))
         for c in gen.choices:
             if not c.token_times:
+                if c.seq.finish_reason == "error":  # failed before its first token: an error all the same
+                    self.metrics.observe_request(0, 0, "error", ttft=None, itls=[], e2e=time.time() - c.arrival,
+                                                 queue_time=None)
                 continue
             times = c.token_times
             self.metrics.observe_request(
