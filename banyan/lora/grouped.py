@@ -2,7 +2,9 @@
 
 For a wrapped linear layer, every resident adapter's A^T and (scale * B)^T are stacked by slot:
 
-    lora_a [num_slots, in, n*R]     lora_b [num_slots, n*R, out]     R = max_lora_rank, n = merged shards (qkv: 3)
+    lora_a [num_slots, in, n*R]      lora_b[j] [num_slots, R, out_j]      R = max_lora_rank, n = merged shards (qkv: 3)
+
+shard j's B applied to its R columns of x @ A, into its own output columns cols[j] (layers.py draws it).
 
 The runner orders a step's requests by adapter slot (LoRAModel.prepare), so each group is a run of rows, base-model
 rows first (they belong to no group):
@@ -11,14 +13,15 @@ rows first (they belong to no group):
 
 and a step adds, for each group g of rows [lo_g, hi_g) running adapter slot s_g:
 
-    y[lo_g:hi_g] += (x[lo_g:hi_g] @ lora_a[s_g]) @ lora_b[s_g]
+    t = x[lo_g:hi_g] @ lora_a[s_g];   y[lo_g:hi_g, cols[j]] += t[:, j*R:(j+1)*R] @ lora_b[j][s_g]   for each shard j
 
 Three ways to run it, chosen once per step (LoRAGroups.build), the same sums each way:
-  equal     every group has M rows: x and y viewed as [G, M, *], one bmm and one baddbmm into y, no copies
-            (decode batches spread evenly over adapters; one adapter alone)
+  equal     every group has M rows: x and y viewed as [G, M, *], one bmm, then one baddbmm into y per shard,
+            no gather or scatter (decode batches spread evenly over adapters; one adapter alone)
   padded    groups padded to the largest, M rows, through a [G, M] row index, padding masked to 0: gather,
-            bmm, bmm, index_add, four kernels whatever G (uneven groups, when padding costs less than the rows)
-  segments  one addmm pair per group on views (a long prefill beside a few decodes: no group padded to it)
+            bmm, then bmm and index_add per shard, whatever G (uneven groups, when padding costs less than the rows)
+  segments  per group on views, one matmul then one addmm per shard (a long prefill beside a few decodes: no
+            group padded to its length)
 """
 
 from __future__ import annotations
@@ -55,21 +58,30 @@ class LoRAGroups:
         return cls(slots, bounds, "padded", torch.tensor(rows, dtype=torch.long, device=device),
                    torch.tensor(mask, device=device), index)
 
-    def add_deltas(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
-        """y += each group's low-rank product, in place; y [N, out], x [N, in]."""
+    def add_deltas(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: list[torch.Tensor],
+                   cols: list[slice]) -> torch.Tensor:
+        """y += each group's low-rank product, in place; y [N, out], x [N, in]; lora_b[j] writes columns cols[j]."""
+        R = lora_b[0].shape[1]
+        shards = [(j * R, b, c) for j, (b, c) in enumerate(zip(lora_b, cols))]
         if self.strategy == "segments":
             for g, slot in enumerate(self.slots):
                 lo, hi = self.bounds[g], self.bounds[g + 1]
-                y[lo:hi].addmm_(x[lo:hi] @ lora_a[slot], lora_b[slot])
+                t = x[lo:hi] @ lora_a[slot]  # [rows, n*R]
+                for k, b, c in shards:
+                    y[lo:hi, c].addmm_(t[:, k : k + R], b[slot])
             return y
-        a, b = self._stacked(lora_a), self._stacked(lora_b)  # [G, in, n*R], [G, n*R, out]
         G, lo, hi = len(self.slots), self.bounds[0], self.bounds[-1]
         if self.strategy == "equal":
-            yv = y[lo:hi].view(G, (hi - lo) // G, -1)
-            yv.baddbmm_(torch.bmm(x[lo:hi].reshape(G, (hi - lo) // G, -1), a), b)
+            M = (hi - lo) // G
+            t = torch.bmm(x[lo:hi].reshape(G, M, -1), self._stacked(lora_a))  # [G, M, n*R]
+            yv = y[lo:hi].view(G, M, -1)
+            for k, b, c in shards:
+                yv[..., c].baddbmm_(t[..., k : k + R], self._stacked(b))
             return y
-        t = torch.bmm(x[self.rows], a) * self.mask.to(x.dtype)  # [G, M, n*R], padding rows zeroed
-        return y.index_add_(0, self.rows.flatten(), torch.bmm(t, b).flatten(0, 1))
+        t = torch.bmm(x[self.rows], self._stacked(lora_a)) * self.mask.to(x.dtype)  # [G, M, n*R], padding zeroed
+        for k, b, c in shards:
+            y[:, c].index_add_(0, self.rows.flatten(), torch.bmm(t[..., k : k + R], self._stacked(b)).flatten(0, 1))
+        return y
 
     def _stacked(self, w: torch.Tensor) -> torch.Tensor:
         if self.slot_index is not None:

@@ -9,12 +9,13 @@ A LoRALinear sees only x (the model passes nothing else to a projection), so the
 row groups on the LoRAModel around the forward, and clears them after. Without a binding (base-only
 steps, CUDA graph capture) a wrapped layer is its base layer plus one attribute test.
 
-Merged layers get one product for all their shards: shard j's A^T fills columns [j*R, j*R + r) of
-lora_a, and its (scale * B)^T the same rows of lora_b under the shard's output columns, so
+Merged layers share one A product for all their shards: shard j's A^T fills columns [j*R, j*R + r) of
+lora_a, and its (scale * B)^T is its own lora_b[j], written into the shard's output columns:
 
-    lora_b [n*R, out]:   rows 0..R    -> q columns      (zeros elsewhere: block-diagonal)
-                         rows R..2R   -> k columns
-                         rows 2R..3R  -> v columns
+    t = x @ lora_a            [rows, n*R]     = [ t_q | t_k | t_v ]   (R columns each)
+    y[:, q columns] += t_q @ lora_b[0]        y[:, k columns] += t_k @ lora_b[1]      ...
+
+(one block-diagonal B would read n times the weights a step needs: the bytes, not the flops, cost on a CPU.)
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ class LoRALinear(nn.Module):
         self._owner = [owner]  # a list: not registered as a submodule
         width = len(self.out_sizes) * max_rank
         self.register_buffer("lora_a", torch.zeros(num_slots, base.in_features, width, dtype=dtype, device=device))
-        self.register_buffer("lora_b", torch.zeros(num_slots, width, base.out_features, dtype=dtype, device=device))
+        self.cols = [shard_rows(self.out_sizes, shard) for shard in self.out_sizes]  # each shard's output columns
+        for j, size in enumerate(self.out_sizes.values()):
+            self.register_buffer(f"lora_b{j}", torch.zeros(num_slots, max_rank, size, dtype=dtype, device=device))
+        self.lora_b = [getattr(self, f"lora_b{j}") for j in range(len(self.out_sizes))]
         self.filled = [False] * num_slots  # slots where this layer has weights (an adapter may skip it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,22 +54,21 @@ class LoRALinear(nn.Module):
         groups = self._owner[0].groups
         if groups is None or not any(self.filled[s] for s in groups.slots):
             return y
-        return groups.add_deltas(y, x, self.lora_a, self.lora_b)
+        return groups.add_deltas(y, x, self.lora_a, self.lora_b, self.cols)
 
     @torch.no_grad()
     def load(self, slot: int, shards: dict[str | None, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """This layer's part of one adapter (shard -> (A [r, in], scale * B [out_shard, r])) into `slot`."""
         self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
         R = self.max_rank
         for j, shard in enumerate(self.out_sizes):
+            self.lora_b[j][slot].zero_()
             if shard not in shards:
                 continue
             a, b = shards[shard]
             r = a.shape[0]
-            cols = shard_rows(self.out_sizes, shard)
             self.lora_a[slot, :, j * R : j * R + r].copy_(a.t())
-            self.lora_b[slot, j * R : j * R + r, cols].copy_(b.t())
+            self.lora_b[j][slot, :r].copy_(b.t())
         self.filled[slot] = bool(shards)
 
 
@@ -126,4 +129,4 @@ class LoRAModel:
             self.groups = None
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for layer in self.layers.values() for p in (layer.lora_a, layer.lora_b))
+        return sum(p.numel() * p.element_size() for layer in self.layers.values() for p in (layer.lora_a, *layer.lora_b))

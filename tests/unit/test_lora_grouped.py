@@ -14,9 +14,14 @@ from banyan.lora.layers import LoRAModel
 IN, OUT, SLOTS, R = 12, 10, 4, 3
 
 
-def reference(x, lora_a, lora_b, row_slot):
-    """Row by row: the delta of the row's slot (None: the base model, no delta)."""
-    return torch.stack([torch.zeros(OUT) if s is None else x[i] @ lora_a[s] @ lora_b[s] for i, s in enumerate(row_slot)])
+def reference(x, lora_a, lora_b, cols, row_slot):
+    """Row by row: the delta of the row's slot (None: the base model, no delta), shard j's B into its columns."""
+    out = torch.zeros(len(row_slot), OUT)
+    for i, s in enumerate(row_slot):
+        if s is not None:
+            for j, (b, c) in enumerate(zip(lora_b, cols)):
+                out[i, c] += x[i] @ lora_a[s][:, j * R : (j + 1) * R] @ b[s]
+    return out
 
 
 def groups_of(row_slot: list[int | None]) -> list[tuple[int, int, int]]:
@@ -38,14 +43,18 @@ def groups_of(row_slot: list[int | None]) -> list[tuple[int, int, int]]:
     ([1] * 20 + [3, 0], "segments"),  # a long group beside short ones
     ([None, 3, 3, 3], "equal"),  # one group
 ])
-def test_grouped_product_equals_row_by_row(row_slot, strategy):
+@pytest.mark.parametrize("sizes", [(OUT,), (6, 2, 2)])  # a plain layer; a merged one (q, k, v)
+def test_grouped_product_equals_row_by_row(row_slot, strategy, sizes):
     torch.manual_seed(0)
     x = torch.randn(len(row_slot), IN)
-    lora_a, lora_b = torch.randn(SLOTS, IN, R), torch.randn(SLOTS, R, OUT)
+    starts = [sum(sizes[:j]) for j in range(len(sizes))]
+    cols = [slice(start, start + size) for start, size in zip(starts, sizes)]
+    lora_a = torch.randn(SLOTS, IN, len(sizes) * R)
+    lora_b = [torch.randn(SLOTS, R, size) for size in sizes]
     groups = LoRAGroups.build(groups_of(row_slot), torch.device("cpu"))
     assert groups.strategy == strategy
-    y = groups.add_deltas(torch.zeros(len(row_slot), OUT), x, lora_a, lora_b)
-    torch.testing.assert_close(y, reference(x, lora_a, lora_b, row_slot))
+    y = groups.add_deltas(torch.zeros(len(row_slot), OUT), x, lora_a, lora_b, cols)
+    torch.testing.assert_close(y, reference(x, lora_a, lora_b, cols, row_slot))
 
 
 def test_a_merged_layer_puts_each_shard_delta_in_its_own_columns():
