@@ -8,7 +8,9 @@ shutdown), so the server does not know how many cores there are. Each request go
 picks (banyan/distributed/router.py; --router-policy, cache_aware by default), and its aborts follow it there.
 Stats are summed over the replicas (per-replica series: server/replica_metrics.py). A replica that dies fails its
 own in-flight requests (their streams raise EngineDeadError), the router stops sending there, and the server
-carries on with the others; only when every replica is gone do the death hooks run (the server exits non-zero).
+carries on with the others while a new core starts in its place (at most MAX_RESTARTS times per replica); the
+router takes it back once it is ready. Only when every replica is down at once do the death hooks run (the server
+exits non-zero, for its supervisor to restart).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from banyan.request import RequestDelta
 
 logger = logging.getLogger(__name__)
 
+MAX_RESTARTS = 3  # per replica, over the server's life: a core that keeps dying is left down
+
 
 async def start_engine_client(config: EngineConfig, *, fault: str | None = None, log_format: str = "text"):
     """An EngineClient, or with data_parallel_size > 1 a DataParallelClient over that many cores."""
@@ -36,8 +40,12 @@ async def start_engine_client(config: EngineConfig, *, fault: str | None = None,
 
 
 class DataParallelClient:
-    def __init__(self, config: EngineConfig, replicas: list[EngineClient]):
+    def __init__(self, config: EngineConfig, replicas: list[EngineClient], start=EngineClient.start):
+        """start(config): a new core for a replica that died (EngineClient.start with the server's options)."""
         self.config = config
+        self._start = start
+        self._restarts = [0] * len(replicas)
+        self._closing = False
         self.replicas = replicas
         first = replicas[0].info
         self.info = msgspec.structs.replace(first, num_pages=sum(r.info.num_pages for r in replicas))
@@ -47,7 +55,10 @@ class DataParallelClient:
         self._placed: dict[str, int] = {}  # request id -> its replica, while it runs
         self._dead: set[int] = set()
         for index, replica in enumerate(replicas):
-            replica.on_death.append(lambda reason, index=index: self._replica_died(index, reason))
+            self._watch(index, replica)
+
+    def _watch(self, index: int, replica: EngineClient) -> None:
+        replica.on_death.append(lambda reason: self._replica_died(index, reason))
 
     @classmethod
     async def start(cls, config: EngineConfig, *, fault: str | None = None, log_format: str = "text",
@@ -62,7 +73,8 @@ class DataParallelClient:
             await asyncio.gather(*(c.shutdown(timeout=1.0) for c in started if isinstance(c, EngineClient)))
             raise failed[0]
         logger.info("data parallel: %d engine cores, router policy %s", n, config.parallel.router_policy or "cache_aware")
-        return cls(config, list(started))
+        return cls(config, list(started), lambda c: EngineClient.start(c, fault=fault, log_format=log_format,
+                                                                       ready_timeout=ready_timeout))
 
     # -- state --------------------------------------------------------------------------------
     def alive(self) -> list[bool]:
@@ -149,8 +161,28 @@ class DataParallelClient:
                 result = hook(f"every data-parallel replica died; the last: {reason}")
                 if asyncio.iscoroutine(result):
                     asyncio.ensure_future(result)
+        elif self._restarts[index] < MAX_RESTARTS and not self._closing:
+            self._restarts[index] += 1
+            asyncio.ensure_future(self._restart(index))
+
+    async def _restart(self, index: int) -> None:
+        """A new core for the replica; the router sends to it again once it is ready."""
+        try:
+            replica = await self._start(self.config)
+        except Exception as e:  # noqa: BLE001 - logged; the replica stays down
+            logger.error("data-parallel replica %d could not restart: %s", index, e)
+            return
+        if self._closing or not self.is_alive():
+            await replica.shutdown(timeout=1.0)
+            return
+        await self.replicas[index].shutdown(timeout=1.0)  # the dead one's sockets and directory
+        self.replicas[index] = replica
+        self._watch(index, replica)
+        self._dead.discard(index)
+        logger.info("data-parallel replica %d is back (restart %d of %d)", index, self._restarts[index], MAX_RESTARTS)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
+        self._closing = True
         await asyncio.gather(*(r.shutdown(timeout) for r in self.replicas))
 
 

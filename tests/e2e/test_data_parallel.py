@@ -1,11 +1,12 @@
 """Data parallel: two engine cores behind one client and its router, on a multi-tenant workload (several long
-system prompts, many users each); and a server with two replicas, one of which dies."""
+system prompts, many users each); and a server with two replicas, one of which dies and is restarted."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import random
+import re
 import signal
 import time
 
@@ -76,6 +77,12 @@ def children(pid: int) -> list[int]:
     return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
 
 
+def replica_series(base_url: str, name: str) -> list[float]:
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    found = re.findall(rf'^banyan:{name}{{[^}}]*replica="(\d+)"}} (\S+)$', text, re.MULTILINE)
+    return [float(v) for _, v in sorted(found)]
+
+
 def test_a_server_with_two_replicas_serves_reports_each_and_survives_losing_one(model_dir):
     server = start_server(model_dir, "--data-parallel-size", "2", "--kv-cache-memory", "4MiB")
     try:
@@ -92,6 +99,15 @@ def test_a_server_with_two_replicas_serves_reports_each_and_survives_losing_one(
                                timeout=60).status_code for _ in range(4)]
         assert answered == [200] * 4  # the router stopped sending to the dead replica
         assert server.proc.poll() is None
-        assert 'replica="0"} 0.0' in httpx.get(f"{server.base_url}/metrics", timeout=10).text
+        deadline = time.monotonic() + 300  # a new core takes the dead one's place
+        while replica_series(server.base_url, "dp_replica_up") != [1.0, 1.0] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert replica_series(server.base_url, "dp_replica_up") == [1.0, 1.0]
+        before = replica_series(server.base_url, "dp_router_requests_total")
+        for i in range(4):  # new prompts: the router sends some to the new core (its tree is the smallest)
+            assert httpx.post(f"{server.base_url}/v1/completions", json={"prompt": f"back {i} " * 4, "max_tokens": 2},
+                              timeout=60).status_code == 200
+        assert replica_series(server.base_url, "dp_router_requests_total")[0] > before[0]
+        assert len(children(server.proc.pid)) == 2  # the dead core reaped, its replacement running
     finally:
         assert server.stop() == 0
