@@ -39,8 +39,9 @@ def draft_runner_kwargs(config: EngineConfig, draft: ModelSource | None) -> dict
     """What the target's runner needs to know of a draft model: the bytes its K/V take per token in the pool."""
     if draft is None:
         return {}
-    if config.parallel.tensor_parallel_size > 1:
-        raise InvalidParameterError("method", "draft_model needs the model in this process (not tensor-parallel)")
+    if config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size > 1:
+        raise InvalidParameterError("method", "draft_model needs the model in one process (tensor and pipeline "
+                                              "parallel size 1)")
     model = config.model
     dtype = resolve_dtype(model.dtype, draft.arch.torch_dtype, resolve_device(model.device), draft.path.is_file())
     itemsize = 1 if config.cache.kv_cache_dtype == "fp8" else dtype.itemsize
