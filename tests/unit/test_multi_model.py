@@ -12,13 +12,21 @@ from banyan.cli import build_parser
 from banyan.config import EngineConfig, ModelArch
 from banyan.errors import InvalidParameterError
 from banyan.ipc.messages import EngineStats
+from banyan.server.errors import APIError
 from banyan.server.metrics import ServerMetrics, render_all
-from banyan.server.model_memory import (GiB, MiB, Holding, MemoryBudget, MemoryBudgetExceededError, MemoryEstimate,
-                                        estimate_memory, num_parameters)
+from banyan.server.model_memory import (
+    GiB,
+    Holding,
+    MemoryBudget,
+    MemoryBudgetExceededError,
+    MemoryEstimate,
+    MiB,
+    estimate_memory,
+    num_parameters,
+)
 from banyan.server.model_specs import engine_from_args, models_to_serve, specs_from_yaml
 from banyan.server.routing import make_route, parse_route, sticky_point
 from tests.factories import make_hf_model, write_model_dir
-
 
 PARSER = build_parser()
 
@@ -62,7 +70,7 @@ def test_models_yaml_gives_names_engine_args_shares_and_routes(tmp_path):
     assert chat.engine.model.max_model_len == 512 and chat.engine.cache.kv_cache_memory == 32 * MiB
     assert tiny.names == ("tiny", "tiny-v1") and tiny.memory_share == 0.25
     assert file.routes == {"assistant": {"chat": 90, "tiny": 10}}
-    (spec_a, spec_b), (route,) = specs_of("--models", str(path), "--block-size", "8")
+    (_, spec_b), (route,) = specs_of("--models", str(path), "--block-size", "8")
     assert spec_b.engine.cache.block_size == 8 and route.variants == (("chat", 90.0), ("tiny", 10.0))
 
 
@@ -199,3 +207,60 @@ def test_the_swap_window_measures_the_longest_gap_between_anyones_tokens():
     assert w["tokens"] == 5 and w["longest_gap_ms"] == 600.0  # 12.0 - 11.4 (the window's end counts)
     assert w["requests_started"] == 3 and w["failed"] == 1 and w["ttft_p50_ms"] == 750.0
     assert _window([a, b, c], 11.0, 11.3)["tokens"] == 1
+
+
+# -- the registry before any core starts: names, shares, the budget ----------------------------------
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_registry")
+    write_model_dir(path, "llama")
+    return path
+
+
+def registry(budget: int | None):
+    from banyan.config import ServerConfig
+    from banyan.server.models import ModelRegistry
+
+    def never(*args):  # these tests accept or refuse loads; no core is started
+        raise AssertionError("no core should start here")
+
+    return ModelRegistry(ServerConfig(), EngineConfig(), MemoryBudget(budget), never, never)
+
+
+def test_a_memory_share_sizes_the_kv_cache_from_what_the_share_leaves(tiny_dir):
+    import asyncio
+
+    from banyan.server.model_specs import ModelSpec
+
+    models = registry(2 * GiB)
+    spec = ModelSpec(("a",), engine_from_args(EngineConfig(), str(tiny_dir), {"dtype": "float32"}), memory_share=0.25)
+    entry = asyncio.run(models._accepted(spec))
+    kv = entry.spec.engine.cache.kv_cache_memory
+    assert kv == GiB // 2 - entry.estimate.weights - entry.estimate.process and entry.estimate.total == GiB // 2
+    too_small = ModelSpec(("b",), spec.engine, memory_share=0.01)  # 20 MiB: less than the core's own process
+    with pytest.raises(APIError) as e:
+        asyncio.run(models._accepted(too_small))
+    assert e.value.status == 409 and e.value.param == "memory_share"
+
+
+def test_the_budget_counts_the_models_already_accepted(tiny_dir):
+    import asyncio
+
+    from banyan.server.model_specs import ModelSpec
+
+    models = registry(1 * GiB)
+    engine = engine_from_args(EngineConfig(), str(tiny_dir), {"kv_cache_memory": "300MiB"})
+    first = asyncio.run(models._accepted(ModelSpec(("a",), engine)))  # about 620 MiB with its process
+    models.entries["a"] = first
+    with pytest.raises(MemoryBudgetExceededError, match="loaded: a 0.6"):
+        asyncio.run(models._accepted(ModelSpec(("b",), engine)))
+
+
+def test_a_route_is_sticky_per_user_field_else_per_key():
+    from banyan.server.auth import ANONYMOUS, Tenant
+    from banyan.server.models import sticky_user
+
+    tenant = Tenant(tenant_id="t-1", cache_namespace="t-1")
+    assert sticky_user({"user": "alice"}, tenant) == "user:alice"
+    assert sticky_user({}, tenant) == sticky_user({"user": ""}, tenant) == "tenant:t-1"
+    assert sticky_user({"user": 5}, ANONYMOUS) is None  # nobody to stick to: chosen at random
