@@ -99,6 +99,7 @@ class ResidentAdapters:
         future = self.loading.pop(request.lora_id, None)
         if future is not None:
             future.cancel()
+        if request.lora_id not in self.slot_of:  # evicted (or never in): nothing left of it
             self._drop(request.lora_id)
 
     def take_loads(self) -> list[tuple[int, Any]]:

@@ -128,6 +128,7 @@ def test_more_adapters_than_slots_take_turns(tiny):
     assert 3 <= adapters.num_loads < len(ids)  # each adapter came in at least once, never once per request
     assert len(adapters.slot_of) == 1
     assert not adapters.pinned and not adapters.needed and not adapters.loading
+    assert set(adapters.specs) == set(adapters.paths) == set(adapters.slot_of)  # nothing kept of evicted ones
 
 
 def test_least_recently_used_adapter_is_evicted(tiny):
