@@ -286,17 +286,12 @@ class OpenAIServing:
 
     async def _respond(self, gen: Generation, build: Callable[[], dict], http: Request) -> Response:
         """Wait for every choice (aborting them if the client leaves first), then answer in one body."""
-        work = asyncio.ensure_future(gen.run())
-        gone = asyncio.ensure_future(_client_disconnected(http))
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():  # the client left: free the engine now
-                work.cancel()
-                return Response(status_code=499)
-            errors = work.result()
+            errors = await until_disconnect(gen.run(), http)  # None: the client left, the engine is freed now
         finally:
-            gone.cancel()
             self._finish(gen, http)
+        if errors is None:
+            return Response(status_code=499)
         if errors:
             raise _error_of(errors[0].error, gen.structured_param)
         return JSONResponse(build())

@@ -25,6 +25,7 @@ from tests.factories import write_model_dir
 from tests.server_process import start_server
 
 pytestmark = pytest.mark.slow
+ADMIN_KEY = "admin-embeddings-0001"
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paged attention keeps the KV cache in pages.", "héllo 東京"]
 
 
@@ -119,7 +120,8 @@ def test_sentence_transformers_mean_pooling_and_matryoshka_truncation(tmp_path):
 # -- over HTTP ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(llama_dir):
-    proc = start_server(llama_dir, "--served-model-name", "tiny", "--kv-cache-memory", "16MiB", "--max-model-len", "64")
+    proc = start_server(llama_dir, "--served-model-name", "tiny", "--kv-cache-memory", "16MiB", "--max-model-len", "64",
+                        "--admin-api-key", ADMIN_KEY)
     yield proc
     assert proc.stop() == 0, proc.log()
 
@@ -190,3 +192,14 @@ def test_the_server_still_generates_after_embeddings(client):
     out = client.completions.create(model="tiny", prompt=TEXTS[0], max_tokens=3, temperature=0)
     assert out.choices[0].finish_reason in ("length", "stop")
 
+
+def test_clients_that_leave_and_bad_requests_leak_no_page(server):
+    import httpx
+
+    body = {"model": "tiny", "input": [TEXTS[0] * 3] * 200, "encoding_format": "float"}
+    for _ in range(3):  # they give up 30 ms into the read: their inputs are aborted in the core
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{server.base_url}/v1/embeddings", json=body, timeout=httpx.Timeout(30.0, read=0.03))
+    httpx.post(f"{server.base_url}/v1/embeddings", json={"input": "ok"}).raise_for_status()  # served after them
+    kv = httpx.get(f"{server.base_url}/admin/kv", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
+    assert kv["integrity"] == "ok" and kv["num_in_use"] == 0 and kv["num_running"] == kv["num_waiting"] == 0, kv
