@@ -127,6 +127,11 @@ class Guard:
         return None
 
 
+def profiled(state: ServerState) -> dict[str, EngineClient]:
+    """The engine cores /start_profile and /stop_profile drive: every ready model's."""
+    return {entry.name: entry.client for entry in state.models.ready()}
+
+
 def is_admin_path(path: str) -> bool:
     return any(path.startswith(p) if p.endswith("/") else path == p for p in ADMIN_PATHS)
 
@@ -194,12 +199,12 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/start_profile", **openapi.route_docs(openapi.ProfileResponse, errors=(400, 401, 403, 404, 409, 503),
                                                     description=profiling.START_DOC))
     async def start_profile() -> dict:
-        return await profiling.control_profiler(state.client, state.config.profile_dir, start=True)
+        return await profiling.control_profilers(profiled(state), state.config.profile_dir, start=True)
 
     @app.post("/stop_profile", **openapi.route_docs(openapi.ProfileResponse, errors=(400, 401, 403, 404, 409, 503),
                                                    description=profiling.STOP_DOC))
     async def stop_profile() -> dict:
-        return await profiling.control_profiler(state.client, state.config.profile_dir, start=False)
+        return await profiling.control_profilers(profiled(state), state.config.profile_dir, start=False)
 
     @app.post("/v1/completions", **openapi.route_docs(openapi.CompletionResponse, errors=openapi.POST_ERRORS, stream=True))
     async def completions(request: Request) -> Response:

@@ -134,6 +134,8 @@ class Generation:
             if isinstance(e, SlowReaderError) and not self.slow_reader:
                 self.slow_reader = True  # logged once per HTTP request; its other choices fail the same way
                 logger.warning("request %s aborted: its client stopped reading the stream", choice.request_id)
+            if choice.seq.finish_reason is None:  # how metrics and the audit log count it
+                choice.seq.finish_reason = "abort" if isinstance(e, SlowReaderError) else "error"
             self._queue.put_nowait(Event(choice, "", error=e))
         finally:
             choice.finished = True

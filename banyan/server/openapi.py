@@ -226,10 +226,11 @@ class VersionResponse(BaseModel):
 
 
 class ProfileResponse(BaseModel):
-    """Whether the engine core's profiler runs now; `trace`: the file /stop_profile wrote."""
+    """Whether the engine cores' profilers run now; /stop_profile: the traces written, per model (`trace`: the first)."""
 
     profiling: bool
     trace: str | None = None
+    traces: dict[str, str] | None = None
 
 
 class KvReportResponse(BaseModel):

@@ -41,7 +41,8 @@ def server(tmp_path_factory):
     profile_dir = tmp_path_factory.mktemp("profiles")
     proc = start_server(model_dir, "--served-model-name", "tiny", "--max-model-len", "256", "--kv-cache-memory",
                         "32MiB", "--api-key", USER_KEY, "--api-key", OTHER_KEY, "--admin-api-key", ADMIN_KEY,
-                        "--tokens-per-minute", "400", "--log-format", "json", "--profile-dir", str(profile_dir))
+                        "--tokens-per-minute", "400", "--log-format", "json", "--profile-dir", str(profile_dir),
+                        "--fault", "grammar-raise-after-tokens=2")  # only constrained requests fail (one test)
     proc.profile_dir = profile_dir
     yield proc
     assert proc.stop() == 0, proc.log()
@@ -98,6 +99,27 @@ def test_every_request_gets_one_audit_line_with_numbers_and_no_text(server):
     assert USER_KEY not in log and "sk-wrong-key" not in log
 
 
+def test_a_request_failing_in_the_engine_counts_as_an_error(server):
+    """What the error-rate alert reads: a request that fails mid-stream ends finish_reason "error" in the metrics
+    and in its audit line (the injected fault fails constrained requests after 2 tokens)."""
+    def errors() -> float:
+        text = httpx.get(f"{server.base_url}/metrics").text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "banyan:request_success_total" and s.labels["finished_reason"] == "error")
+
+    before = errors()
+    long_object = {"type": "object", "properties": {"a": {"type": "string", "minLength": 12}}, "required": ["a"]}
+    stream = client(server).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "json"}], max_tokens=20, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": long_object}},
+        extra_headers={"X-Request-Id": "audit-error"})
+    with pytest.raises(openai.APIError):
+        list(stream)
+    line = audit_line(server, "audit-error")
+    assert line["status"] == 200 and line["finish_reasons"] == ["error"]  # the stream had begun: 200, then an error
+    assert errors() == before + 1
+
+
 def test_log_lines_of_both_processes_are_json(server):
     records = json_lines(server)
     assert {r["process"] for r in records} >= {"server", "engine-core"}
@@ -120,6 +142,7 @@ def test_profile_writes_a_trace_of_the_engine_core(server):
     client(server).completions.create(model="tiny", prompt="profile me", max_tokens=4)
     stopped = post(server, "/stop_profile", ADMIN_KEY).json()
     trace = Path(stopped["trace"])
+    assert stopped["traces"] == {"tiny": stopped["trace"]}  # one trace per model's core
     assert stopped["profiling"] is False and trace.parent == server.profile_dir and trace.name.endswith(".pt.trace.json")
     events = json.loads(trace.read_text())["traceEvents"]
     assert any("aten::" in e.get("name", "") for e in events)  # the model's operators ran while it recorded
