@@ -26,8 +26,10 @@ from starlette.responses import JSONResponse, Response
 from banyan.ipc.client import RequestError
 from banyan.ipc.messages import AddRequest
 from banyan.pooling_params import PoolingParams
+from banyan.request import RequestDelta
 from banyan.sampling_params import SamplingParams
 from banyan.server import protocol
+from banyan.server.audit import record_usage
 from banyan.server.auth import ApiKeyAuth, Tenant
 from banyan.server.errors import APIError, from_banyan_error
 from banyan.server.protocol_parts import RequestModel
@@ -65,13 +67,15 @@ async def create_embeddings(serving: OpenAIServing, body: dict, tenant: Tenant, 
     namespace = ApiKeyAuth.namespace_for(tenant, None)
     adds = [AddRequest(f"{key}-{i}", ids, SamplingParams(max_tokens=1), arrival_time=time.time(),
                        cache_salt=namespace, pooling_params=pooling) for i, ids in enumerate(prompts)]
-    vectors = await until_disconnect(_embed_all(serving.client, adds), http)
-    if vectors is None:
+    deltas = await until_disconnect(_embed_all(serving.client, adds), http)
+    if deltas is None:
         return Response(status_code=499)
-    data = [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
-            for i, v in enumerate(vectors)]
-    num_tokens = sum(map(len, prompts))
-    return JSONResponse({"object": "list", "data": data, "model": req.model or serving.model_names[0],
+    data = [{"object": "embedding", "index": i, "embedding": _encode(d.embedding, req.encoding_format)}
+            for i, d in enumerate(deltas)]
+    model, num_tokens = req.model or serving.model_names[0], sum(map(len, prompts))
+    record_usage(http.scope.setdefault("state", {}), model=model, prompt_tokens=num_tokens, completion_tokens=0,
+                 cached_tokens=sum(d.num_cached_tokens for d in deltas), finish_reasons=["stop"] * len(deltas))
+    return JSONResponse({"object": "list", "data": data, "model": model,
                          "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
 
 
@@ -83,8 +87,9 @@ def _check_length(serving: OpenAIServing, ids: list[int]) -> None:
     serving._check_token_ids(ids, "input")
 
 
-async def _embed_all(client, adds: list[AddRequest]) -> list[list[float]]:
-    """Every input's embedding; the first failure cancels (aborts) the others and is raised as an APIError."""
+async def _embed_all(client, adds: list[AddRequest]) -> list[RequestDelta]:
+    """Every input's last delta (its embedding); the first failure cancels (aborts) the others and is raised as an
+    APIError."""
     tasks = [asyncio.ensure_future(_embed(client, add)) for add in adds]
     try:
         return await asyncio.gather(*tasks)
@@ -95,11 +100,11 @@ async def _embed_all(client, adds: list[AddRequest]) -> list[list[float]]:
             task.cancel()
 
 
-async def _embed(client, add: AddRequest) -> list[float]:
+async def _embed(client, add: AddRequest) -> RequestDelta:
     async with aclosing(client.generate(add)) as deltas:  # leaving early aborts it in the core
         async for delta in deltas:
             if delta.embedding is not None:
-                return delta.embedding
+                return delta
     raise APIError(500, "the engine ended an embedding request without its embedding", type="server_error")
 
 
