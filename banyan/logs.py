@@ -48,3 +48,11 @@ def configure_logging(level: str | int, log_format: str = "text", role: str = "s
     else:
         handler.setFormatter(logging.Formatter(f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level.upper() if isinstance(level, str) else level, handlers=[handler], force=True)
+    logging.captureWarnings(True)  # Python's warnings become log lines too (one format on the stream)
+
+
+def announce(text: str, log_format: str = "text", role: str = "server") -> None:
+    """A line for the operator on stdout (e.g. "serving ... at URL"): as it is, or (json) as a log record."""
+    if log_format == "json":
+        text = JsonFormatter(role).format(logging.LogRecord("banyan.server", logging.INFO, __file__, 0, text, None, None))
+    print(text, flush=True)

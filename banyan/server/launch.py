@@ -21,6 +21,7 @@ from banyan.config import EngineConfig, ServerConfig
 from banyan.errors import InvalidParameterError
 from banyan.ipc.client import EngineClient
 from banyan.ipc.dp_client import DataParallelClient, start_engine_client
+from banyan.logs import announce
 from banyan.server.app import ServerState, build_app
 from banyan.server.auth import ADMIN_API_KEY_ENV, AdminAuth, ApiKeyAuth, ApiKeyConfigError, load_api_keys
 from banyan.server.connection import DeadlineH11Protocol
@@ -99,6 +100,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, *, fau
         timeout_graceful_shutdown=5,
         h11_max_incomplete_event_size=64 * 1024,  # caps header size (RELIABILITY H5)
         http=DeadlineH11Protocol.with_timeouts(config.request_read_timeout, config.response_write_timeout),
+        log_config=None,  # uvicorn's own lines go through banyan's handler (text or JSON, banyan.logs)
     )
     server = _Server(uv_config, state)
 
@@ -115,11 +117,11 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, *, fau
     models.on_swapped.append(on_swapped)
     for entry in models.ready():
         info = entry.client.info
-        print(
+        announce(
             f"banyan: serving {entry.name} ({info.architecture}, {info.dtype} on {info.device}) at "
             f"http://{config.host}:{config.port}/v1 — KV cache {info.num_pages * info.page_size} tokens, "
             f"max_model_len {info.max_model_len}{', API keys required' if auth.enabled else ''}",
-            flush=True,
+            config.log_format,
         )
     try:
         await server.serve()

@@ -121,9 +121,12 @@ def test_a_request_failing_in_the_engine_counts_as_an_error(server):
 
 
 def test_log_lines_of_both_processes_are_json(server):
+    lines = [line for line in server.log().splitlines() if line.strip()]
+    assert all(line.startswith("{") for line in lines), [line for line in lines if not line.startswith("{")][:5]
     records = json_lines(server)
     assert {r["process"] for r in records} >= {"server", "engine-core"}
     assert all({"time", "level", "logger", "message"} <= r.keys() for r in records)
+    assert any(r["message"].startswith("banyan: serving tiny") for r in records)  # the start-up line too
 
 
 # -- the profiler -------------------------------------------------------------------------------
