@@ -133,8 +133,11 @@ class ModelRegistry:
     # -- requests ------------------------------------------------------------------------------------
     def resolve(self, model: object, user: str | None) -> tuple[ModelEntry, str | None]:
         """The entry that serves `model` (a name, an alias or a route), and the variant's name when a route chose it."""
-        if model is None or not isinstance(model, str):
-            return self.entries[self.primary], None  # the body's validation answers a `model` of the wrong type
+        if model is None or not isinstance(model, str):  # (the body's validation answers a `model` of the wrong type)
+            if self.primary is None:
+                raise APIError(404, "no model is loaded; name one", type="NotFoundError", param="model",
+                               code="model_not_found")
+            model = self.primary
         variant = None
         route = self.routes.get(model)
         if route is not None:
@@ -313,6 +316,8 @@ class ModelRegistry:
                 del self.entries[name]
             if entry.state is ModelState.FAILED:
                 self.failed[name] = entry
+        if self.primary in entry.spec.names:  # requests without `model` go to the next one given
+            self.primary = next((e.name for e in self.models()), None)
         # Routes keep their variants: `resolve` chooses among the ready ones.
 
     def _retire(self, entry: ModelEntry, timeout: float) -> None:

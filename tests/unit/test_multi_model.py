@@ -264,3 +264,25 @@ def test_a_route_is_sticky_per_user_field_else_per_key():
     assert sticky_user({"user": "alice"}, tenant) == "user:alice"
     assert sticky_user({}, tenant) == sticky_user({"user": ""}, tenant) == "tenant:t-1"
     assert sticky_user({"user": 5}, ANONYMOUS) is None  # nobody to stick to: chosen at random
+
+
+def test_requests_without_a_model_go_to_the_first_model_still_served(tiny_dir):
+    import asyncio
+
+    from banyan.server.model_entry import ModelState
+    from banyan.server.model_specs import ModelSpec
+
+    models = registry(None)
+    engine = engine_from_args(EngineConfig(), str(tiny_dir), {"kv_cache_memory": "16MiB"})
+    a, b = (asyncio.run(models._accepted(ModelSpec((name,), engine), check_memory=False)) for name in "ab")
+    for entry in (a, b):
+        entry.state = ModelState.READY
+        models.entries[entry.name] = entry
+    models.primary = "a"
+    assert models.resolve(None, None) == (a, None)
+    models._forget(a)  # unloaded
+    assert models.resolve(None, None) == (b, None) and models.primary == "b"
+    models._forget(b)
+    with pytest.raises(APIError) as e:
+        models.resolve(None, None)
+    assert e.value.status == 404
