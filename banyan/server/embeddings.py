@@ -58,10 +58,10 @@ async def create_embeddings(serving: OpenAIServing, body: dict, tenant: Tenant, 
     """The endpoint, on the model's OpenAIServing (its model check, text pool, admission and engine client)."""
     req = protocol.parse(EmbeddingRequest, body)
     serving.check_model(req.model)
-    prompts = await serving._offload(serving._tokenize_prompts, req.input)
+    prompts = await serving.offload(serving.tokenize_prompts, req.input)
     for ids in prompts:
         _check_length(serving, ids)
-    serving._admit(tenant, sum(map(len, prompts)), len(prompts))
+    serving.admit(tenant, sum(map(len, prompts)), len(prompts))
     pooling = PoolingParams(dimensions=req.dimensions)
     key = f"embd-{http.state.request_id}.{next(_serials)}"
     namespace = ApiKeyAuth.namespace_for(tenant, None)
@@ -84,7 +84,7 @@ def _check_length(serving: OpenAIServing, ids: list[int]) -> None:
     if len(ids) > limit:
         raise APIError(400, f"this model's maximum context length is {limit} tokens, but the input has {len(ids)}",
                        param="input", code="context_length_exceeded")
-    serving._check_token_ids(ids, "input")
+    serving.check_token_ids(ids, "input")
 
 
 async def _embed_all(client, adds: list[AddRequest]) -> list[RequestDelta]:

@@ -101,10 +101,10 @@ class ResponsesServing:
                          serving.tokenizer)
         finish = lambda: self._finish(answer, gen, tenant, conversation)  # noqa: E731
         if req.stream:
-            return serving._sse(gen, answer.stream(gen, finish), http, encode=_event,
+            return serving.sse(gen, answer.stream(gen, finish), http, encode=_event,
                                 error_event=lambda error: answer.numbered(_error_event(error)), done="")
         try:
-            return await serving._respond(gen, lambda: answer.whole(gen, finish), http)
+            return await serving.respond(gen, lambda: answer.whole(gen, finish), http)
         except APIError as e:  # e.g. a grammar the core failed to compile
             raise _as_responses_error(e) from None
 

@@ -63,14 +63,14 @@ class OpenAIServing:
     async def completions(self, body: dict, tenant: Tenant, http: Request) -> Response:
         req = protocol.parse(protocol.CompletionRequest, body)
         self.check_model(req.model)
-        prompts = await self._offload(self._tokenize_prompts, req.prompt)
+        prompts = await self.offload(self.tokenize_prompts, req.prompt)
         params = protocol.to_sampling_params(req, default_max_tokens=None)
         gen = self._start(prompts, params, req, tenant, http)
         texts = [self.tokenizer.decode(p) for p in prompts] if req.echo else None
         render = CompletionRender(gen, req, self.tokenizer, self.answering(req.model), texts)
         if req.stream:
-            return self._sse(gen, render.stream(), http)
-        return await self._respond(gen, render.response, http)
+            return self.sse(gen, render.stream(), http)
+        return await self.respond(gen, render.response, http)
 
     async def chat(self, body: dict, tenant: Tenant, http: Request) -> Response:
         req = protocol.parse(protocol.ChatCompletionRequest, body)
@@ -78,8 +78,8 @@ class OpenAIServing:
         render = ChatRender(gen, req, self.tokenizer, self.answering(req.model), prepared.calling,
                             reasoning=splitters(self.client.info.reasoning_parser, prepared.prompts[0][0]))
         if req.stream:
-            return self._sse(gen, render.stream(), http)
-        return await self._respond(gen, render.response, http)
+            return self.sse(gen, render.stream(), http)
+        return await self.respond(gen, render.response, http)
 
     async def start_chat(self, req: protocol.ChatCompletionRequest, tenant: Tenant,
                          http: Request) -> tuple[Generation, PreparedChat]:
@@ -88,7 +88,7 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.chat_template is not None and not self.config.allow_request_chat_template:
             raise APIError(400, "request chat templates are disabled on this server", param="chat_template")
-        prepared = await self._offload(self._prepare_chat, req)
+        prepared = await self.offload(self._prepare_chat, req)
         params = protocol.to_sampling_params(req, default_max_tokens=None)
         if prepared.grammar is not None:
             params = params.clone(structured_outputs=prepared.grammar)
@@ -101,20 +101,20 @@ class OpenAIServing:
         if "messages" in body:
             req = protocol.parse(protocol.TokenizeChatRequest, body)
             self.check_model(req.model)
-            ids = await self._offload(self._render_chat, req)
+            ids = await self.offload(self._render_chat, req)
             if req.add_special_tokens:  # around the rendered chat, as the tokenizer adds them around a text
                 ids = with_special_tokens(self.tokenizer, ids)
         else:
             req = protocol.parse(protocol.TokenizeCompletionRequest, body)
             self.check_model(req.model)
-            ids = await self._offload(lambda: self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            ids = await self.offload(lambda: self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len})
 
     async def detokenize(self, body: dict) -> Response:
         req = protocol.parse(protocol.DetokenizeRequest, body)
         self.check_model(req.model)
-        self._check_token_ids(req.tokens, "tokens")
-        return JSONResponse({"prompt": await self._offload(lambda: self.tokenizer.decode(req.tokens))})
+        self.check_token_ids(req.tokens, "tokens")
+        return JSONResponse({"prompt": await self.offload(lambda: self.tokenizer.decode(req.tokens))})
 
     def models(self) -> dict:
         created = int(time.time())
@@ -133,7 +133,7 @@ class OpenAIServing:
         """The `model` of the response: the adapter's name when one answered (as vLLM), else the model's."""
         return model if self.lora is not None and self.lora.get(model) is not None else self.model_names[0]
 
-    def _check_token_ids(self, ids: list[int], param: str) -> None:
+    def check_token_ids(self, ids: list[int], param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is out of vocabulary (size {self.vocab_size})", param=param)
@@ -142,7 +142,7 @@ class OpenAIServing:
         for ids in prompts:
             if not ids:
                 raise APIError(400, "the prompt is empty", param="prompt")
-            self._check_token_ids(ids, "prompt")
+            self.check_token_ids(ids, "prompt")
             wanted = len(ids) + (params.max_tokens or 1)
             if wanted > self.max_model_len:
                 asked = f"{len(ids)} in the prompt + {params.max_tokens} to generate" if params.max_tokens else f"{len(ids)} in the prompt"
@@ -172,7 +172,7 @@ class OpenAIServing:
             self.metrics.observe_rejection(tenant.tenant_id, 503, error.code)
             raise from_banyan_error(error)
 
-    def _admit(self, tenant: Tenant, num_tokens: int, num_requests: int) -> None:
+    def admit(self, tenant: Tenant, num_tokens: int, num_requests: int) -> None:
         if self.client.num_in_flight + num_requests > self.config.max_queued_requests:
             self.metrics.observe_rejection(tenant.tenant_id, 503, "server_overloaded")
             raise APIError(503, "the server is at capacity; retry shortly", type="server_error", code="server_overloaded", retry_after=1)
@@ -182,7 +182,7 @@ class OpenAIServing:
             raise APIError(429, "rate limit reached for this API key", type="rate_limit_error", code="rate_limit_exceeded", retry_after=wait)
 
     # -- text work off the loop -----------------------------------------------------------------
-    async def _offload(self, fn: Callable, *args):
+    async def offload(self, fn: Callable, *args):
         future = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         try:
             return await asyncio.wait_for(future, self.config.render_timeout + 1.0)
@@ -193,7 +193,7 @@ class OpenAIServing:
                 raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down", retry_after=5) from None
             raise from_banyan_error(e) from None
 
-    def _tokenize_prompts(self, prompt) -> list[list[int]]:
+    def tokenize_prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
             return [self.tokenizer.encode(prompt)]
         if prompt and isinstance(prompt[0], int):
@@ -251,7 +251,7 @@ class OpenAIServing:
         except BanyanError as e:
             raise from_banyan_error(e) from e
         budget = sum(len(p) + (params.max_tokens or self.max_model_len - len(p)) for p in prompts) * params.num_sequences
-        self._admit(tenant, budget, len(prompts) * params.num_sequences)
+        self.admit(tenant, budget, len(prompts) * params.num_sequences)
         slo = self._slo(req, tenant)
         self._check_slo(slo, tenant)
         namespace = ApiKeyAuth.namespace_for(tenant, req.cache_salt)
@@ -284,7 +284,7 @@ class OpenAIServing:
                      completion_tokens=gen.completion_tokens, cached_tokens=gen.cached_tokens,
                      finish_reasons=[c.seq.finish_reason or "abort" for c in gen.choices])
 
-    async def _respond(self, gen: Generation, build: Callable[[], dict], http: Request) -> Response:
+    async def respond(self, gen: Generation, build: Callable[[], dict], http: Request) -> Response:
         """Wait for every choice (aborting them if the client leaves first), then answer in one body."""
         try:
             errors = await until_disconnect(gen.run(), http)  # None: the client left, the engine is freed now
@@ -296,7 +296,7 @@ class OpenAIServing:
             raise _error_of(errors[0].error, gen.structured_param)
         return JSONResponse(build())
 
-    def _sse(self, gen: Generation, chunks: AsyncIterator[dict], http: Request, *,
+    def sse(self, gen: Generation, chunks: AsyncIterator[dict], http: Request, *,
              encode: Callable[[dict], str] | None = None, error_event: Callable[[APIError], dict] = error_body,
              done: str = "data: [DONE]\n\n") -> StreamingResponse:
         """The chunks as server-sent events (`encode`, default sse_event); a request-scoped failure mid-stream becomes
