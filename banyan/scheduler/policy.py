@@ -7,8 +7,8 @@ one with the most slack.
 
 Under slo, `Deadlines` also refuses what cannot be served in time, before it costs a step:
 
-    wait(request) = max(tokens ahead / prefill tokens per second, requests ahead / admissions per second)
-                    + one step                                       (both rates measured while requests queued)
+    wait(request) = (max(tokens ahead / prefill tokens per step, requests ahead / admissions per step) + 1.5)
+                    x step time               (step time: every step that ran; the two paces: while requests queued)
 
     tokens ahead:   the prompt tokens still to compute of the running requests and of every waiting one served
                     before it (its own prompt included); requests ahead: those waiting ones, itself included.
@@ -16,7 +16,8 @@ Under slo, `Deadlines` also refuses what cannot be served in time, before it cos
                     (503 slo_unattainable, Retry-After: when the queue ahead will have drained enough).
 
 The first term binds when prompts are long (compute), the second when max_num_seqs or the cache is full (the queue
-moves only as running requests finish). Until a queue has been measured nothing is refused. Fairness: a tenant's
+moves only as running requests finish). Before a step was measured nothing is refused; before a queue was, only the
+step time counts (a request that cannot have its first token within 1.5 steps). Fairness: a tenant's
 k-th waiting request (k = 0, 1, ... in deadline order) is ordered as if its deadline were k + s service slots later,
 s = the tenant's admissions of the last seconds (each decaying e^(-age / FAIRNESS_WINDOW)) and one slot = the
 measured seconds per admission, so one key flooding the queue delays its own requests first.
@@ -41,6 +42,9 @@ if TYPE_CHECKING:
 POLICIES: Registry[Callable[[Request], tuple]] = Registry("policy")  # name -> sort key: smaller is served first
 EWMA_RATE = 0.05
 """Weight of one backlogged step in the measured rates (about the last 20 steps count)."""
+FIRST_TOKEN_STEPS = 1.5
+"""Steps a request at the head of the queue waits for its first token: the rest of the step running (half, on
+average), then its own."""
 FAIRNESS_WINDOW = 2.0
 """Seconds over which a tenant's admissions count against its share (an exponential decay's time constant)."""
 
@@ -97,8 +101,8 @@ class SchedulingPolicy:
 
 
 class Deadlines:
-    """The slo policy's measurements (backlogged step period, prefill tokens and admissions per step, as EWMAs)
-    and the decisions made from them. `clock` is wall time, as arrival times are."""
+    """The slo policy's measurements (the step time; prefill tokens and admissions per step while requests queue; as
+    EWMAs) and the decisions made from them. `clock` is wall time, as arrival times are."""
 
     def __init__(self, clock: Callable[[], float] = time.time):
         self.clock = clock
@@ -107,6 +111,7 @@ class Deadlines:
         self.admitted_per_step = 0.0
         self._last: tuple[float, int, int, bool] | None = None  # the previous schedule: time, prefill, admitted, backlogged
         self._admitted_total = self._admitted_before = 0
+        self._paced = False  # the queue's pace measured at least once
         self._served: dict[str | None, tuple[float, float]] = {}  # tenant -> (admissions, decayed to this time)
 
     # -- measuring --------------------------------------------------------------------------------
@@ -119,23 +124,20 @@ class Deadlines:
 
     def observe_schedule(self, scheduled: Sequence[ScheduledRequest], backlogged: bool) -> None:
         """A schedule() just ended: what it holds (the step about to run) and whether requests still wait. The
-        period to the next call is that step's time; it counts only when requests waited (the loop never idled)."""
+        period to the next call is that step's time: it counts when the step ran something, and the step's
+        prefill tokens and admissions count when requests waited too (the queue's pace, not the arrivals')."""
         now = self.clock()
         if self._last is not None:
-            then, prefill, admitted, was_backlogged = self._last
+            then, prefill, admitted, was_busy, was_backlogged = self._last
+            if was_busy and now > then:
+                self.step_seconds = _ewma(self.step_seconds, now - then)
             if was_backlogged and now > then:
-                self._update(now - then, prefill, admitted)
+                self.prefill_per_step = _ewma(self.prefill_per_step, prefill, seeded=self._paced)
+                self.admitted_per_step = _ewma(self.admitted_per_step, admitted, seeded=self._paced)
+                self._paced = True
         prefill = sum(max(0, min(s.end, s.request.num_prompt_tokens) - s.start) for s in scheduled)
-        self._last = (now, prefill, self._admitted_total - self._admitted_before, backlogged)
+        self._last = (now, prefill, self._admitted_total - self._admitted_before, bool(scheduled), backlogged)
         self._admitted_before = self._admitted_total
-
-    def _update(self, seconds: float, prefill: int, admitted: int) -> None:
-        if self.step_seconds == 0.0:  # the first measurement seeds the averages
-            self.step_seconds, self.prefill_per_step, self.admitted_per_step = seconds, prefill, admitted
-            return
-        self.step_seconds += EWMA_RATE * (seconds - self.step_seconds)
-        self.prefill_per_step += EWMA_RATE * (prefill - self.prefill_per_step)
-        self.admitted_per_step += EWMA_RATE * (admitted - self.admitted_per_step)
 
     @property
     def measured(self) -> bool:
@@ -147,7 +149,7 @@ class Deadlines:
         if not self.measured:
             return 0.0
         steps = max(_steps_for(tokens_ahead, self.prefill_per_step), _steps_for(requests_ahead, self.admitted_per_step))
-        return (steps + 1) * self.step_seconds
+        return (steps + FIRST_TOKEN_STEPS) * self.step_seconds
 
     def snapshot(self, running: Iterable[Request], waiting: Sequence[Request]) -> dict[str, float]:
         """EngineSnapshot's slo_* fields, which the server's admission check reads: the wait of a request queued
@@ -235,6 +237,13 @@ def with_defaults(slo: Slo | None, ttft_ms: float | None, tpot_ms: float | None)
     slo = msgspec.structs.replace(slo, ttft_ms=slo.ttft_ms if slo.ttft_ms is not None else ttft_ms,
                                   tpot_ms=slo.tpot_ms if slo.tpot_ms is not None else tpot_ms)
     return slo if slo.ttft_ms is not None or slo.tpot_ms is not None else None
+
+
+def _ewma(average: float, value: float, seeded: bool | None = None) -> float:
+    """One more observation in an average; the first one (average 0, or seeded False) seeds it."""
+    if not (seeded if seeded is not None else average > 0.0):
+        return float(value)
+    return average + EWMA_RATE * (value - average)
 
 
 def _steps_for(amount: float, per_step: float) -> float:

@@ -24,8 +24,9 @@ BODIES = {
     "/v1/chat/completions": "ChatCompletionRequest",
     "/detokenize": "DetokenizeRequest",
 }
-FUZZ_EXAMPLES = int(os.environ.get("BANYAN_FUZZ_EXAMPLES", "6"))
-"""Generated requests per operation: a few in CI (~15 s); set BANYAN_FUZZ_EXAMPLES for a deeper run."""
+FUZZ_EXAMPLES = int(os.environ.get("BANYAN_FUZZ_EXAMPLES", "25"))
+"""Generated requests per operation and mode: 25 in CI (about 500 requests over every operation, positive and
+negative); the long tier sets BANYAN_FUZZ_EXAMPLES=560 (about 10,000: docs/reliability.md)."""
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,8 @@ def timed_step(s, clock: FakeClock, seconds: float = STEP) -> dict:
 
 def backlogged(clock: FakeClock, num_queued: int, ttft_ms=60_000.0):
     """A scheduler that admits one 16-token request per 0.1 s step (measured over a few backlogged steps),
-    with `num_queued` more requests waiting: a queued request's first token is due (position + 1 + 1) steps on."""
+    with `num_queued` more requests waiting: the k-th queued request's first token is due (k + 1 + 1.5) steps on
+    (those ahead, itself, the rest of the step running and its own)."""
     s = slo_scheduler(clock, max_num_seqs=1, max_num_batched_tokens=16)
     for _ in range(4 + num_queued):
         s.add_request(slo_request(clock, ttft_ms))
@@ -84,20 +85,33 @@ def test_nothing_is_refused_before_a_queue_was_measured():
 
 def test_a_request_the_queue_would_make_late_is_refused_when_it_arrives():
     clock = FakeClock()
-    s = backlogged(clock, num_queued=10, ttft_ms=1550)  # queued 0.4 s ago: their deadlines are 1.15 s from now
-    # behind those 10: 10 + itself + the step of its first token = 1.2 s
+    s = backlogged(clock, num_queued=10, ttft_ms=1600)  # queued 0.4 s ago: their deadlines are 1.2 s from now
+    # behind those 10: (10 + itself + 1.5) steps = 1.25 s
     with pytest.raises(SloUnattainableError) as refused:
-        check(s, slo_request(clock, ttft_ms=1180))  # due 1.18 s from now, after all 10
+        check(s, slo_request(clock, ttft_ms=1220))  # due 1.22 s from now, after all 10
     info = error_info(refused.value)
-    assert (info.status, info.code) == (503, "slo_unattainable") and "1180 ms ttft" in info.message
-    assert info.retry_after == pytest.approx(0.02)
+    assert (info.status, info.code) == (503, "slo_unattainable") and "1220 ms ttft" in info.message
+    assert info.retry_after == pytest.approx(0.03)
     check(s, slo_request(clock, ttft_ms=1300))
 
 
 def test_a_tighter_deadline_waits_only_behind_the_tighter_ones():
     clock = FakeClock()
     s = backlogged(clock, num_queued=10, ttft_ms=60_000)
-    check(s, slo_request(clock, ttft_ms=300))  # goes first: 1 + 1 steps
+    check(s, slo_request(clock, ttft_ms=300))  # goes first: 1 + 1.5 steps
+
+
+def test_without_a_queue_the_step_time_alone_refuses():
+    clock = FakeClock()
+    s = slo_scheduler(clock)  # room for every request: nothing ever waits
+    for _ in range(3):
+        s.add_request(slo_request(clock, max_tokens=50))
+    for _ in range(3):
+        timed_step(s, clock, seconds=1.0)  # a big batch: slow steps
+    assert not s.waiting and s.policy.deadlines.admitted_per_step == 0.0  # no queue, no pace
+    with pytest.raises(SloUnattainableError):
+        check(s, slo_request(clock, ttft_ms=1400))  # the rest of a step, then its own: 1.5 s
+    check(s, slo_request(clock, ttft_ms=1600))
 
 
 def test_a_step_slower_than_the_tpot_target_is_refused():
@@ -117,7 +131,7 @@ def test_waiting_requests_that_can_no_longer_make_it_end_unrun():
     clock.now += 0.5  # the core stalled; now only the first few can still make it
     batch = s.schedule()
     refused = set(batch.finished)
-    assert refused == set(queued[3:])  # 0.5 s gone: the k-th has (k + 2) steps left, k = 3 would take 0.5 s more
+    assert refused == set(queued[3:])  # 0.5 s gone: the k-th needs (k + 2.5) steps, k = 3 would take 0.55 s
     for r in refused:
         assert r.status == RequestStatus.FINISHED_ERROR and r.num_computed_tokens == 0
         assert (r.error.status, r.error.code) == (503, "slo_unattainable") and r.error.retry_after > 0
