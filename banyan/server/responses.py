@@ -36,7 +36,8 @@ from banyan.text.reasoning import splitters
 
 MAX_INPUT_ITEMS = 2048
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
-_CHAT_PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens", "messages": "input"}
+_CHAT_PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens",
+                "max_tokens": "max_output_tokens", "messages": "input"}
 
 
 class FunctionTool(StrictModel):

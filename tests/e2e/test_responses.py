@@ -181,6 +181,7 @@ def test_reasoning_comes_as_a_reasoning_item(client, model_dir):
     ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 123}}}}, "text.format"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "max_output_tokens": 5000}, "max_output_tokens"),  # beyond --max-model-len 1024
     ({"input": "hi", "temperature": 3}, "temperature"),
 ])
 def test_bad_input_is_an_openai_400_naming_the_field(server, body, param):
