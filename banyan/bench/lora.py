@@ -7,13 +7,16 @@ to a temporary directory. Three configurations run the same prompts (ignore_eos,
     lora-off-rows  LLM(enable_lora=True), every request on the base model: what enabling LoRA costs by itself
     mixed          the same LLM, request i on adapter i % --num-adapters: one batch of mixed adapters
 
-Rounds rotate the order (as bench speculative does), so load on a shared machine falls on all alike; tok/s sums
-tokens and seconds over the rounds, `cost` = 1 - tok/s / base tok/s.
+Rounds rotate the order (as bench speculative does). tok/s sums tokens and seconds over the rounds; `cost` is the
+median over rounds of 1 - tok/s / base tok/s within the round: load that drifts over minutes on a shared machine
+moves the configurations of one round together, so the paired ratio is steadier than the totals (`spread` gives
+its smallest and largest values).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -64,26 +67,35 @@ def run_lora(config: EngineConfig, args) -> tuple[dict, dict]:
         inputs = [{"prompt_token_ids": p.prompt_token_ids} for p in prompts]
         params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
         totals = {name: [0, 0.0] for name in runs}
+        per_round: list[dict[str, float]] = []  # tok/s of each configuration, one dict per round
         for name, (llm, loras) in runs.items():  # warm-up: adapters loaded and resident, kernels touched
             llm.generate(inputs[: len(adapters)], params.clone(max_tokens=2), use_tqdm=False,
                          lora_request=None if loras is None else loras[: len(adapters)])
         names = list(runs)
         for r in range(args.rounds):
+            per_round.append({})
             for name in names[r % len(names):] + names[: r % len(names)]:
                 llm, loras = runs[name]
                 started = time.perf_counter()
                 outputs = llm.generate(inputs, params, use_tqdm=False, lora_request=loras)
-                totals[name][1] += time.perf_counter() - started
-                totals[name][0] += sum(len(o.outputs[0].token_ids) for o in outputs)
-    base_rate = totals["base"][0] / totals["base"][1]
-    results = {name: {"output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
-                      "cost": 1 - (tokens / seconds) / base_rate} for name, (tokens, seconds) in totals.items()}
+                seconds = time.perf_counter() - started
+                tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+                totals[name][0] += tokens
+                totals[name][1] += seconds
+                per_round[-1][name] = tokens / seconds
+    results = {}
+    for name, (tokens, seconds) in totals.items():
+        costs = sorted(1 - rates[name] / rates["base"] for rates in per_round)
+        results[name] = {"output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
+                         "cost": statistics.median(costs), "spread": [costs[0], costs[-1]],
+                         "per_round_tok_s": [rates[name] for rates in per_round]}
     bench = {k: v for k, v in vars(args).items() if k != "func"}
     return {"bench": bench}, {"runs": results, "device": base.engine.device, "dtype": base.engine.dtype}
 
 
 def markdown(results: dict) -> str:
-    lines = ["| configuration | output tok/s | cost vs base |", "|---|---:|---:|"]
+    lines = ["| configuration | output tok/s | cost vs base (median of rounds) | smallest .. largest |", "|---|---:|---:|---:|"]
     for name, run in results["runs"].items():
-        lines.append(f"| {name} | {run['output_tok_s']:.1f} | {run['cost']:+.1%} |")
+        low, high = run["spread"]
+        lines.append(f"| {name} | {run['output_tok_s']:.1f} | {run['cost']:+.1%} | {low:+.1%} .. {high:+.1%} |")
     return "\n".join(lines)
