@@ -20,6 +20,7 @@ from banyan.request import RequestStatus
 from banyan.sampling_params import SamplingParams
 from banyan.text.output_processor import OutputProcessor, PromptState, SequenceState
 from banyan.text.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from banyan.text.reasoning import splitters
 
 PromptInput = str | Sequence[int] | dict[str, Any]
 
@@ -117,11 +118,8 @@ class LLM:
             params = [p.clone(structured_outputs=prepared.grammar) for p in params]
         prompts = [{"prompt": text, "prompt_token_ids": ids} for text, ids in prepared.prompts]
         outputs = self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
-        calling = prepared.calling
-        if calling.active:
-            for output in outputs:
-                for completion in output.outputs:
-                    completion.content, completion.tool_calls = calling.parser().parse(completion.text)
+        for output, (prompt_text, _) in zip(outputs, prepared.prompts):
+            _read_replies(output, prepared.calling, splitters(self.engine.config.model.reasoning_parser, prompt_text))
         return outputs
 
     def embed(
@@ -204,6 +202,18 @@ class LLM:
                 to_abort = processor.process(self.engine.step())
                 self.engine.abort_requests(to_abort, RequestStatus.FINISHED_STOPPED)
                 bar.update(len(processor.pop_finished()))
+
+
+def _read_replies(output: RequestOutput, calling, reasoning) -> None:
+    """Each reply read back, as the server reads it: the thinking (with a reasoning parser) into `reasoning`, the
+    rest into `content`, with tools its calls into `tool_calls`."""
+    for completion in output.outputs:
+        text = completion.text
+        if reasoning is not None:
+            completion.reasoning, text = reasoning().parse(text)
+            completion.content = text
+        if calling.active:
+            completion.content, completion.tool_calls = calling.parser().parse(text)
 
 
 @contextlib.contextmanager

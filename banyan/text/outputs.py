@@ -36,6 +36,7 @@ class CompletionOutput:
     # LLM.chat with tools: the reply read back as text before the calls, and the calls (complete or not)
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning: str | None = None  # LLM.chat with a reasoning_parser: the thinking ("" when the reply did not think)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -121,5 +121,7 @@ def test_the_engine_gates_the_grammar_on_the_end_of_thinking(qwen3_dir):
     biased = greedy.clone(logit_bias={start: 30, end: 31}, max_tokens=40)
     opened = llm.chat(ASK, biased, use_tqdm=False)[0].outputs[0]
     assert opened.text.startswith("<think></think>{")
+    assert opened.reasoning == "" and opened.content == opened.text.removeprefix("<think></think>")
+    assert open_thinking.reasoning == open_thinking.text and open_thinking.content == ""  # LLM.chat reads it too
     llm.engine.kv.check_integrity()
     assert llm.engine.kv.stats().num_in_use == 0
