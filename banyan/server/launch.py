@@ -87,6 +87,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, *, fau
         specs = [ModelSpec(served_names(server_config.served_model_name, engine_config.model.model), engine_config,
                            fault=fault)]
     config = _with_template(server_config)
+    if config.lora_modules and not specs[0].engine.lora.enable_lora:
+        raise InvalidParameterError("lora_modules", "serving LoRA adapters needs --enable-lora on the first model")
     models = await _start_models(config, engine_config, specs, [*routes, *map(parse_route, config.route)])
     first = models.entries[models.primary]
     state = ServerState(config, first.client, first.serving, auth, first.metrics, admin=admin, models=models)

@@ -3,6 +3,9 @@ unloaded at run time under the admin key; an unknown adapter is a 404 and a bad 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 import openai
 import pytest
@@ -113,3 +116,10 @@ def _hf(root):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(str(root / "model"))
+
+
+def test_lora_modules_without_enable_lora_is_refused_at_start(served):
+    root, _ = served
+    done = subprocess.run([sys.executable, "-m", "banyan.cli", "serve", "--model", str(root / "model"),
+                           "--lora-modules", f"sql={root / 'sql'}"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "needs --enable-lora" in done.stdout + done.stderr
