@@ -27,6 +27,7 @@ from torch import nn
 from banyan.config import ModelArch
 from banyan.distributed.collectives import TPGroup
 from banyan.errors import InvalidParameterError
+from banyan.quantization.formats import QuantizedWeight, pad_rows, take_columns, take_rows
 
 
 def check_sizes(arch: ModelArch, size: int) -> None:
@@ -82,10 +83,14 @@ class WeightShard:
         pad[self.dim] = missing
         return torch.cat([part, part.new_zeros(pad)], dim=self.dim)
 
-    def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This shard of a whole tensor."""
+    def take(self, tensor: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+        """This shard of a whole tensor, or of a GGUF weight kept compact (its rows, or its inputs by whole groups)."""
         if self.zero:
             return torch.zeros_like(tensor)
+        if not isinstance(tensor, torch.Tensor):
+            if self.dim == 1:
+                return take_columns(tensor, self.start, self.stop)
+            return pad_rows(take_rows(tensor, slice(self.start, self.stop)), self.size)
         return self.finish(tensor[self.index(tensor.dim())])
 
 

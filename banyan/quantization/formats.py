@@ -172,6 +172,35 @@ def take_rows(weight: QuantizedWeight, rows: torch.Tensor | slice) -> QuantizedW
     return type(weight)(*(getattr(weight, f.name)[rows] for f in fields(weight)))
 
 
+def take_columns(weight: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
+    """The same weight restricted to inputs [start, stop) (a row-parallel shard): q's columns, and for int4 the
+    groups they make up, so the bounds must fall on group boundaries (ValueError otherwise); per-row scales stay.
+
+        q:      [ ... | start ... stop | ... ]     one column per input
+        scale:  [ ... | start/g .. stop/g | ... ]  int4: one column per group of g inputs; int8: [out], kept
+    """
+    cols = shape_of(weight)[1]
+    parts = []
+    for f in fields(weight):
+        t = getattr(weight, f.name)
+        if t.dim() == 2:
+            step = cols // t.shape[1]
+            if start % step or stop % step:
+                raise ValueError(f"inputs [{start}, {stop}) do not fall on {step}-input groups")
+            t = t[:, start // step : stop // step]
+        parts.append(t)
+    return type(weight)(*parts)
+
+
+def pad_rows(weight: QuantizedWeight, rows: int) -> QuantizedWeight:
+    """Zero rows appended up to `rows` (they dequantize to 0): the last shard of a vocabulary split."""
+    missing = rows - shape_of(weight)[0]
+    if missing <= 0:
+        return weight
+    return type(weight)(*(torch.cat([t, t.new_zeros((missing, *t.shape[1:]))]) for t in
+                          (getattr(weight, f.name) for f in fields(weight))))
+
+
 def copy_rows(dest: QuantizedWeight, rows: slice, src: QuantizedWeight) -> None:
     for f in fields(dest):
         getattr(dest, f.name)[rows].copy_(getattr(src, f.name))

@@ -25,8 +25,8 @@ def iter_tensors(reader, arch: ModelArch, compact: bool = False,
                  shard=None) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(Hugging Face name, tensor) for every tensor: fp32, or with compact=True the ones compact_formats
     names as banyan's quantized weights (Q4_0/Q4_1 -> Int4Weight, Q8_0 -> Int8Weight).
-    shard(name) -> WeightShard | None (tensor parallel, float tensors only): rows are sliced before
-    dequantizing (only they are read), columns after."""
+    shard(name) -> WeightShard | None (tensor parallel): a float tensor's rows are sliced before dequantizing
+    (only they are read), columns after; a compact one is sliced whole (rows, or inputs by whole groups)."""
     rope_permuted = arch.architecture == "LlamaForCausalLM"  # llama.cpp permutes Q/K for llama only
     for t in reader.tensors:
         name = hf_name(t.name)
@@ -35,14 +35,13 @@ def iter_tensors(reader, arch: ModelArch, compact: bool = False,
         part = shard(name) if shard is not None else None
         if part is not None and part.skip:
             continue
-        if compact and _compact_format(t) is not None:
-            w = _read_compact(t)
-        else:
-            w = _dequantize(t, part.index(1)[0] if part is not None and part.dim == 0 and not part.zero else slice(None))
+        kept = compact and _compact_format(t) is not None
+        rows_first = part is not None and part.dim == 0 and not part.zero and not kept
+        w = _read_compact(t) if kept else _dequantize(t, part.index(1)[0] if rows_first else slice(None))
         if rope_permuted and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             w = _unpermute_rope(w, shape_of(w)[0] // arch.head_dim)  # whole heads, sliced or not
         if part is not None:
-            w = part.finish(w) if part.dim == 0 and not part.zero else part.take(w)
+            w = part.finish(w) if rows_first else part.take(w)
         yield name, w
 
 

@@ -24,7 +24,7 @@ from banyan.layers.sampler import Sampler, compute_prompt_logprobs, request_gene
 from banyan.lora.layers import LoRAGroups, LoRAModel
 from banyan.models.registry import get_model_class
 from banyan.quantization.formats import FP16
-from banyan.quantization import (Choice, default_method, finish_loading, model_weight_bytes, plan_formats, quantize_linears,
+from banyan.quantization import (default_method, finish_loading, model_weight_bytes, plan_formats, quantize_linears,
                                  use_fixed_order)
 from banyan.registry import UnknownChoiceError
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
@@ -92,8 +92,6 @@ class ModelRunner:
         model_cls = get_model_class(self.arch.architecture)
         choice = default_method(model_config.quantization, self.device, self.dtype, source.arch.torch_dtype,
                                 source.path.is_file())
-        if self.parallel is not None and choice.method == "gguf":  # compact tensors are not sliced (yet): float16
-            choice = Choice("fp16")
         method = choice.method
         with _default_dtype(self.dtype), torch.device(self.device):
             model = model_cls(self.shard, self.attn)

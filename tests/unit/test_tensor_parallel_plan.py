@@ -13,6 +13,7 @@ from banyan.distributed.pipeline import check_stages, micro_batch_bounds, split,
 from banyan.distributed.tensor_parallel import ShardPlan, WeightShard, check_sizes, shard_arch
 from banyan.errors import InvalidParameterError
 from banyan.forward_batch import ForwardBatch
+from banyan.quantization.formats import Int4Weight, Int8Weight
 from banyan.runner.worker import decode_step, encode_step, encode_stop
 
 SMOLLM2 = ModelArch("LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -101,3 +102,15 @@ def test_micro_batches_cut_whole_requests_of_about_equal_tokens():
     second = split(fb, 1, 2)
     assert second.input_ids.tolist() == [8] and second.query_start_loc.tolist() == [0, 1]
     assert second.block_tables.tolist() == [[1, 2, 3]] and second.context_lens == [10] and second.query_lens == [1]
+
+
+def test_compact_weights_split_by_rows_and_by_whole_groups():
+    w = torch.randn(6, 64)
+    int4, int8 = Int4Weight.quantize(w, 32), Int8Weight.quantize(w)
+    for q in (int4, int8):
+        full = q.dequantize()
+        assert torch.equal(WeightShard(1, 32, 64, 32).take(q).dequantize(), full[:, 32:64])
+        rows = WeightShard(0, 4, 8, 4).take(q).dequantize()  # the last vocabulary shard: 2 rows, 2 of padding
+        assert torch.equal(rows[:2], full[4:6]) and not rows[2:].any()
+    with pytest.raises(ValueError, match="32-input groups"):
+        WeightShard(1, 16, 48, 32).take(int4)
