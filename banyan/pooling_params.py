@@ -34,4 +34,5 @@ class PoolingParams:
         if self.dimensions is not None and (type(self.dimensions) is not int or self.dimensions < 1):
             raise InvalidParameterError("dimensions", f"must be a positive integer, got {self.dimensions!r}")
         if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
-            raise InvalidParameterError("pooling", f"must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+            raise InvalidParameterError("pooling",
+                                        f"must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")

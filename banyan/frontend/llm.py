@@ -140,7 +140,8 @@ class LLM:
                 request_id, token_ids = f"embed-{next(self._ids)}", self._tokenize(prompt)[1]
                 self.engine.add_request(request_id, token_ids, SamplingParams(), pooling_params=pooling)
                 added[request_id] = token_ids
-            with tqdm(total=len(added), desc="Embedding", unit="req", disable=not use_tqdm) as bar, collections_paused():
+            bar = tqdm(total=len(added), desc="Embedding", unit="req", disable=not use_tqdm)
+            with bar, collections_paused():
                 while len(embeddings) < len(added) and self.engine.has_unfinished_requests():
                     for delta in self.engine.step():
                         if delta.error is not None:

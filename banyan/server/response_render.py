@@ -145,7 +145,8 @@ class OutputItems:
 def output_messages(items: list[dict]) -> list[dict]:
     """The output as chat messages, for a follow-up's conversation (reasoning is not replayed)."""
     text = "".join(p["text"] for item in items if item["type"] == "message" for p in item["content"])
-    calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
              for item in items if item["type"] == "function_call"]
     message: dict = {"role": "assistant", "content": text or (None if calls else "")}
     if calls:

@@ -153,7 +153,8 @@ class _Answer:
             "output": [] if gen is None else self.items.items, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "temperature": req.temperature, "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "temperature": req.temperature, "top_p": req.top_p,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
             "tool_choice": req.tool_choice.model_dump() if isinstance(req.tool_choice, StrictModel) else
             req.tool_choice or ("auto" if req.tools else "none"),
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],

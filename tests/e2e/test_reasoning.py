@@ -74,7 +74,8 @@ def test_reasoning_is_split_from_content_whole_and_streamed_alike(client, end_id
 
 
 def test_a_reply_that_does_not_open_a_thinking_is_all_content(client):
-    message = client.chat.completions.create(model="tiny", messages=ASK, temperature=0, max_tokens=12).choices[0].message
+    reply = client.chat.completions.create(model="tiny", messages=ASK, temperature=0, max_tokens=12)
+    message = reply.choices[0].message
     assert message.reasoning is None and message.content
 
 

@@ -61,4 +61,5 @@ def test_one_reply_becomes_reasoning_message_and_call_items_whole_or_streamed():
 def test_output_becomes_the_next_turns_assistant_message():
     whole, _ = items_for([REPLY])
     (message,) = output_messages(whole)
-    assert message["content"] == "Sure.\n" and message["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    assert message["content"] == "Sure.\n"
+    assert message["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
