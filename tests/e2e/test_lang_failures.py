@@ -98,3 +98,19 @@ def test_the_server_engine_failing_mid_batch(model_dir):
     finally:
         backend.close()
         proc.stop()
+
+
+def test_an_api_key_is_sent_and_a_missing_one_is_a_typed_error(model_dir):
+    proc = start_server(model_dir, "--kv-cache-memory", "64MiB", "--max-model-len", "256", "--api-key", "sk-lang")
+    try:
+        with pytest.raises(bl.BackendError) as refused:
+            bl.RuntimeEndpoint(proc.base_url)
+        assert refused.value.status == 401 and refused.value.call == "connect"
+        backend = bl.RuntimeEndpoint(proc.base_url, api_key="sk-lang")
+        try:
+            state = two_gens.run(index=1, temperature=0, backend=backend)
+            assert state.error() is None and state["second"]
+        finally:
+            backend.close()
+    finally:
+        proc.stop()
