@@ -65,14 +65,15 @@ async def create_embeddings(serving: OpenAIServing, body: dict, tenant: Tenant, 
     pooling = PoolingParams(dimensions=req.dimensions)
     key = f"embd-{http.state.request_id}.{next(_serials)}"
     namespace = ApiKeyAuth.namespace_for(tenant, None)
-    adds = [AddRequest(f"{key}-{i}", ids, SamplingParams(max_tokens=1), arrival_time=time.time(),
-                       cache_salt=namespace, pooling_params=pooling) for i, ids in enumerate(prompts)]
+    lora = serving.lora.get(req.model) if serving.lora is not None else None  # a LoRA adapter's name: its states
+    adds = [AddRequest(f"{key}-{i}", ids, SamplingParams(max_tokens=1), arrival_time=time.time(), cache_salt=namespace,
+                       pooling_params=pooling, lora_request=lora) for i, ids in enumerate(prompts)]
     deltas = await until_disconnect(_embed_all(serving.client, adds), http)
     if deltas is None:
         return Response(status_code=499)
     data = [{"object": "embedding", "index": i, "embedding": _encode(d.embedding, req.encoding_format)}
             for i, d in enumerate(deltas)]
-    model, num_tokens = req.model or serving.model_names[0], sum(map(len, prompts))
+    model, num_tokens = serving.answering(req.model), sum(map(len, prompts))
     record_usage(http.scope.setdefault("state", {}), model=model, prompt_tokens=num_tokens, completion_tokens=0,
                  cached_tokens=sum(d.num_cached_tokens for d in deltas), finish_reasons=["stop"] * len(deltas))
     return JSONResponse({"object": "list", "data": data, "model": model,

@@ -165,11 +165,16 @@ def test_reasoning_comes_as_a_reasoning_item(client, model_dir):
     for stream in (False, True):
         raw = client.responses.create(model="tiny", input="Think first.", max_output_tokens=12, temperature=0,
                                       stream=stream, extra_body={"logit_bias": bias})
-        response = list(raw)[-1].response if stream else raw
+        raw_events = list(raw) if stream else []
+        response = raw_events[-1].response if stream else raw
         kinds = [item.type for item in response.output]
         assert kinds[0] == "reasoning", kinds  # <think> first: the bias
         assert response.output[0].content[0].type == "reasoning_text"
         assert "<think>" not in response.output_text and response.usage.output_tokens_details.reasoning_tokens >= 0
+        if stream:
+            types = [e.type for e in raw_events]
+            assert types[2:4] == ["response.output_item.added", "response.content_part.added"]
+            assert "response.reasoning_text.delta" in types or "response.reasoning_text.done" in types
 
 
 @pytest.mark.parametrize("body, param", [
