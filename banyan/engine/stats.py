@@ -28,9 +28,11 @@ class EngineSnapshot(msgspec.Struct, kw_only=True):
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)  # [j]: draft j + 1 accepted
     # the slo policy's measurements (zero under the others): the server refuses early from these
-    slo_queue_wait: float = 0.0  # seconds before a request queued behind all waiting ones gets its first token
-    slo_step_seconds: float = 0.0  # a step's measured time while requests queue
-    slo_seconds_per_request: float = 0.0  # the queue's measured pace: seconds per admission
+    slo_step_seconds: float = 0.0  # the step time planned with (scheduler/policy.py Deadlines)
+    slo_prefill_per_step: float = 0.0  # prompt tokens computed per step while requests queue
+    slo_admitted_per_step: float = 0.0  # admissions per step while requests queue
+    slo_queue_tokens: int = 0  # prompt tokens still to compute, running and waiting
+    slo_queue_requests: int = 0  # requests waiting
 
 
 class KvCensus(msgspec.Struct, kw_only=True):

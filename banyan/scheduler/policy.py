@@ -106,10 +106,10 @@ class Deadlines:
 
     def __init__(self, clock: Callable[[], float] = time.time):
         self.clock = clock
-        self.step_seconds = 0.0  # EWMAs over backlogged steps; 0: nothing measured yet
-        self.prefill_per_step = 0.0
+        self._step_average = self._last_step = 0.0  # seconds; 0: nothing measured yet
+        self.prefill_per_step = 0.0  # while requests queue (EWMAs)
         self.admitted_per_step = 0.0
-        self._last: tuple[float, int, int, bool] | None = None  # the previous schedule: time, prefill, admitted, backlogged
+        self._last: tuple | None = None  # the previous schedule: time, prefill, admitted, busy, backlogged
         self._admitted_total = self._admitted_before = 0
         self._paced = False  # the queue's pace measured at least once
         self._served: dict[str | None, tuple[float, float]] = {}  # tenant -> (admissions, decayed to this time)
@@ -130,7 +130,8 @@ class Deadlines:
         if self._last is not None:
             then, prefill, admitted, was_busy, was_backlogged = self._last
             if was_busy and now > then:
-                self.step_seconds = _ewma(self.step_seconds, now - then)
+                self._last_step = now - then
+                self._step_average = _ewma(self._step_average, self._last_step)
             if was_backlogged and now > then:
                 self.prefill_per_step = _ewma(self.prefill_per_step, prefill, seeded=self._paced)
                 self.admitted_per_step = _ewma(self.admitted_per_step, admitted, seeded=self._paced)
@@ -143,21 +144,25 @@ class Deadlines:
     def measured(self) -> bool:
         return self.step_seconds > 0.0
 
+    @property
+    def step_seconds(self) -> float:
+        """The step time to plan with: the average, or the last step when it was slower (a batch that grows makes
+        every step slower than the average says)."""
+        return max(self._step_average, self._last_step)
+
     def wait_seconds(self, tokens_ahead: int, requests_ahead: int) -> float:
         """Expected seconds until a request with this much queued work before it (its own included) gets its
         first token; 0 before anything was measured."""
-        if not self.measured:
-            return 0.0
-        steps = max(_steps_for(tokens_ahead, self.prefill_per_step), _steps_for(requests_ahead, self.admitted_per_step))
-        return (steps + FIRST_TOKEN_STEPS) * self.step_seconds
+        return expected_wait(self.step_seconds, self.prefill_per_step, self.admitted_per_step, tokens_ahead,
+                             requests_ahead)
 
     def snapshot(self, running: Iterable[Request], waiting: Sequence[Request]) -> dict[str, float]:
-        """EngineSnapshot's slo_* fields, which the server's admission check reads: the wait of a request queued
-        behind everything waiting now (its own prompt aside), the step time, the seconds per admission."""
-        tokens = _prefill_left(running) + _prefill_left(waiting)
-        per_request = self.step_seconds / self.admitted_per_step if self.admitted_per_step > 0 else 0.0
-        return {"slo_queue_wait": self.wait_seconds(tokens, len(waiting) + 1), "slo_step_seconds": self.step_seconds,
-                "slo_seconds_per_request": per_request}
+        """EngineSnapshot's slo_* fields: the measurements and the queue, from which the server's admission check
+        computes a new request's wait as the core would (expected_wait), its own prompt and requests sent since
+        added."""
+        return {"slo_step_seconds": self.step_seconds, "slo_prefill_per_step": self.prefill_per_step,
+                "slo_admitted_per_step": self.admitted_per_step,
+                "slo_queue_tokens": _prefill_left(running) + _prefill_left(waiting), "slo_queue_requests": len(waiting)}
 
     # -- deciding -----------------------------------------------------------------------------------
     def fair_order(self, waiting: list[Request]) -> list[Request]:
@@ -237,6 +242,14 @@ def with_defaults(slo: Slo | None, ttft_ms: float | None, tpot_ms: float | None)
     slo = msgspec.structs.replace(slo, ttft_ms=slo.ttft_ms if slo.ttft_ms is not None else ttft_ms,
                                   tpot_ms=slo.tpot_ms if slo.tpot_ms is not None else tpot_ms)
     return slo if slo.ttft_ms is not None or slo.tpot_ms is not None else None
+
+
+def expected_wait(step_seconds: float, prefill_per_step: float, admitted_per_step: float, tokens_ahead: int,
+                  requests_ahead: int) -> float:
+    """Seconds until a request with this much queued work before it (its own included) gets its first token
+    (module docstring); a pace not measured yet (0) counts for nothing, and so does a step time of 0."""
+    steps = max(_steps_for(tokens_ahead, prefill_per_step), _steps_for(requests_ahead, admitted_per_step))
+    return (steps + FIRST_TOKEN_STEPS) * step_seconds
 
 
 def _ewma(average: float, value: float, seeded: bool | None = None) -> float:

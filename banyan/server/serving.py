@@ -24,7 +24,7 @@ from banyan.frontend.prepare import ChatInput, PreparedChat, prepare_chat, rende
 from banyan.ipc.client import EngineClient, RequestError
 from banyan.request import Slo
 from banyan.sampling_params import SamplingParams
-from banyan.scheduler.policy import refusal, with_defaults
+from banyan.scheduler.policy import expected_wait, refusal, with_defaults
 from banyan.server import protocol
 from banyan.server.audit import record_usage
 from banyan.server.auth import ApiKeyAuth, RateLimiter, Tenant
@@ -159,14 +159,16 @@ class OpenAIServing:
         slo = Slo(asked.ttft_ms, asked.tpot_ms, tenant.tenant_id) if asked else Slo(tenant=tenant.tenant_id)
         return with_defaults(slo, sched.default_ttft_slo_ms, sched.default_tpot_slo_ms)
 
-    def _check_slo(self, slo: Slo | None, tenant: Tenant) -> None:
-        """slo policy: refuse now (503, Retry-After) what the queue would make late, before it costs a step. The
-        core's measurements come a few times a second; requests sent since are counted at its measured pace."""
+    def _check_slo(self, slo: Slo | None, tenant: Tenant, prompts: list[list[int]]) -> None:
+        """slo policy: refuse now (503, Retry-After) what the queue would make late, before it costs a step: the
+        core's own estimate (policy.expected_wait) from its measurements and queue, which come a few times a
+        second, with this request's prompt and the requests sent since (taken as long as this one) behind it."""
         stats = self.client.stats
         if slo is None or stats is None or not stats.slo_step_seconds:
             return
-        unseen = max(0, self.client.num_in_flight - stats.num_running - stats.num_waiting)
-        wait = stats.slo_queue_wait + unseen * stats.slo_seconds_per_request
+        ahead = max(0, self.client.num_in_flight - stats.num_running - stats.num_waiting) + 1
+        wait = expected_wait(stats.slo_step_seconds, stats.slo_prefill_per_step, stats.slo_admitted_per_step,
+                             stats.slo_queue_tokens + ahead * max(map(len, prompts)), stats.slo_queue_requests + ahead)
         error = refusal(slo, 0.0, wait, stats.slo_step_seconds)
         if error is not None:
             self.metrics.observe_rejection(tenant.tenant_id, 503, error.code)
@@ -253,7 +255,7 @@ class OpenAIServing:
         budget = sum(len(p) + (params.max_tokens or self.max_model_len - len(p)) for p in prompts) * params.num_sequences
         self.admit(tenant, budget, len(prompts) * params.num_sequences)
         slo = self._slo(req, tenant)
-        self._check_slo(slo, tenant)
+        self._check_slo(slo, tenant, prompts)
         namespace = ApiKeyAuth.namespace_for(tenant, req.cache_salt)
         gen = Generation(self.client, self.tokenizer, http.state.request_id, prompts, params, priority=req.priority,
                          cache_salt=namespace, slo=slo, max_buffered_events=self.config.max_buffered_events,

@@ -10,7 +10,7 @@ import pytest
 from banyan.config_args import add_engine_args, engine_config
 from banyan.errors import error_info
 from banyan.request import RequestStatus, Slo
-from banyan.scheduler.policy import SloUnattainableError, refusal, with_defaults
+from banyan.scheduler.policy import SloUnattainableError, expected_wait, refusal, with_defaults
 from tests.unit.test_scheduler import make_request, make_scheduler, step
 
 STEP = 0.1  # seconds each stand-in step takes on the fake clock
@@ -167,6 +167,16 @@ def test_the_servers_defaults_fill_only_what_the_request_left_unset():
     assert with_defaults(Slo(ttft_ms=100, tenant="t"), 2000, 200) == Slo(100, 200, "t")
     assert with_defaults(None, 2000, None) == Slo(ttft_ms=2000)
     assert with_defaults(Slo(tenant="t"), None, None) is None
+
+
+def test_the_server_computes_the_wait_the_core_would_from_its_snapshot():
+    clock = FakeClock()
+    s = backlogged(clock, num_queued=5)
+    snap = s.policy.deadlines.snapshot(s.running, s.waiting)
+    at_server = expected_wait(snap["slo_step_seconds"], snap["slo_prefill_per_step"], snap["slo_admitted_per_step"],
+                              snap["slo_queue_tokens"] + 16, snap["slo_queue_requests"] + 1)
+    in_core = s.policy.deadlines.wait_seconds(16 * 6, 6)  # behind the 5, its own 16 tokens
+    assert at_server == pytest.approx(in_core) == pytest.approx((6 + 1.5) * STEP)
 
 
 def test_the_server_refuses_from_the_cores_measurements():
