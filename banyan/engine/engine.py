@@ -25,9 +25,9 @@ from banyan.lora.request import LoRARequest
 from banyan.lora.resident import ResidentAdapters
 from banyan.lora.weights import load_adapter_weights
 from banyan.models.registry import get_model_class
-from banyan.request import Request, RequestDelta, RequestStatus, Slo
 from banyan.pooling_params import PoolingParams
 from banyan.text.reasoning import REASONING_PARSERS, GrammarGate
+from banyan.request import Request, RequestDelta, RequestStatus, Slo
 from banyan.runner.memory import fitting_context
 from banyan.runner.model_runner import ModelRunner, RunnerLimits
 from banyan.runner.worker import runner_factory as parallel_runner_factory
@@ -261,21 +261,22 @@ class Engine:
         result = self.runner.execute(batch)
         advanced = self.scheduler.update(batch, result)
         if self.speculator is not None:
-            drafts = sum(len(item.draft_token_ids) for item in batch.scheduled)
-            self._stepped = (self._stepped[0], batch.num_tokens, result.draft_seconds, drafts)
+            if self.scheduler.has_unfinished_requests():  # a next step follows at once: its start ends this period
+                drafts = sum(len(item.draft_token_ids) for item in batch.scheduled)
+                self._stepped = (self._stepped[0], batch.num_tokens, result.draft_seconds, drafts)
             self._log_spec()
         return ended + [make_delta(request) for request in advanced]
 
     def _time_steps(self) -> None:
         """With speculation on: the controller's step-time model learns from each step's period, start to next
         start, so what a step costs besides the forward (scheduling, proposing, verifying, the frontend's
-        output processing) counts too. Only back-to-back steps are measured: a period after an idle or empty
-        step would hold waiting, not work."""
+        output processing) counts too. Only back-to-back steps are measured: a step after which nothing was left
+        to run, or that ran nothing, is followed by waiting (for requests, a grammar), not by work."""
         if self.speculator is None:
             return
         now = time.perf_counter()
         started, num_tokens, draft_seconds, drafts = self._stepped
-        if num_tokens and self.scheduler.has_unfinished_requests():
+        if num_tokens:
             self.speculator.observe_step(num_tokens, now - started, draft_seconds, drafts)
         self._stepped = (now, 0, 0.0, 0)
 

@@ -104,6 +104,11 @@ class AcceptanceStats:
         return 1.0 + sum(self.gains(k))
 
 
+MAX_RISE = 2.0
+"""One observation counts as at most this many times the fit's prediction: a lasting rise is still learned, a step
+at a time, but one stalled step cannot move the fit far."""
+
+
 class StepTimeModel:
     """Seconds of one forward as a function of the tokens in it: piecewise linear through measured buckets.
 
@@ -157,6 +162,7 @@ class StepTimeModel:
         by the model's own curve, updates the edge bucket."""
         if not seconds > 0:
             return
+        seconds = min(seconds, MAX_RISE * self.predict(num_tokens))  # a stall (descheduled, paused) is not a cost
         last = len(self.tokens) - 1
         if num_tokens <= self.tokens[0] or num_tokens >= self.tokens[last]:
             edge = 0 if num_tokens <= self.tokens[0] else last

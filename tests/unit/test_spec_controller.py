@@ -279,6 +279,13 @@ def test_step_time_trusts_fast_steps_more_than_slow_ones():
     assert m.predict(8) == pytest.approx(0.030, rel=0.05)
 
 
+def test_one_stalled_step_cannot_move_the_fit_far():
+    m = StepTimeModel([(1, 0.010), (8, 0.020)], rate=0.1, up_rate=0.02)
+    m.observe(1, 60.0)  # the engine sat idle between two runs, or the process was descheduled
+    assert m.predict(1) <= 0.010 * (1 + 0.02)
+    assert m.predict(8) == pytest.approx(0.020)
+
+
 def test_step_time_needs_two_token_counts():
     with pytest.raises(ValueError):
         StepTimeModel([(4, 0.01), (4, 0.02)])
