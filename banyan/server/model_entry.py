@@ -32,6 +32,7 @@ class ModelEntry:
     metrics: ServerMetrics | None = None
     active: int = 0  # requests resolved to this entry whose handler has not returned yet
     replacement: ModelEntry | None = None  # a swap loading under the same name
+    started_with_server: bool = False  # given at start-up (or swapped in for one): its core's death ends the server
     loaded_at: float | None = None
     tokenizer: object = None  # the server's own copy (templates, tokenizing): opened before the core starts
     adapters: dict[str, dict] = field(default_factory=dict)

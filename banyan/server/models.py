@@ -190,6 +190,8 @@ class ModelRegistry:
         # One model and no --memory-budget: as a single-model server always was, the core's own sizing decides.
         check = len(specs) > 1 or self.budget.budget is not None
         entries = [await self.load(spec, check_memory=check) for spec in specs]
+        for entry in entries:
+            entry.started_with_server = True
         await asyncio.gather(*(t for e in entries for t in e.tasks), return_exceptions=True)
         failed = next((e for e in entries if e.state is ModelState.FAILED), None)
         if failed is not None:
@@ -223,6 +225,7 @@ class ModelRegistry:
         if self.entries.get(name) is not old or old.replacement is not None:  # it changed while we looked
             raise APIError(409, f"the model {name!r} changed meanwhile; try again", param="name", code="model_changed")
         old.replacement = new
+        new.started_with_server = old.started_with_server
 
         def switch() -> None:
             old.replacement = None
@@ -339,8 +342,16 @@ class ModelRegistry:
         logger.info("model %r (%s) unloaded", entry.name, entry.spec.source)
 
     def _died(self, entry: ModelEntry, reason: str) -> None:
-        for hook in self.on_death:
-            hook(f"model {entry.name!r}: {reason}")
+        """A core died on its own. One of the start-up models: the server ends (its supervisor restarts the set it
+        was given). One loaded since: only it fails (its requests got the error), the others serve on."""
+        if entry.started_with_server:
+            for hook in self.on_death:
+                hook(f"model {entry.name!r}: {reason}")
+            return
+        logger.error("model %r: its engine core died (%s); the other models serve on", entry.name, reason)
+        entry.state, entry.error = ModelState.FAILED, f"its engine core died: {reason}"
+        self._forget(entry)
+        self._background(entry, entry.client.shutdown(timeout=1.0))  # reap it, close its sockets
 
     def _ready_entry(self, name: str) -> ModelEntry:
         entry = self.entries.get(name)

@@ -44,7 +44,9 @@ def server(dirs):
         "--fault", "sleep-while-loading=0",  # a no-op that lets admin loads carry test faults
         "--model", "smollm2-135m-instruct", "--served-model-name", "smol", "--kv-cache-memory", "32MiB",
         "--max-model-len", "512", "--num-threads", "1",
-        "--api-key", USER_KEY, "--admin-api-key", ADMIN_KEY, "--route", ROUTE, ready_timeout=300)
+        "--api-key", USER_KEY, "--admin-api-key", ADMIN_KEY, "--route", ROUTE,
+        "--memory-budget", "6GiB",  # not the machine's free RAM: other work on it must not decide the loads
+        ready_timeout=300)
     yield proc
     assert proc.stop() == 0, proc.log()
 
@@ -158,7 +160,8 @@ def test_a_load_that_does_not_fit_is_refused_and_the_running_models_keep_serving
     assert r.status_code == 409 and r.json()["error"]["code"] == "memory_budget_exceeded"
     message = r.json()["error"]["message"]
     assert re.search(r"'huge' needs 65536\.\d\d GiB \(weights .* \+ KV cache 65536\.00 GiB", message), message
-    assert re.search(r"only \d+\.\d\d GiB is free", message) and "loaded: tiny" in message and "smol" in message
+    assert re.search(r"only \d+\.\d\d GiB is free \(--memory-budget 6\.00 GiB", message), message
+    assert "loaded: tiny" in message and "smol" in message
     assert "huge" not in entries(server)
     assert greedy(client, "tiny").model == "tiny" and greedy(client, "smol").model == "smol"
 
@@ -264,14 +267,14 @@ def test_load_swap_and_unload_under_16_clients_fail_no_request(server, client, d
 
 def test_unload_drains_then_aborts_what_is_still_running(server, dirs):
     r = admin(server, "POST", "/admin/models", json={"name": "slow", "model": str(dirs["slow"][0]), "engine_args": TINY_ARGS,
-                                                      "fault": "sleep-after-steps=2:30"})  # its 2nd step: 30 s
+                                                      "fault": "sleep-after-steps=4:30"})  # its 4th step: 30 s
     assert r.status_code == 200, r.text
     wait_for(lambda: entries(server)["slow"]["state"] == "ready", "slow ready")
     pid = entries(server)["slow"]["pid"]
     aclient = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=USER_KEY, max_retries=0, timeout=60)
     stream = aclient.completions.create(model="slow", prompt=PROMPT, max_tokens=50, stream=True,
                                         extra_body={"ignore_eos": True})
-    first = next(iter(stream))  # step 1 done; step 2 sleeps: the request cannot finish within the drain
+    first = next(iter(stream))  # a token came; step 4 sleeps: the request cannot finish within the drain
     assert first.model == "slow"
     assert admin(server, "DELETE", "/admin/models/slow", params={"timeout": 0.2}).status_code == 200
     with pytest.raises(openai.NotFoundError):  # no new request reaches it
@@ -316,3 +319,20 @@ def test_route_weights_change_live(server, client):
             for i in range(6)} == {"smol"}
     assert admin(server, "PUT", "/admin/routes/chat", json={"variants": {"nope": 1}}).status_code == 400
     assert admin(server, "PUT", "/admin/routes/chat", json={"variants": {"tiny": 9, "smol": 1}}).status_code == 200
+
+
+def test_a_loaded_model_whose_core_dies_fails_alone(server, client, dirs):
+    r = admin(server, "POST", "/admin/models", json={"name": "crashy", "model": str(dirs["slow"][0]),
+                                                      "engine_args": TINY_ARGS, "fault": "raise-after-steps=1"})
+    assert r.status_code == 200, r.text
+    wait_for(lambda: entries(server)["crashy"]["state"] == "ready", "crashy ready")
+    pid = entries(server)["crashy"]["pid"]
+    with pytest.raises(openai.APIStatusError):  # its first step raises: the core exits, its request fails
+        greedy(client, "crashy")
+    failed = wait_for(lambda: entries(server)["crashy"]["state"] == "failed" and entries(server)["crashy"], "failed")
+    assert "engine core died" in failed["error"]
+    wait_for(lambda: not pid_alive(pid), "the dead core reaped", timeout=30)
+    with pytest.raises(openai.NotFoundError):
+        greedy(client, "crashy")
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert greedy(client, "tiny").model == "tiny" and greedy(client, "smol").model == "smol"
