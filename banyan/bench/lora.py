@@ -7,10 +7,11 @@ to a temporary directory. Three configurations run the same prompts (ignore_eos,
     lora-off-rows  LLM(enable_lora=True), every request on the base model: what enabling LoRA costs by itself
     mixed          the same LLM, request i on adapter i % --num-adapters: one batch of mixed adapters
 
-Rounds rotate the order (as bench speculative does). tok/s sums tokens and seconds over the rounds; `cost` is the
-median over rounds of 1 - tok/s / base tok/s within the round: load that drifts over minutes on a shared machine
-moves the configurations of one round together, so the paired ratio is steadier than the totals (`spread` gives
-its smallest and largest values).
+Each configuration has its own engine, and the engines step in turn on the same prompts (the first one rotating
+each turn), each step timed: load that drifts on a shared machine falls on all of them within a step of each
+other (whole runs one after the other moved by up to 40% here). tok/s sums tokens and step seconds over the
+rounds; `cost` is the median over rounds of 1 - tok/s / base tok/s within the round (`spread`: its smallest and
+largest values).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from banyan.bench.workloads import random_prompts
+from banyan.bench.workloads import BenchPrompt, random_prompts
 from banyan.config import EngineConfig, LoRAConfig, ModelArch
-from banyan.frontend.llm import LLM
+from banyan.frontend.llm import LLM, collections_paused
 from banyan.lora.adapter import CONFIG_FILE, TARGETS, WEIGHTS_FILE, projection_shapes
 from banyan.lora.request import LoRARequest
 from banyan.sampling_params import SamplingParams
@@ -52,45 +53,54 @@ def run_lora(config: EngineConfig, args) -> tuple[dict, dict]:
     lora = LoRAConfig(enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.lora_rank)
     with tempfile.TemporaryDirectory(prefix="banyan-bench-lora-") as tmp:
         base = LLM.from_config(config.replace(lora=LoRAConfig()))
-        with_lora = LLM.from_config(config.replace(lora=lora))
         adapters = []
         for i in range(args.num_adapters):
             write_random_adapter(Path(tmp) / f"a{i}", base.engine.arch, args.lora_rank, seed=i)
             adapters.append(LoRARequest(f"a{i}", i + 1, str(Path(tmp) / f"a{i}")))
         prompts = random_prompts(args.num_prompts, args.input_len, args.output_len, base.engine.arch.vocab_size,
                                  seed=args.workload_seed)
-        runs = {
-            "base": (base, None),
-            "lora-off-rows": (with_lora, None),
-            "mixed": (with_lora, [adapters[i % len(adapters)] for i in range(len(prompts))]),
+        runs = {  # one engine each: they step in turn, so none batches another's requests
+            "base": (base.engine, [None] * len(prompts)),
+            "lora-off-rows": (LLM.from_config(config.replace(lora=lora)).engine, [None] * len(prompts)),
+            "mixed": (LLM.from_config(config.replace(lora=lora)).engine,
+                      [adapters[i % len(adapters)] for i in range(len(prompts))]),
         }
-        inputs = [{"prompt_token_ids": p.prompt_token_ids} for p in prompts]
         params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
-        totals = {name: [0, 0.0] for name in runs}
-        per_round: list[dict[str, float]] = []  # tok/s of each configuration, one dict per round
-        for name, (llm, loras) in runs.items():  # warm-up: adapters loaded and resident, kernels touched
-            llm.generate(inputs[: len(adapters)], params.clone(max_tokens=2), use_tqdm=False,
-                         lora_request=None if loras is None else loras[: len(adapters)])
-        names = list(runs)
-        for r in range(args.rounds):
-            per_round.append({})
-            for name in names[r % len(names):] + names[: r % len(names)]:
-                llm, loras = runs[name]
-                started = time.perf_counter()
-                outputs = llm.generate(inputs, params, use_tqdm=False, lora_request=loras)
-                seconds = time.perf_counter() - started
-                tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-                totals[name][0] += tokens
-                totals[name][1] += seconds
-                per_round[-1][name] = tokens / seconds
+        warm_up = [BenchPrompt(p.prompt_token_ids, 2) for p in prompts]  # adapters loaded and resident
+        _interleaved(runs, warm_up, params.clone(max_tokens=2), "warm")
+        per_round = [_interleaved(runs, prompts, params, str(r)) for r in range(args.rounds)]
     results = {}
-    for name, (tokens, seconds) in totals.items():
-        costs = sorted(1 - rates[name] / rates["base"] for rates in per_round)
+    for name in runs:
+        tokens, seconds = (sum(r[name][k] for r in per_round) for k in (0, 1))
+        costs = sorted(1 - (r[name][0] / r[name][1]) / (r["base"][0] / r["base"][1]) for r in per_round)
         results[name] = {"output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
                          "cost": statistics.median(costs), "spread": [costs[0], costs[-1]],
-                         "per_round_tok_s": [rates[name] for rates in per_round]}
+                         "per_round_tok_s": [r[name][0] / r[name][1] for r in per_round]}
     bench = {k: v for k, v in vars(args).items() if k != "func"}
     return {"bench": bench}, {"runs": results, "device": base.engine.device, "dtype": base.engine.dtype}
+
+
+def _interleaved(runs: dict, prompts: list[BenchPrompt], params: SamplingParams, tag: str) -> dict[str, list]:
+    """Every engine gets the same prompts, then they step in turn (the first one rotating) until all are done:
+    load that drifts on a shared machine falls on each within a step of the others. Returns, per configuration,
+    [output tokens, seconds inside its own steps]."""
+    for name, (engine, loras) in runs.items():
+        for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+            engine.add_request(f"{name}-{tag}-{i}", prompt.prompt_token_ids, params, lora_request=lora)
+    done = {name: [0, 0.0] for name in runs}
+    names = list(runs)
+    turn = 0
+    with collections_paused():
+        while any(engine.has_unfinished_requests() for engine, _ in runs.values()):
+            for name in names[turn % len(names):] + names[: turn % len(names)]:
+                engine = runs[name][0]
+                if engine.has_unfinished_requests():
+                    started = time.perf_counter()
+                    deltas = engine.step()
+                    done[name][1] += time.perf_counter() - started
+                    done[name][0] += sum(len(d.new_token_ids) for d in deltas)
+            turn += 1
+    return done
 
 
 def markdown(results: dict) -> str:
