@@ -258,7 +258,8 @@ class ParallelConfig:
     attention and one after the MLP; gloo on CPU, NCCL on GPUs (docs/parallel.md)."""
     pipeline_parallel_size: int = 1
     """Processes that each hold a contiguous range of the layers (a stage), hidden states passed from one to the
-    next in micro-batches so stages overlap; not together with tensor_parallel_size > 1 yet (docs/parallel.md)."""
+    next in micro-batches so stages overlap; with tensor_parallel_size T, each stage is T processes
+    (docs/parallel.md)."""
     data_parallel_size: int = 1
     """Engine cores, each a whole copy of the model, behind one API server; a router picks one per request
     (banyan serve only)."""

@@ -27,6 +27,8 @@ class TPGroup:
     step: object  # ProcessGroupGloo | ProcessGroupNCCL: the forward's collectives
     startup: object  # ProcessGroupGloo on the CPU: start-up agreement
     store: object  # the TCPStore (rank 0 hosts it; kept alive as long as the group)
+    device: torch.device = torch.device("cpu")
+    timeout: float = 60.0
 
     @staticmethod
     def host_store(size: int):
@@ -47,7 +49,11 @@ class TPGroup:
             step = dist.ProcessGroupNCCL(dist.PrefixStore("step", store), rank, size, options)
         else:
             step = dist.ProcessGroupGloo(dist.PrefixStore("step", store), rank, size, step_timeout)
-        return cls(rank, size, step, startup, store)
+        return cls(rank, size, step, startup, store, device, timeout)
+
+    def subgroup(self, name: str, rank: int, size: int) -> TPGroup:
+        """A group of some of these ranks (every member calls this at once), under its own name in the store."""
+        return TPGroup.over(dist.PrefixStore(name, self.store), rank, size, self.device, self.timeout)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place."""

@@ -14,7 +14,9 @@ A step's ForwardBatch is cut into micro-batches of whole requests (about equal t
     rank 2:                     [ s2 ]   [ s2 ]   [ s2 ]
 
 Every rank loads the embedding, the final norm and lm_head (small beside the layers; rank 0 uses them), and only
-its own layers, renamed to start at 0. Sends and receives have the step timeout (collectives.py).
+its own layers, renamed to start at 0. Sends and receives have the step timeout (collectives.py). Composable
+with tensor parallel: each stage is then a TP group (ranks stage * T .. stage * T + T - 1), and rank t of a
+stage sends to rank t of the next (every TP rank holds the whole hidden state).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from torch import nn
 
 from banyan.config import ModelArch
 from banyan.distributed.collectives import TPGroup
-from banyan.distributed.tensor_parallel import WeightShard
+from banyan.distributed.tensor_parallel import ShardPlan, TensorParallel, WeightShard, shard_arch
 from banyan.errors import InvalidParameterError
 from banyan.forward_batch import ForwardBatch
 
@@ -75,37 +77,60 @@ def split(fb: ForwardBatch, first: int, last: int) -> ForwardBatch:
 
 @dataclasses.dataclass
 class Pipeline:
-    """This rank's stage: what the runner builds, loads, and how a forward runs (rank 0: PipelineModel)."""
+    """This rank's stage: what the runner builds, loads, and how a forward runs (stage 0: PipelineModel).
 
-    group: TPGroup
+    With tensor parallel inside each stage (tp: this rank's TensorParallel over its stage's ranks), global rank
+    = stage * tp_size + t, and hidden states go from rank t of one stage to rank t of the next."""
+
+    group: TPGroup  # every rank: the sends, the start-up agreement
     arch: ModelArch
+    stages: int
+    tp: TensorParallel | None = None
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.group.size if self.tp is not None else 1
+
+    @property
+    def stage(self) -> int:
+        return self.group.rank // self.tp_size
+
+    def peer(self, stage_offset: int) -> int:
+        """The rank holding this rank's TP part in the stage `stage_offset` away (wrapping around)."""
+        return (self.stage + stage_offset) % self.stages * self.tp_size + self.group.rank % self.tp_size
 
     @property
     def layers(self) -> range:
-        return stage_ranges(self.arch.num_hidden_layers, self.group.size)[self.group.rank]
+        return stage_ranges(self.arch.num_hidden_layers, self.stages)[self.stage]
 
     def local_arch(self) -> ModelArch:
-        return dataclasses.replace(self.arch, num_hidden_layers=len(self.layers))
+        staged = dataclasses.replace(self.arch, num_hidden_layers=len(self.layers))
+        return shard_arch(staged, self.tp_size)
 
     def weights(self, source, compact: bool):
-        """The checkpoint's tensors this stage holds: its layers (renumbered from 0), the embedding, norm, lm_head."""
+        """The checkpoint's tensors this stage holds: its layers (renumbered from 0), the embedding, norm, lm_head
+        (with tensor parallel: this rank's slices of them)."""
         first = self.layers.start
-        for name, tensor in source.iter_weights(compact, shard=self._skip_other_layers):
+        for name, tensor in source.iter_weights(compact, shard=self._part):
             match = _LAYER.match(name)
             yield (name if match is None else f"model.layers.{int(match.group(1)) - first}.{name[match.end():]}"), tensor
 
-    def _skip_other_layers(self, name: str) -> WeightShard | None:
+    def _part(self, name: str) -> WeightShard | None:
         match = _LAYER.match(name)
-        return SKIP if match is not None and int(match.group(1)) not in self.layers else None
+        if match is not None and int(match.group(1)) not in self.layers:
+            return SKIP
+        return ShardPlan(self.arch, self.tp_size, self.tp.group.rank)(name) if self.tp is not None else None
 
     def transform(self, model: nn.Module) -> nn.Module:
-        return PipelineModel(model, self) if self.group.rank == 0 else model
+        if self.tp is not None:
+            model = self.tp.transform(model)
+        return PipelineModel(model, self) if self.stage == 0 else model
 
     def agree_min(self, value: int) -> int:
         return self.group.agree_min(value)
 
     def micro_batches(self, fb: ForwardBatch) -> list[ForwardBatch]:
-        bounds = micro_batch_bounds(fb.query_lens, min(self.group.size, fb.num_seqs))
+        bounds = micro_batch_bounds(fb.query_lens, min(self.stages, fb.num_seqs))
         return [split(fb, a, b) for a, b in zip(bounds, bounds[1:])]
 
     def run_layers(self, model: nn.Module, x: torch.Tensor, kv_caches, mb: ForwardBatch) -> torch.Tensor:
@@ -114,14 +139,18 @@ class Pipeline:
         return x
 
     def worker_step(self, runner, fb: ForwardBatch) -> None:
-        """Ranks 1..N-1: receive each micro-batch's hidden states, run this stage, pass them on."""
-        rank, size = self.group.rank, self.group.size
+        """Ranks other than 0: at stage 0 (TP ranks beside rank 0) the whole pipeline as rank 0 runs it, logits
+        included (their gather); at the others, receive each micro-batch's hidden states, run this stage, send on."""
+        if self.stage == 0:
+            hidden = runner._forward(fb)
+            runner.model.compute_logits(hidden[fb.logits_indices])
+            return
         sent = []
         for i, mb in enumerate(self.micro_batches(fb)):
             x = torch.empty(mb.num_tokens, self.arch.hidden_size, dtype=runner.dtype, device=runner.device)
-            self.group.recv(x, rank - 1, tag=i)
+            self.group.recv(x, self.peer(-1), tag=i)
             x = self.run_layers(runner.model, x, runner.kv_caches, mb)
-            sent.append((x, self.group.isend(x, (rank + 1) % size, tag=i)))
+            sent.append((x, self.group.isend(x, self.peer(1), tag=i)))
         for _, work in sent:
             work.wait()
 
@@ -136,15 +165,14 @@ class PipelineModel(nn.Module):
 
     def forward(self, fb: ForwardBatch, kv_caches) -> torch.Tensor:
         pipeline, inner = self.pipeline, self.inner
-        last = pipeline.group.size - 1
         sent, parts = [], pipeline.micro_batches(fb)
         for i, mb in enumerate(parts):
             x = pipeline.run_layers(inner, inner.model.embed_tokens(mb.input_ids), kv_caches, mb)
-            sent.append((x, pipeline.group.isend(x, 1, tag=i)))  # the next micro-batch runs while this one travels
+            sent.append((x, pipeline.group.isend(x, pipeline.peer(1), tag=i)))  # the next runs while this one travels
         outs = []
         for i, mb in enumerate(parts):
             out = torch.empty(mb.num_tokens, inner.arch.hidden_size, dtype=sent[i][0].dtype, device=sent[i][0].device)
-            pipeline.group.recv(out, last, tag=i)
+            pipeline.group.recv(out, pipeline.peer(-1), tag=i)  # from the last stage
             outs.append(out)
         for _, work in sent:
             work.wait()

@@ -74,10 +74,14 @@ def group_size(parallel: ParallelConfig) -> int:
 
 
 def placement(parallel: ParallelConfig, group: TPGroup, arch) -> TensorParallel | Pipeline:
-    """This rank's part: a tensor-parallel shard or a pipeline stage (not both at once yet)."""
-    if parallel.pipeline_parallel_size > 1:
-        return Pipeline(group, arch)
-    return TensorParallel(group, arch)
+    """This rank's part: a tensor-parallel shard, a pipeline stage, or a shard of a stage (rank = stage * T + t;
+    each stage's T ranks form their own tensor-parallel group)."""
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if pp == 1:
+        return TensorParallel(group, arch)
+    stage, t = divmod(group.rank, tp)
+    shard = TensorParallel(group.subgroup(f"stage{stage}", t, tp), arch) if tp > 1 else None
+    return Pipeline(group, arch, pp, shard)
 
 
 class ParallelRunner(ModelRunner):
@@ -88,9 +92,6 @@ class ParallelRunner(ModelRunner):
         if lora_config is not None:
             raise InvalidParameterError("tensor_parallel_size", "LoRA adapters run in one process (tensor and "
                                         "pipeline parallel size 1) only")
-        if parallel.tensor_parallel_size > 1 and parallel.pipeline_parallel_size > 1:
-            raise InvalidParameterError("pipeline_parallel_size", "pipeline and tensor parallel together are not "
-                                        "supported yet: set one of them to 1")
         check_sizes(source.arch, parallel.tensor_parallel_size)
         check_stages(source.arch, parallel.pipeline_parallel_size)
         self.workers = Workers(WorkerSpec(0, group_size(parallel), 0, "", model_config, cache_config, limits,

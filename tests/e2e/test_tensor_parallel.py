@@ -86,6 +86,15 @@ def test_pipeline_stages_give_the_same_tokens_and_logits(tiny_llama):
     llm.engine.close()
 
 
+def test_tensor_parallel_inside_pipeline_stages(tiny_llama):
+    """TP=2 x PP=2: four processes, each stage's two ranks split its layer (a KV head each)."""
+    path, prompts, want = tiny_llama
+    llm = make_llm(path, tp=2, pp=2)
+    assert_same(run(llm, prompts), want)
+    llm.engine.kv.check_integrity()
+    llm.engine.close()
+
+
 def test_three_uneven_stages(tmp_path):
     """5 layers over 3 stages: 2, 2 and 1."""
     model = write_model_dir(tmp_path, "llama", seed=7, num_hidden_layers=5)
