@@ -52,6 +52,7 @@ class Sent:
     status: int | None = None
     ttft: float | None = None  # seconds, send to the first token
     answered_after: float | None = None  # seconds until the status line (a refusal's speed)
+    error_code: str | None = None  # an error event in the stream (slo_unattainable: refused by the core after a 200)
 
 
 async def _one(http, body: dict) -> Sent:
@@ -60,7 +61,9 @@ async def _one(http, body: dict) -> Sent:
         async with http.stream("POST", "/v1/completions", json=body) as r:
             sent.status, sent.answered_after = r.status_code, time.monotonic() - start
             async for line in r.aiter_lines():
-                if sent.ttft is None and line.startswith("data: {") and '"text"' in line and '"error"' not in line:
+                if line.startswith('data: {"error"'):
+                    sent.error_code = json.loads(line[6:])["error"].get("code")
+                elif sent.ttft is None and line.startswith("data: {") and '"text"' in line:
                     sent.ttft = time.monotonic() - start
     except Exception:  # noqa: BLE001 - a transport failure is a request that missed
         pass
@@ -119,7 +122,8 @@ def summarize(sent: list[Sent], slo_s: float) -> dict:
             "ttft_p50_s": round(percentile(ttfts, 50), 2) if ttfts else None,
             "ttft_p99_s": round(percentile(ttfts, 99), 2) if ttfts else None,
             "refusal_p99_ms": round(1000 * percentile([s.answered_after for s in refused], 99), 1) if refused else None,
-            "other": len(sent) - len(served) - len(refused)}
+            "refused_in_stream": sum(1 for s in sent if s.status == 200 and s.error_code == "slo_unattainable"),
+            "other": sum(1 for s in sent if s.status == 200 and s.ttft is None and s.error_code != "slo_unattainable")}
 
 
 def run_deadlines(engine: EngineConfig, cfg: DeadlineBenchConfig, on_progress=print) -> dict:
@@ -150,12 +154,13 @@ def run_deadlines(engine: EngineConfig, cfg: DeadlineBenchConfig, on_progress=pr
 def markdown(results: dict, cfg: DeadlineBenchConfig) -> str:
     lines = [f"Capacity {results['capacity_rps']} requests/s ({cfg.input_len} prompt + {cfg.output_len} output tokens); "
              f"TTFT target {cfg.ttft_slo_ms:g} ms; {cfg.duration_s:g} s of Poisson arrivals per run.", "",
-             "| load | policy | sent | served | refused (503) | met | goodput | slo / fcfs | admitted, late > 50% | "
+             "| load | policy | sent | served | refused: 503 / in stream | met | goodput | slo / fcfs | admitted, late > 50% | "
              "TTFT p50 / p99 (s) | refusal p99 (ms) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     fcfs = {r["load_factor"]: r["goodput"] for r in results["runs"] if r["policy"] == "fcfs"}
     for r in results["runs"]:
         ratio = f"{r['goodput'] / fcfs[r['load_factor']]:.1f}x" if r["policy"] == "slo" and fcfs.get(r["load_factor"]) else ""
-        lines.append(f"| {r['load_factor']:g}x | {r['policy']} | {r['sent']} | {r['served']} | {r['refused']} | {r['met']} | "
+        lines.append(f"| {r['load_factor']:g}x | {r['policy']} | {r['sent']} | {r['served']} | {r['refused']} / "
+                     f"{r.get('refused_in_stream', r.get('other', 0))} | {r['met']} | "
                      f"{r['goodput']:.0%} | {ratio} | {r['admitted_late_by_over_50pct']} | {r['ttft_p50_s']} / "
                      f"{r['ttft_p99_s']} | {r['refusal_p99_ms'] or ''} |")
     return "\n".join(lines) + "\n"
