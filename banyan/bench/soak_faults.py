@@ -6,8 +6,9 @@ them, tests/reliability asserts them.
     terminate:  `streams` 48-token streams, the server SIGTERMed: in-flight streams drain (finish_reason, [DONE]), new
                 requests get 503, the server exits 0
     text_pool:  the server's tokenizer/template threads saturated (`big` prompts of 2 MB without a space, each
-                tokenized up to the render time cap): every one answered 200 or 400, /health stays fast (p99 of
-                its latency meanwhile), and a normal request queued behind them is answered
+                tokenized up to the render time cap): every one answered 200, 400 or 503, /health stays fast (p99 of
+                its latency meanwhile), and a normal request queued behind them is answered, or refused with 503
+                when no worker frees up in time (never a 400 blaming its prompt)
 """
 
 from __future__ import annotations
@@ -123,5 +124,5 @@ async def text_pool(base_url: str, server: subprocess.Popen, big: int = 6) -> di
     return {"big_prompts": big, "statuses": {str(c): statuses.count(c) for c in set(statuses)},
             "normal_request_status": normal_status, "health_checks": len(health),
             "health_p99_ms": round(1000 * p99, 1) if p99 is not None else None,
-            "ok": set(statuses) <= {200, 400} and normal_status == 200 and all(c == 200 for c, _ in health)
+            "ok": set(statuses) <= {200, 400, 503} and normal_status in (200, 503) and all(c == 200 for c, _ in health)
             and (p99 is None or p99 < 0.1)}

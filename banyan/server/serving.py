@@ -185,7 +185,22 @@ class OpenAIServing:
 
     # -- text work off the loop -----------------------------------------------------------------
     async def offload(self, fn: Callable, *args):
-        future = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        """Run fn in the text pool. Its time cap starts when a worker takes it: a request queued behind others
+        (the pool saturated) is not the one at fault, and gets 503 + Retry-After if no worker is free in time."""
+        loop = asyncio.get_running_loop()
+        started = asyncio.Event()
+
+        def job():
+            loop.call_soon_threadsafe(started.set)
+            return fn(*args)
+
+        future = loop.run_in_executor(self._pool, job)
+        try:
+            await asyncio.wait_for(started.wait(), self.config.render_timeout)
+        except asyncio.TimeoutError:
+            future.cancel()
+            raise APIError(503, "every text worker is busy; retry shortly", type="server_error",
+                           code="server_overloaded", retry_after=1) from None
         try:
             return await asyncio.wait_for(future, self.config.render_timeout + 1.0)
         except asyncio.TimeoutError:
