@@ -146,12 +146,17 @@ class SuffixTrie:
 
 
 class _Local:
-    """One request's trie over its prompt + output, and how far it has read."""
+    """One request's trie over its prompt + output, and how far it has read.
 
-    def __init__(self, max_depth: int):
-        self.trie = SuffixTrie(max_depth)
+    The trie is built on the first step whose last token occurred before (in this text, or as a path of the
+    shared trie): until then no suffix can match anywhere, so nothing is proposed, and a request that never
+    repeats itself (random text) costs a set insertion a token instead of max_depth trie nodes."""
+
+    def __init__(self):
+        self.trie: SuffixTrie | None = None
         self.open_ends: list[tuple[_Node, int]] = []
         self.num_indexed = 0
+        self.seen: set[int] = set()  # while there is no trie: every token but the last
 
 
 class SuffixProposer(Proposer):
@@ -168,7 +173,7 @@ class SuffixProposer(Proposer):
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_k: int) -> list[int]:
         local = self._indexed(request_id, token_ids)
-        if max_k <= 0:
+        if max_k <= 0 or local.trie is None:
             return []
         options = (self.max_match, self.max_spec_factor, self.min_token_prob)
         own = local.trie.speculate(token_ids, max_k, *options)
@@ -193,7 +198,14 @@ class SuffixProposer(Proposer):
     def _indexed(self, request_id: str, token_ids: Sequence[int]) -> _Local:
         local = self._local.get(request_id)
         if local is None or len(token_ids) < local.num_indexed:  # new, or rewound: (re)build
-            local = self._local[request_id] = _Local(self.max_depth)
+            local = self._local[request_id] = _Local()
+        if local.trie is None:
+            local.seen.update(token_ids[max(0, local.num_indexed - 1) : -1])
+            local.num_indexed = len(token_ids)
+            last = token_ids[-1] if token_ids else None
+            if last not in local.seen and self.shared.root.get(last) is None:
+                return local  # the last token is new everywhere: no suffix of the text can match yet
+            local.trie, local.num_indexed, local.seen = SuffixTrie(self.max_depth), 0, set()
         for token in token_ids[local.num_indexed :]:
             local.open_ends = local.trie.extend(local.open_ends, token)
         local.num_indexed = len(token_ids)

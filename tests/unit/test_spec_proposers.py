@@ -175,3 +175,15 @@ def test_suffix_nothing_matches_is_cheap():
     for _ in range(1_000):
         assert suffix.propose("r", tokens, 5) == []
     assert time.perf_counter() - start < 1.0
+
+
+def test_suffix_builds_no_trie_while_nothing_repeats():
+    """Random text (nothing to copy) costs a set insertion a token; the first repeated token builds the trie."""
+    proposer = SuffixProposer()
+    text = list(range(100, 300))  # no token twice
+    for end in range(150, len(text) + 1, 10):
+        assert proposer.propose("r", text[:end], 4) == []
+    assert proposer._local["r"].trie is None
+    text += [120, 121]  # 120 121 occurred before, followed by 122 123 ...
+    assert proposer.propose("r", text, 4) == [122, 123]  # as far as the match is long (max_spec_factor 1)
+    assert proposer._local["r"].trie is not None
