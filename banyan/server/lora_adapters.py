@@ -26,6 +26,7 @@ from banyan.config import ModelArch
 from banyan.errors import BanyanError
 from banyan.lora.adapter import read_adapter
 from banyan.lora.request import LoRARequest
+from banyan.server import openapi
 from banyan.server.errors import APIError, from_banyan_error
 
 NAME = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
@@ -88,19 +89,31 @@ def install(app: FastAPI, adapters_of: Callable[[], LoRAAdapters | None], read_b
             raise APIError(400, "LoRA is not enabled on this server (--enable-lora)", code="lora_disabled")
         return found
 
-    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+    @app.post("/v1/load_lora_adapter", **_docs(
+        "Admin key only. Load a PEFT adapter directory under a name requests then select as `model` (vLLM's route).",
+        {"lora_name": {"type": "string"}, "lora_path": {"type": "string"}}))
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         body = await read_body(request)
         name = body.get("lora_name")
         await asyncio.to_thread(adapters().load, name, body.get("lora_path"))  # reads files: off the event loop
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+    @app.post("/v1/unload_lora_adapter", **_docs(
+        "Admin key only. New requests for the adapter get 404; running ones finish (vLLM's route).",
+        {"lora_name": {"type": "string"}}))
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
         body = await read_body(request)
         adapters().unload(body.get("lora_name"))
         return PlainTextResponse(f"Success: LoRA adapter '{body.get('lora_name')}' removed successfully.")
 
+
+
+def _docs(description: str, fields: dict) -> dict:
+    """The route's OpenAPI entry: a JSON body of these string fields, a text answer, the admin routes' errors."""
+    docs = openapi.route_docs(None, errors=(400, 401, 403, 404, 503), description=description)
+    docs["responses"][200] = {"description": "success", "content": {"text/plain": {"schema": {"type": "string"}}}}
+    body = {"type": "object", "properties": fields, "required": list(fields)}
+    return docs | {"openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}}}
 
 
 def for_model(entry, lora_modules: tuple[str, ...]) -> LoRAAdapters:
