@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import banyan.server.app  # noqa: F401 - loads the server modules in the order their imports need
 from banyan.server.serving import sse_event
 
 ALL_LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # str.splitlines' line boundaries

@@ -14,6 +14,7 @@ import pytest
 from banyan.config import ServerConfig
 from banyan.server.errors import APIError
 from banyan.server.metrics import ServerMetrics
+import banyan.server.app  # noqa: F401 - loads the server modules in the order their imports need
 from banyan.server.serving import OpenAIServing
 
 CAP = 0.3  # render_timeout, seconds
