@@ -128,6 +128,19 @@ def test_sliding_window(page_size):
     check(specs, page_size=page_size, num_kv_heads=2, group=2, seed=3, sliding_window=7)
 
 
+def test_verify_shaped_chunks_share_one_padded_group():
+    """A speculative step: decode rows, k + 1-row verify passes of different k, and a long prefill chunk."""
+    from banyan.layers.attention.torch_backend import SHORT_QUERY, make_plan
+
+    specs = [(12, 1), (7, 4), (30, 2), (3, 1), (20, 6), (0, SHORT_QUERY + 8)]
+    check(specs, page_size=4, num_kv_heads=2, group=2, seed=11)
+    check(specs, page_size=4, num_kv_heads=2, group=2, seed=12, sliding_window=5)
+    batch = make_paged_batch(specs, page_size=4, num_kv_heads=2, num_heads=4, rng=random.Random(0),
+                             gen=torch.Generator().manual_seed(0))[0]
+    groups = make_plan(batch, None, 4).groups
+    assert [g.max_query_len for g in groups] == [1, 6, SHORT_QUERY + 8]  # decode, the padded short ones, the long
+
+
 def test_registry():
     assert get_attention_backend("torch").name == "torch"
     with pytest.raises(InvalidParameterError):

@@ -1,7 +1,9 @@
 """Reference paged attention in plain torch: works on any device, the oracle for the kernels.
 
-Decode rows (query_len 1) of all requests run as one padded batch; each prefill chunk runs on its
-own (a step holds few). Both gather the request's K/V from its pages and call SDPA with a mask:
+Decode rows (query_len 1) of all requests run as one batch; short chunks (up to SHORT_QUERY rows: the
+k + 1 rows of a speculative verify pass, the last bits of a prompt) as one batch padded to the longest;
+each longer prefill chunk on its own (a step holds few). Each group gathers its requests' K/V from their
+pages and calls SDPA with a mask:
 
     request i, context of c tokens, q new rows (the last q positions of the context):
     key position:     0  1  2  ...  c-q  ...  c-1   (c .. max_ctx-1: padding, masked)
@@ -28,14 +30,20 @@ from banyan.layers.attention.base import AttentionBackend, read_pages, write_kv_
 from banyan.forward_batch import ForwardBatch
 
 
+SHORT_QUERY = 32
+"""Chunks of at most this many rows share one padded group (padding costs less than a call per request)."""
+
+
 @dataclass
 class _Group:
     """Requests whose new rows attend over their pages as one padded batch."""
 
-    rows: torch.Tensor | slice | None  # their rows of q, in request order; None: every row
+    rows: torch.Tensor | slice | None  # their rows of q, in request order, padded ones too; None: every row
     max_query_len: int
     pages: torch.Tensor  # [num_seqs, num_pages] int64
     mask: torch.Tensor  # [num_seqs, 1, max_query_len, max_ctx] bool
+    keep: torch.Tensor | None = None  # padded: which of the group's output rows are real (in q's order)
+    out_rows: torch.Tensor | slice | None = None  # padded: where those real rows go in the output
 
 
 @dataclass
@@ -70,7 +78,11 @@ class TorchAttentionBackend(AttentionBackend):
             return self._attend(plan.groups[0], q, k_cache, v_cache, scale)
         out = torch.empty_like(q)
         for group in plan.groups:
-            out[group.rows] = self._attend(group, q, k_cache, v_cache, scale)
+            attended = self._attend(group, q, k_cache, v_cache, scale)
+            if group.keep is None:
+                out[group.rows] = attended
+            else:
+                out[group.out_rows] = attended[group.keep]
         return out
 
     def _attend(self, group: _Group, q, k_cache, v_cache, scale: float) -> torch.Tensor:
@@ -82,7 +94,7 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 def make_plan(batch: ForwardBatch, sliding_window: int | None, page_size: int) -> _Plan:
-    """Decode rows in one padded group, each prefill chunk in its own."""
+    """Decode rows in one group, short chunks in one padded group, each longer prefill chunk in its own."""
     device = batch.block_tables.device
     starts = [0, *itertools.accumulate(batch.query_lens)]
     decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
@@ -94,12 +106,34 @@ def make_plan(batch: ForwardBatch, sliding_window: int | None, page_size: int) -
         context_lens = [batch.context_lens[i] for i in decode]
         layout = paged_layout(tables, context_lens, [1] * len(decode), page_size, sliding_window)
         groups.append(_Group(rows, 1, *layout))
+    short = [i for i, n in enumerate(batch.query_lens) if 1 < n <= SHORT_QUERY]
+    if short:
+        groups.append(_padded_group(batch, short, starts, page_size, sliding_window))
     for i, n in enumerate(batch.query_lens):
-        if n > 1:
+        if n > SHORT_QUERY:
             table, context_lens = batch.block_tables[i : i + 1], [batch.context_lens[i]]
             layout = paged_layout(table, context_lens, [n], page_size, sliding_window)
             groups.append(_Group(slice(starts[i], starts[i + 1]), n, *layout))
     return _Plan(batch, sliding_window, list(batch.context_lens), list(batch.query_lens), groups)
+
+
+def _padded_group(batch: ForwardBatch, seqs: list[int], starts: list[int], page_size: int,
+                  sliding_window: int | None) -> _Group:
+    """Requests `seqs` (a few rows each) padded to the longest, w rows each; a padding row repeats the request's
+    last row, which sees its whole context, and its output is dropped:
+
+        rows:  [ a0 a1 a1 | b0 b1 b2 | c0 c0 c0 ]    (w = 3; a has 2 rows, b 3, c 1)
+        keep:  [ 0  1     | 3  4  5  | 6        ]    the real ones, written back to a0 a1 b0 b1 b2 c0
+    """
+    device, lens = batch.block_tables.device, [batch.query_lens[i] for i in seqs]
+    width = max(lens)
+    rows = [starts[i] + min(j, n - 1) for i, n in zip(seqs, lens) for j in range(width)]
+    keep = [s * width + j for s, n in enumerate(lens) for j in range(n)]
+    out_rows = [starts[i] + j for i, n in zip(seqs, lens) for j in range(n)]
+    tables = batch.block_tables[torch.tensor(seqs, device=device)]
+    layout = paged_layout(tables, [batch.context_lens[i] for i in seqs], lens, page_size, sliding_window)
+    return _Group(torch.tensor(rows, device=device), width, *layout, keep=torch.tensor(keep, device=device),
+                  out_rows=torch.tensor(out_rows, device=device))
 
 
 def paged_attention(
