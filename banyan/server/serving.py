@@ -12,8 +12,8 @@ import json
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import TypeVar
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -30,12 +30,14 @@ from banyan.server.audit import record_usage
 from banyan.server.auth import ApiKeyAuth, RateLimiter, Tenant
 from banyan.server.errors import APIError, error_body, from_banyan_error, model_not_found
 from banyan.server.generation import Generation
-from banyan.server.lora_adapters import LoRAAdapters
 from banyan.server.metrics import ServerMetrics
 from banyan.server.renderers import ChatRender, CompletionRender
 from banyan.text.chat_template import ChatTemplateError
 from banyan.text.reasoning import splitters
 from banyan.text.tokenizer import with_special_tokens
+
+if TYPE_CHECKING:  # a type only: lora_adapters documents its routes through openapi, which imports this module
+    from banyan.server.lora_adapters import LoRAAdapters
 
 T = TypeVar("T")
 
