@@ -261,12 +261,16 @@ class SpecController:
 
     State: a global prior (an EWMA over every request's verifications, starting from the proposer's declared
     prior) and per-request AcceptanceStats seeded from the global prior when first seen. A request that has a
-    proposal but gets k = 0 is not observed, so its estimates relax toward the proposer's declared prior at
-    `probe_rate` per such step: after a run of rejections it is tried again, once its recovered estimate pays.
+    proposal but gets k = 0 is not observed, so its estimates relax toward the global prior at `probe_rate` per
+    such step: after a run of rejections it is tried again, once its recovered estimate pays, and sooner where
+    other requests' drafts are being accepted. A step where proposals existed and none was drafted relaxes the
+    global prior toward the declared one at `global_probe_rate`, so a workload that stopped paying (random text)
+    is probed again now and then, not every few steps by every request.
     """
 
     def __init__(self, config: SpeculativeConfig, step_time: StepTimeModel, prior: Sequence[float],
-                 request_rate: float = 0.3, global_rate: float = 0.02, probe_rate: float = 0.02):
+                 request_rate: float = 0.3, global_rate: float = 0.05, probe_rate: float = 0.02,
+                 global_probe_rate: float = 0.0005):
         """prior: the proposer's P(accept) per position (the last value repeats up to num_speculative_tokens)."""
         self.config = config
         self.max_k = config.num_speculative_tokens
@@ -274,7 +278,7 @@ class SpecController:
             raise ValueError("prior needs at least one position")
         self.seed = [float(prior[min(j, len(prior) - 1)]) for j in range(self.max_k)]
         self.step_time = step_time
-        self.global_stats = AcceptanceStats(self.seed, global_rate)
+        self.global_stats = AcceptanceStats(self.seed, global_rate, self.seed, global_probe_rate)
         self.request_rate = request_rate
         self.probe_rate = probe_rate
         self.stats: dict[str, AcceptanceStats] = {}
@@ -305,7 +309,11 @@ class SpecController:
             ks = allocate(gains, self.step_time, base_tokens, base_emitted, room, self.draft_seconds)
         for rid, cap, k in zip(request_ids, caps, ks):
             if cap and not k:
-                self.stats[rid].idle()
+                stats = self.stats[rid]
+                stats.relax_to = list(self.global_stats.alphas)
+                stats.idle()
+        if not any(ks):
+            self.global_stats.idle()
         return ks
 
     def table_k(self, batch_size: int) -> int:
@@ -319,7 +327,8 @@ class SpecController:
         """The request's estimates, seeded from the global prior the first time it is asked for."""
         stats = self.stats.get(request_id)
         if stats is None:
-            stats = AcceptanceStats(self.global_stats.alphas, self.request_rate, self.seed, self.probe_rate)
+            stats = AcceptanceStats(self.global_stats.alphas, self.request_rate, self.global_stats.alphas,
+                                    self.probe_rate)
             self.stats[request_id] = stats
         return stats
 

@@ -216,6 +216,29 @@ def test_a_request_turned_off_is_probed_again():
     assert 5 < steps < 100  # estimates relaxed toward the proposer's prior until a draft pays again
 
 
+def test_where_every_draft_fails_requests_stop_probing_until_the_global_prior_recovers():
+    """Random text: a new request each step with a proposal that is always rejected. Requests relax toward what
+    the workload taught (the global prior), not toward the proposer's hopes, so probing fades; the global prior
+    itself recovers slowly, so speculation is tried again much later."""
+    c = make_controller(prior=(0.9,), time_model=make_time_model(lambda n: 0.010 + 0.005 * n))
+    drafted_per_100 = []
+    for block in range(6):
+        drafted = 0
+        for step in range(100):
+            rid = f"r{block}-{step // 10}"  # requests of 10 steps each
+            k = c.choose([rid], [4])[0]
+            if k:
+                c.observe(rid, k, 0)
+                drafted += 1
+            if step % 10 == 9:
+                c.finish(rid)
+        drafted_per_100.append(drafted)
+    assert drafted_per_100[0] >= 5 and sum(drafted_per_100[2:]) <= drafted_per_100[0]
+    # nothing drafted for a while: the global prior drifts back toward the declared one until a draft pays again
+    quiet = next(s for s in range(1, 10_000) if c.choose([f"new-{s}"], [4])[0] > 0)
+    assert 10 < quiet < 5000
+
+
 # --- step time --------------------------------------------------------------------------------------------------
 
 def test_step_time_interpolates_and_extrapolates():
