@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import sys
 from collections.abc import Callable
 
@@ -59,7 +60,7 @@ def add_bench_parser(commands) -> None:
     spec.add_argument("--draft-model", default=None, help="draft_model: the draft's checkpoint")
     spec.add_argument("--policies", default="adaptive,fixed", help="comma-separated controller policies")
     spec.add_argument("--num-speculative-tokens", type=int, default=5)
-    spec.set_defaults(temperature=None, func=_speculative)  # None: greedy for copy, 1.0 for random
+    spec.set_defaults(temperature=None, func=_tabled("speculative"))  # None: greedy for copy, 1.0 for random
 
     lora = add("lora", "output tok/s of a batch mixing LoRA adapters vs the base model alone, side by side", None)
     lora.add_argument("--num-adapters", type=int, default=8, help="random adapters, request i on adapter i mod this")
@@ -68,7 +69,7 @@ def add_bench_parser(commands) -> None:
     lora.add_argument("--input-len", type=int, default=128)
     lora.add_argument("--output-len", type=int, default=64, help="generated tokens (ignore_eos)")
     lora.add_argument("--rounds", type=int, default=3, help="timed rounds, each running every configuration once")
-    lora.set_defaults(func=_lora)
+    lora.set_defaults(func=_tabled("lora"))
 
     swap = add("swap", "a model swapped under load on a server it starts: longest token gap, TTFT p50/p99 during "
                        "the swap vs before, failed requests", None)
@@ -79,7 +80,7 @@ def add_bench_parser(commands) -> None:
     swap.add_argument("--warmup-seconds", type=float, default=5.0)
     swap.add_argument("--before-seconds", type=float, default=20.0, help="the window measured before the swap")
     swap.add_argument("--after-seconds", type=float, default=2.0)
-    swap.set_defaults(func=_swap)
+    swap.set_defaults(func=_tabled("swap", lambda results: bool(results["failed"] or results["swap_error"])))
 
     lang = add("lang", "banyan.lang programs: fork with the prefix cache off vs on, run_batch vs one by one, "
                        "OpenAICompatible vs RuntimeEndpoint on one server", None)
@@ -92,12 +93,12 @@ def add_bench_parser(commands) -> None:
     lang.add_argument("--http-context-tokens", type=int, default=256, help="http: each program's context tokens")
     lang.add_argument("--rounds", type=int, default=1, help="timed rounds, each running both sides once")
     lang.add_argument("--no-http", action="store_true", help="skip the HTTP comparison (it starts a server)")
-    lang.set_defaults(func=_lang)
+    lang.set_defaults(func=_tabled("lang"))
 
     router = add("router", "data-parallel replicas behind one server: each --router-policy on a multi-tenant "
                            "workload, prefix hit rate, TTFT, throughput", None)
     add_router_args(router)
-    router.set_defaults(func=_router)
+    router.set_defaults(func=_tabled("router"))
 
     srv = add("serve", "load-test an OpenAI-compatible server over HTTP (streamed /v1/completions)", _serve, engine=False)
     srv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
@@ -154,44 +155,17 @@ def _run(name: str, run, args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _speculative(args) -> int:
-    from banyan.bench.speculative import markdown, run_speculative
+def _tabled(name: str, failed: Callable[[dict], bool] = lambda results: False) -> Callable[[argparse.Namespace], int]:
+    """A subcommand whose module banyan.bench.<name> has run_<name>(engine_config, args) -> (config, results) and
+    markdown(results): run it, emit the report with its table; exit 1 when `failed(results)`."""
 
-    config, results = run_speculative(engine_config(args), args)
-    emit(make_report("speculative", config, results), args.output_json, table=markdown(results))
-    return 0
+    def run(args: argparse.Namespace) -> int:
+        module = importlib.import_module(f"banyan.bench.{name}")  # on use: a bench's imports load only for it
+        config, results = getattr(module, f"run_{name}")(engine_config(args), args)
+        emit(make_report(name, config, results), args.output_json, table=module.markdown(results))
+        return 1 if failed(results) else 0
 
-
-def _router(args) -> int:
-    from banyan.bench.router import markdown, run_router
-
-    config, results = run_router(engine_config(args), args)
-    emit(make_report("router", config, results), args.output_json, table=markdown(results))
-    return 0
-
-
-def _lang(args) -> int:
-    from banyan.bench.lang import markdown, run_lang
-
-    config, results = run_lang(engine_config(args), args)
-    emit(make_report("lang", config, results), args.output_json, table=markdown(results))
-    return 0
-
-
-def _swap(args) -> int:
-    from banyan.bench.swap import markdown, run_swap
-
-    config, results = run_swap(engine_config(args), args)
-    emit(make_report("swap", config, results), args.output_json, table=markdown(results))
-    return 1 if results["failed"] or results["swap_error"] else 0
-
-
-def _lora(args) -> int:
-    from banyan.bench.lora import markdown, run_lora
-
-    config, results = run_lora(engine_config(args), args)
-    emit(make_report("lora", config, results), args.output_json, table=markdown(results))
-    return 0
+    return run
 
 
 def _throughput(args):
