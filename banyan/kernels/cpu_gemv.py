@@ -31,7 +31,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("cpu_gemv.c"), Path(__file__).with_name("cpu_attention.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_attention.c", "cpu_decode.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 
 

@@ -1,0 +1,189 @@
+/* The small ops of a decoder layer fused for float32 on x86 CPUs with AVX2 (built into the same library as
+ * cpu_gemv.c; banyan/kernels/cpu_decode.py binds them). A decode step of a small model is dozens of tiny
+ * torch ops per layer, each a few microseconds of dispatch for a few hundred floats of work; these do the
+ * same math in one call each:
+ *
+ *     rms_norm         s = x + residual (optional), y = (s / sqrt(mean(s^2) + eps)) * w
+ *     rope_store_kv    q, k rotated in place (neox rotate_half), k and v written to their cache slot
+ *     paged_attention  each row over the keys it sees, read from the pages where they lie (no gather)
+ *     silu_mul         y = silu(gate) * up, gate and up the halves of one row
+ *
+ * Every row is computed alone and in a fixed order (position order in attention), so its bits do not depend
+ * on the other rows of the batch, which batch-invariant mode needs.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stddef.h>
+#include <stdint.h>
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* exp on 8 lanes: e^x = 2^n e^r with n = round(x log2 e), |r| <= ln2/2, e^r by a degree-6 polynomial (the
+ * Cephes coefficients); relative error about 2e-7. Inputs are clamped to +-88.37 (float's range). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  /* ln 2 in two parts: exact n * hi */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* n floats through exp8: the tail goes through a zero-padded copy, so every element takes the same path. */
+static inline void exp_shifted(float *p, int n, float shift) {
+    const __m256 s = _mm256_set1_ps(shift);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), s)));
+    if (i < n) {
+        float tail[8] = {0};
+        for (int j = 0; i + j < n; j++) tail[j] = p[i + j];
+        _mm256_storeu_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), s)));
+        for (int j = 0; i + j < n; j++) p[i + j] = tail[j];
+    }
+}
+
+/* x, y [rows, dim]; residual NULL or [rows, dim], in which case sum_out [rows, dim] gets x + residual and the
+ * norm is of that sum. dim a multiple of 8. */
+void rms_norm(const float *x, const float *residual, float *sum_out, const float *w, float *y, int rows, int dim,
+              float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 32)
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (size_t)r * dim;
+        if (residual != NULL) {
+            const float *rr = residual + (size_t)r * dim;
+            float *sr = sum_out + (size_t)r * dim;
+            for (int i = 0; i < dim; i += 8)
+                _mm256_storeu_ps(sr + i, _mm256_add_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(rr + i)));
+            xr = sr;
+        }
+        __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(xr + i), acc);
+        const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(acc) / (float)dim + eps));
+        float *yr = y + (size_t)r * dim;
+        for (int i = 0; i < dim; i += 8)
+            _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), inv), _mm256_loadu_ps(w + i)));
+    }
+}
+
+/* One head of D = 2 * half values rotated in place: (a, b) -> (a cos - b sin, b cos + a sin) per pair
+ * (x[i], x[i + half]), as q * cos + rotate_half(q) * sin computes it. half a multiple of 8. */
+static inline void rotate(float *x, const float *c, const float *s, int half) {
+    for (int i = 0; i < half; i += 8) {
+        __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + half + i);
+        __m256 ci = _mm256_loadu_ps(c + i), si = _mm256_loadu_ps(s + i);
+        _mm256_storeu_ps(x + i, _mm256_sub_ps(_mm256_mul_ps(a, ci), _mm256_mul_ps(b, si)));
+        _mm256_storeu_ps(x + half + i, _mm256_add_ps(_mm256_mul_ps(b, ci), _mm256_mul_ps(a, si)));
+    }
+}
+
+/* Row t of q [T, H, D] (rows q_stride floats apart) and of k [T, KVH, D] (k_stride) rotated by the angles of
+ * positions[t] (cos, sin: [max_pos, D / 2]); k and v (v_stride) rows then copied to slot slots[t] of the caches
+ * [slots, KVH, D] (a negative slot: not stored). Returns how many positions fell outside [0, max_pos) (those
+ * rows are left as they were). */
+int rope_store_kv(float *q, int q_stride, float *k, int k_stride, const float *v, int v_stride,
+                  const int64_t *positions, const float *cos_table, const float *sin_table, int max_pos,
+                  float *k_cache, float *v_cache, const int64_t *slots, int T, int H, int KVH, int D, int threads) {
+    const int half = D / 2;
+    int bad = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : bad) if (T >= 32)
+    for (int t = 0; t < T; t++) {
+        const int64_t pos = positions[t];
+        if (pos < 0 || pos >= max_pos) {
+            bad++;
+            continue;
+        }
+        const float *c = cos_table + pos * half, *s = sin_table + pos * half;
+        for (int h = 0; h < H; h++) rotate(q + (size_t)t * q_stride + (size_t)h * D, c, s, half);
+        float *kt = k + (size_t)t * k_stride;
+        const float *vt = v + (size_t)t * v_stride;
+        for (int h = 0; h < KVH; h++) rotate(kt + (size_t)h * D, c, s, half);
+        if (slots[t] < 0) continue;
+        float *kc = k_cache + (size_t)slots[t] * KVH * D, *vc = v_cache + (size_t)slots[t] * KVH * D;
+        for (int i = 0; i < KVH * D; i++) {
+            kc[i] = kt[i];
+            vc[i] = vt[i];
+        }
+    }
+    return bad;
+}
+
+static inline float dot(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    return hsum8(acc);
+}
+
+/* Causal attention of n query rows over a paged cache [pages, P, KVH, D]. Query row i is q row rows[i] (rows
+ * q_stride floats apart, heads D apart), at position positions[i] of the sequence whose pages are
+ * tables[seq_of_row[i]] (table_stride entries apart); it sees the keys at positions (pos - window, pos]
+ * (window 0: [0, pos]), the key at position t lying in page table[t / P], offset t % P:
+ *
+ *     s_t = scale * <q, k_t>      p_t = exp(s_t - max s)      out row rows[i] = sum_t p_t v_t / sum_t p_t
+ *
+ * each sum taken in position order. out [T, H, D]; scratch: threads * max_keys floats, max_keys at least the
+ * keys any row sees. D a multiple of 8. */
+void paged_attention(const float *q, int q_stride, const float *k_cache, const float *v_cache,
+                     const int32_t *tables, int table_stride, const int32_t *rows, const int32_t *seq_of_row,
+                     const int32_t *positions, int n, int H, int KVH, int D, int P, int window, float scale,
+                     float *out, float *scratch, int max_keys, int threads) {
+    const int group = H / KVH;
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
+    for (int i = 0; i < n; i++) {
+        for (int h = 0; h < H; h++) {
+            const int pos = positions[i], first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+            const int32_t *table = tables + (size_t)seq_of_row[i] * table_stride;
+            const float *qr = q + (size_t)rows[i] * q_stride + (size_t)h * D;
+            const size_t head = (size_t)(h / group) * D, token = (size_t)KVH * D;
+            float *p = scratch + (size_t)omp_get_thread_num() * max_keys, *o = out + ((size_t)rows[i] * H + h) * D;
+            const int keys = pos - first + 1;
+            float top = -INFINITY;
+            for (int j = 0; j < keys; j++) {
+                const int t = first + j;
+                const size_t slot = (size_t)table[t / P] * P + t % P;
+                p[j] = scale * dot(qr, k_cache + slot * token + head, D);
+                top = fmaxf(top, p[j]);
+            }
+            exp_shifted(p, keys, top);
+            float total = 0.0f;
+            for (int d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
+            for (int j = 0; j < keys; j++) {
+                const int t = first + j;
+                const float *vt = v_cache + ((size_t)table[t / P] * P + t % P) * token + head;
+                const __m256 w = _mm256_set1_ps(p[j]);
+                total += p[j];
+                for (int d = 0; d < D; d += 8)
+                    _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + d), _mm256_loadu_ps(o + d)));
+            }
+            const __m256 inv = _mm256_set1_ps(keys > 0 ? 1.0f / total : 0.0f);
+            for (int d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv));
+        }
+    }
+}
+
+/* y [rows, n] = silu(x[:, :n]) * x[:, n:] for x [rows, 2n], silu(g) = g / (1 + e^-g). n a multiple of 8. */
+void silu_mul(const float *x, float *y, int rows, int n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 8)
+    for (int r = 0; r < rows; r++) {
+        const float *g = x + (size_t)r * 2 * n, *u = g + n;
+        float *yr = y + (size_t)r * n;
+        for (int i = 0; i < n; i += 8) {
+            __m256 gi = _mm256_loadu_ps(g + i);
+            __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gi));
+            __m256 silu = _mm256_div_ps(gi, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(yr + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+        }
+    }
+}

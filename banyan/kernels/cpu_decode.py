@@ -1,0 +1,123 @@
+"""A decoder layer's small ops fused for float32 on AVX2 CPUs (cpu_decode.c, built into cpu_gemv's library).
+
+A batch-1 decode step of a small model is mostly per-op cost: each of a layer's ~60 torch ops (RMSNorm's
+pow/mean/rsqrt/mul, RoPE's index/cat/neg/mul/add, the K/V index_copy, the page gather and SDPA, SiLU and
+the product) takes microseconds of dispatch for a few hundred floats of work. These kernels do each group
+in one call: add + RMSNorm, RoPE + K/V store, paged attention read straight from the pages, SiLU * up.
+Each row is computed alone, in a fixed order (tests/unit/test_cpu_decode.py checks each against torch).
+
+`kernels_for(device, dtype)` answers None (callers keep their torch ops) off CPU, for other dtypes than
+float32, without AVX2 or a compiler, with BANYAN_DISABLE_CPU_KERNELS=1, or with
+BANYAN_DISABLE_FUSED_DECODE=1 (these fused ops only; the matmul kernels stay: for measuring them apart).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from banyan.kernels import cpu_gemv
+
+DISABLE_ENV = "BANYAN_DISABLE_FUSED_DECODE"
+
+
+class DecodeKernels:
+    """Bindings of cpu_decode.c. Tensors are float32 (int64/int32 where said) and contiguous unless a row
+    stride is taken; dims (hidden, head_dim / 2, intermediate) multiples of 8."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        lib.rms_norm.argtypes = [p, p, p, p, p, i, i, f, i]
+        lib.rope_store_kv.argtypes = [p, i, p, i, p, i, p, p, p, i, p, p, p, i, i, i, i, i]
+        lib.paged_attention.argtypes = [p, i, p, p, p, i, p, p, p, i, i, i, i, i, i, f, p, p, i, i]
+        lib.silu_mul.argtypes = [p, p, i, i, i]
+        lib.rms_norm.restype = lib.paged_attention.restype = lib.silu_mul.restype = None
+        lib.rope_store_kv.restype = ctypes.c_int
+        self._lib = lib
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [..., dim] -> x / sqrt(mean(x^2) + eps) * weight."""
+        y = torch.empty_like(x)
+        self._lib.rms_norm(x.data_ptr(), None, None, weight.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1],
+                           x.shape[-1], eps, torch.get_num_threads())
+        return y
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s, rms_norm(s)) for s = x + residual, in one pass."""
+        total, y = torch.empty_like(x), torch.empty_like(x)
+        self._lib.rms_norm(x.data_ptr(), residual.data_ptr(), total.data_ptr(), weight.data_ptr(), y.data_ptr(),
+                           x.numel() // x.shape[-1], x.shape[-1], eps, torch.get_num_threads())
+        return total, y
+
+    def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+        """q [T, H, D] and k [T, KVH, D] rotated in place by positions [T] int64 (cos, sin [max_pos, D / 2]);
+        k and v then stored at slot_mapping [T] int64 of the caches [pages, page_size, KVH, D] (-1: not stored).
+        q, k, v may be row-strided views (of one qkv output): heads contiguous within a row."""
+        (tokens, heads, dim), kv_heads = q.shape, k.shape[1]
+        bad = self._lib.rope_store_kv(
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), positions.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), cos.shape[0], k_cache.data_ptr(), v_cache.data_ptr(),
+            slot_mapping.data_ptr(), tokens, heads, kv_heads, dim, torch.get_num_threads())
+        if bad:
+            raise ValueError(f"{bad} positions outside the rotary table's [0, {cos.shape[0]})")
+
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                        rows: PagedRows, scale: float, sliding_window: int | None) -> None:
+        """out[rows.rows] = each row's causal attention over its pages (see PagedRows); q [T, H, D] (row-strided
+        views allowed), out [T, H, D] contiguous, caches [pages, page_size, KVH, D]."""
+        heads, dim = q.shape[1:]
+        page_size, kv_heads = k_cache.shape[1:3]
+        threads = torch.get_num_threads()
+        if rows.scratch is None or rows.scratch.numel() < threads * rows.max_keys:
+            rows.scratch = torch.empty(threads * rows.max_keys, dtype=torch.float32)
+        tables = rows.tables
+        self._lib.paged_attention(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+            rows.rows.data_ptr(), rows.seq_of_row.data_ptr(), rows.positions.data_ptr(), rows.rows.numel(), heads,
+            kv_heads, dim, page_size, sliding_window or 0, scale, out.data_ptr(), rows.scratch.data_ptr(),
+            rows.max_keys, threads)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [..., 2n] -> silu(gate) * up, [..., n]."""
+        n = gate_up.shape[-1] // 2
+        y = gate_up.new_empty(*gate_up.shape[:-1], n)
+        self._lib.silu_mul(gate_up.data_ptr(), y.data_ptr(), gate_up.numel() // (2 * n), n, torch.get_num_threads())
+        return y
+
+
+class PagedRows:
+    """Which rows of a step paged_attention computes, and where each looks (int32 tensors, built once a forward):
+
+        rows[i]        the row of q and out
+        seq_of_row[i]  its request: the row of `tables` [num_seqs, max_pages] that holds its pages
+        positions[i]   its position p; it sees positions [0, p], or (p - w, p] with a sliding window w
+    """
+
+    def __init__(self, rows: list[int], seq_of_row: list[int], positions: list[int], tables: torch.Tensor):
+        self.rows = torch.tensor(rows, dtype=torch.int32)
+        self.seq_of_row = torch.tensor(seq_of_row, dtype=torch.int32)
+        self.positions = torch.tensor(positions, dtype=torch.int32)
+        self.tables = tables.to(torch.int32).contiguous()
+        self.max_keys = max(positions, default=0) + 1
+        self.scratch: torch.Tensor | None = None  # threads x max_keys scores, allocated by the first layer
+
+
+def kernels_for(device: torch.device, dtype: torch.dtype) -> DecodeKernels | None:
+    """The fused kernels where they serve a layer computing in `dtype` on `device`, else None."""
+    if device.type != "cpu" or dtype != torch.float32 or os.environ.get(DISABLE_ENV) == "1":
+        return None
+    return _load()
+
+
+@functools.cache  # one binding per process, over cpu_gemv's one library
+def _load() -> DecodeKernels | None:
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    gemv = cpu_gemv.load()
+    return None if gemv is None else DecodeKernels(gemv._lib)

@@ -1,0 +1,172 @@
+"""banyan's fused CPU decode kernels (banyan/kernels/cpu_decode.c) against their torch references, and the
+fallback: where they do not apply, `kernels_for` answers None and the layers keep their torch ops."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from banyan.kernels import cpu_decode
+from banyan.layers.attention.base import write_kv_cache
+from banyan.layers.rotary import RotaryEmbedding
+from banyan.layers.attention.torch_backend import paged_attention
+
+KERNELS = cpu_decode.kernels_for(torch.device("cpu"), torch.float32)
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="needs an x86 CPU with AVX2 and a C compiler")
+
+
+def torch_rms_norm(x, weight, eps):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_rms_norm_and_its_fused_residual_add(rows):
+    gen = torch.Generator().manual_seed(rows)
+    x, residual = torch.randn(2, rows, 576, generator=gen)
+    weight = torch.randn(576, generator=gen)
+    torch.testing.assert_close(KERNELS.rms_norm(x, weight, 1e-5), torch_rms_norm(x, weight, 1e-5))
+    total, normed = KERNELS.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(total, x + residual)
+    torch.testing.assert_close(normed, torch_rms_norm(x + residual, weight, 1e-6))
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_silu_mul(rows):
+    gate_up = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 6
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(KERNELS.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@needs_kernels
+def test_silu_mul_at_the_extremes():
+    gate = torch.tensor([-200.0, -90.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 200.0])
+    gate_up = torch.cat([gate, torch.full_like(gate, 3.0)])[None]
+    torch.testing.assert_close(KERNELS.silu_mul(gate_up)[0], F.silu(gate) * 3.0)
+
+
+def qkv_rows(tokens, heads, kv_heads, dim, gen):
+    """One qkv output [tokens, (heads + 2 kv_heads) * dim] and its q, k, v views, as RopeAttention splits it."""
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    return qkv, q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_rope_store_matches_rotary_then_cache_write(dim):
+    """Rotated q and k in place, k and v at their slots; a negative slot (a padding row) writes nothing."""
+    gen = torch.Generator().manual_seed(dim)
+    rotary = RotaryEmbedding(dim, 4096, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})
+    heads, kv_heads, page_size = 6, 2, 4
+    qkv, q, k, v = qkv_rows(7, heads, kv_heads, dim, gen)
+    positions = torch.tensor([0, 1, 3, 4, 17, 1000, 4095])
+    slots = torch.tensor([5, 2, -1, 9, 0, 11, 23])  # [num_pages * page_size) or -1
+    k_cache, v_cache = torch.randn(2, 6, page_size, kv_heads, dim, generator=gen)
+    q_ref, k_ref = rotary(positions, q.clone(), k.clone())
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    kept = slots >= 0
+    write_kv_cache(k_ref[kept], v[kept], k_expected, v_expected, slots[kept])
+
+    KERNELS.rope_store(q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, slots)
+    torch.testing.assert_close(q, q_ref)
+    torch.testing.assert_close(k, k_ref)
+    torch.testing.assert_close(k_cache, k_expected)
+    assert torch.equal(v_cache, v_expected)
+
+
+@needs_kernels
+def test_rope_store_refuses_positions_past_the_table():
+    gen = torch.Generator().manual_seed(0)
+    rotary = RotaryEmbedding(64, 32)
+    _, q, k, v = qkv_rows(2, 3, 1, 64, gen)
+    cache = torch.zeros(2, 4, 1, 64)
+    with pytest.raises(ValueError, match="outside the rotary table"):
+        KERNELS.rope_store(q, k, v, torch.tensor([3, 32]), rotary.cos, rotary.sin, cache, cache.clone(),
+                           torch.tensor([0, 1]))
+
+
+def paged_case(specs, page_size, kv_heads, heads, dim, seed):
+    """Requests (cached prefix, new rows) over shuffled pages of a noise cache: (q, caches, tables, per-row
+    request index and position, context lengths, query lengths)."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    pages = [-(-(prefix + new) // page_size) for prefix, new in specs]
+    free = list(range(sum(pages) + 2))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in pages]
+    width = max(pages)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    k_cache, v_cache = torch.randn(2, sum(pages) + 2, page_size, kv_heads, dim, generator=gen)
+    seq_of_row = [i for i, (_, new) in enumerate(specs) for _ in range(new)]
+    positions = [prefix + j for prefix, new in specs for j in range(new)]
+    q = torch.randn(len(positions), heads, dim, generator=gen)
+    return q, k_cache, v_cache, table, seq_of_row, positions
+
+
+def sdpa_reference(q, k_cache, v_cache, table, specs, scale, window):
+    """torch_backend.paged_attention (gathered pages, SDPA), one request at a time, rows in q's order."""
+    outs, start = [], 0
+    for i, (prefix, new) in enumerate(specs):
+        rows = q[start : start + new][None]
+        outs.append(paged_attention(rows, k_cache, v_cache, table[i : i + 1], [prefix + new], [new], scale, window)[0])
+        start += new
+    return torch.cat(outs)
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("page_size,kv_heads,group", [(1, 1, 4), (4, 2, 3), (16, 3, 3)])
+def test_paged_attention_reads_the_pages_directly(page_size, kv_heads, group, window):
+    """Decode rows and prefill chunks, prefixes ending on page edges or inside pages, GQA, sliding windows."""
+    specs = [(0, 1), (7, 1), (page_size * 2 - 1, 1), (page_size * 3, 1), (3, 6), (0, 9), (40, 1)]
+    heads, dim = kv_heads * group, 64
+    q, k_cache, v_cache, table, seq_of_row, positions = paged_case(specs, page_size, kv_heads, heads, dim, page_size)
+    out = torch.full_like(q, float("nan"))
+    rows = cpu_decode.PagedRows(list(range(len(positions))), seq_of_row, positions, table)
+    KERNELS.paged_attention(q, k_cache, v_cache, out, rows, dim**-0.5, window)
+    expected = sdpa_reference(q, k_cache, v_cache, table, specs, dim**-0.5, window)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+@needs_kernels
+def test_paged_attention_writes_only_its_rows_and_reads_strided_queries():
+    """A subset of rows (the decode rows of a mixed step), q a row-strided view of a qkv output."""
+    specs = [(5, 1), (3, 4), (12, 1)]
+    q, k_cache, v_cache, table, seq_of_row, positions = paged_case(specs, 4, 1, 3, 32, 0)
+    wide = torch.randn(len(positions), 3 * 32 + 64)  # qkv-like rows: q first
+    wide[:, : 3 * 32] = q.flatten(1)
+    strided = wide[:, : 3 * 32].view(-1, 3, 32)
+    out = torch.full_like(q, float("nan"))
+    chosen = [0, 5]  # the two decode rows
+    rows = cpu_decode.PagedRows(chosen, [seq_of_row[r] for r in chosen], [positions[r] for r in chosen], table)
+    KERNELS.paged_attention(strided, k_cache, v_cache, out, rows, 0.3, None)
+    expected = sdpa_reference(q, k_cache, v_cache, table, specs, 0.3, None)
+    torch.testing.assert_close(out[chosen], expected[chosen], atol=2e-6, rtol=1e-5)
+    assert out[[1, 2, 3, 4]].isnan().all()
+
+
+@needs_kernels
+def test_a_rows_attention_does_not_depend_on_the_rows_beside_it():
+    specs = [(30, 1), (2, 1), (60, 1), (9, 5)]
+    q, k_cache, v_cache, table, seq_of_row, positions = paged_case(specs, 4, 3, 9, 64, 1)
+    every = torch.empty_like(q)
+    KERNELS.paged_attention(q, k_cache, v_cache, every, cpu_decode.PagedRows(list(range(8)), seq_of_row, positions,
+                                                                            table), 0.125, None)
+    for r in range(8):
+        alone = torch.empty_like(q)
+        rows = cpu_decode.PagedRows([r], [seq_of_row[r]], [positions[r]], table)
+        KERNELS.paged_attention(q, k_cache, v_cache, alone, rows, 0.125, None)
+        assert torch.equal(alone[r], every[r])
+
+
+def test_no_kernels_where_they_do_not_apply(monkeypatch):
+    """Off CPU, other dtypes, or switched off: None, and the layers keep their torch ops."""
+    assert cpu_decode.kernels_for(torch.device("meta"), torch.float32) is None
+    assert cpu_decode.kernels_for(torch.device("cpu"), torch.bfloat16) is None
+    monkeypatch.setenv(cpu_decode.DISABLE_ENV, "1")
+    assert cpu_decode.kernels_for(torch.device("cpu"), torch.float32) is None
