@@ -18,7 +18,8 @@ from banyan.tools.formats import FORMATS as TOOL_FORMATS
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KV_CACHE_DTYPES = ("auto", "fp8")
 DEFAULT_CPU_KV_BYTES = 1 << 30
-"""kv_cache_memory on a CPU when none is given."""
+"""kv_cache_memory of a CPU model in a server of several models when none is given (a single model's pool is
+sized from free memory: runner/memory.py)."""
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,9 @@ class CacheConfig:
     block_size: int = 16
     """Tokens per KV page."""
     kv_cache_memory: int | None = None
-    """Bytes for the KV cache (default: 1 GiB on CPU, gpu_memory_utilization on GPU)."""
+    """Bytes for the KV cache (default on CPU: what free memory leaves after the weights and a reserve, at most
+    what max_num_seqs x max_model_len tokens fill; 1 GiB per model in a server of several; on GPU:
+    gpu_memory_utilization)."""
     gpu_memory_utilization: float = 0.9
     """Fraction of GPU memory banyan may use, weights included."""
     num_pages: int | None = None
@@ -280,6 +283,11 @@ class ParallelConfig:
             raise UnknownChoiceError("router_policy", self.router_policy, list(ROUTER_POLICIES))
         if not self.distributed_timeout > 0:
             raise InvalidParameterError("distributed_timeout", f"must be positive, got {self.distributed_timeout}")
+
+    @property
+    def processes(self) -> int:
+        """Engine processes on this machine, each with weights and a KV pool of its own (replicas x ranks)."""
+        return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)

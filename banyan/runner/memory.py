@@ -8,7 +8,17 @@ On a GPU the pool takes what the model leaves of `gpu_memory_utilization` of the
       - non-torch        (CUDA context, cuBLAS workspaces, other processes: used but not torch's)
       = KV budget        -> pages of page_size tokens, every layer's K and V
 
-The arithmetic is pure (MemoryProfile, KVCapacity); only `profile_cuda_forward` touches a device.
+On a CPU, without --kv-cache-memory, the pool takes what the host has left (CpuKVSizing):
+
+    available      MemAvailable, or a cgroup limit less its usage when that is less (host_memory.py), read
+                   once this process's weights are loaded
+      + weights    added back: what the host had for this process
+      - reserve    max(1 GiB, 10% of the memory): API process, tokenizers, page cache, other programs
+      / pools      data-parallel replicas x tensor/pipeline ranks on this host, sizing theirs at the same time
+      - weights, - activations (the largest step's tensors, estimated)
+      = KV budget, at most what max_num_seqs requests of max_model_len tokens can ever fill
+
+The arithmetic is pure (MemoryProfile, CpuKVSizing, KVCapacity); only `profile_cuda_forward` touches a device.
 """
 
 from __future__ import annotations
@@ -21,10 +31,10 @@ from dataclasses import dataclass
 import torch
 
 from banyan.forward_batch import ForwardBatch
+from banyan.host_memory import GiB, HostMemory
 
 logger = logging.getLogger(__name__)
 
-GiB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,49 @@ class MemoryProfile:
         return (f"{utilization:.2f} x {self.total / GiB:.1f} GiB - weights {self.weights / GiB:.2f} GiB"
                 f" - activation peak {self.activation_peak / GiB:.2f} GiB - non-torch {self.non_torch / GiB:.2f} GiB"
                 f" = {self.kv_budget(utilization) / GiB:.2f} GiB")
+
+
+@dataclass(frozen=True)
+class CpuKVSizing:
+    """The CPU pool without --kv-cache-memory (the module docstring's sum). Each of `pools` processes reads
+    `available` after loading its own weights, in any order, and adds back only those: their pools, weights and
+    activations together stay within what the host had less the reserve, however their loads interleave."""
+
+    host: HostMemory
+    weights: int  # this process's, already out of host.available
+    activations: int  # the largest step's tensors, this process
+    pools: int  # processes on this host sizing a pool at the same time
+    useful: int  # bytes of max_num_seqs x max_model_len tokens: a larger pool is never filled
+
+    @property
+    def share(self) -> int:
+        return (self.host.available + self.weights - self.host.reserve) // self.pools - self.weights - self.activations
+
+    @property
+    def budget(self) -> int:
+        return max(0, min(self.share, self.useful))
+
+    def describe(self) -> str:
+        host, reserve, weights = self.host.describe(), _gib(self.host.reserve), _gib(self.weights)
+        if self.pools == 1:  # its weights are out of `available` already
+            left = f"{host} after the weights ({weights}) - reserve {reserve}"
+        else:
+            left = f"({host} + weights {weights} - reserve {reserve}) / {self.pools} pools on this host - weights {weights}"
+        capped = " (capped: max_num_seqs x max_model_len tokens fill no more)" if self.useful < self.share else ""
+        return (f"free memory: {left} - activations {_gib(self.activations)} = {_gib(max(0, self.share))}; at most "
+                f"{_gib(self.useful)}{capped}; --kv-cache-memory sets it")
+
+
+def activation_bytes(arch, max_num_batched_tokens: int, max_num_seqs: int, vocab_size: int) -> int:
+    """A bound on the CPU's largest step beside weights and KV, in float32: per token the residual, norm output,
+    q, k, v and attention output (6 x hidden) and the MLP's gate, up and product (3 x intermediate); the logits
+    of max_num_seqs rows twice (the sampler's probabilities beside them)."""
+    per_token = 6 * arch.hidden_size + 3 * arch.intermediate_size
+    return 4 * (max_num_batched_tokens * per_token + 2 * max_num_seqs * vocab_size)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from banyan.config import DEFAULT_CPU_KV_BYTES, CacheConfig, LoRAConfig, ModelConfig, default_num_threads
+from banyan.config import CacheConfig, LoRAConfig, ModelConfig, default_num_threads
 from banyan.distributed.pipeline import Pipeline
 from banyan.distributed.tensor_parallel import TensorParallel
 from banyan.errors import InvalidParameterError
@@ -30,7 +30,9 @@ from banyan.registry import UnknownChoiceError
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from banyan.runner.drafter import NetworkDrafter
 from banyan.forward_batch import ForwardBatch
-from banyan.runner.memory import GiB, KVCapacity, pages_for_budget, profile_batch, profile_cuda_forward
+from banyan.host_memory import CPU_KV_ENV, cpu_kv_from_env, read_host_memory
+from banyan.runner.memory import (GiB, CpuKVSizing, KVCapacity, activation_bytes, pages_for_budget, profile_batch,
+                                  profile_cuda_forward)
 from banyan.runner.weights import ModelSource
 from banyan.scheduler.batch import Batch, SampledToken, ScheduledRequest, StepResult
 from banyan.spec import verify as spec_verify
@@ -54,12 +56,13 @@ class RunnerLimits:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, source: ModelSource, limits: RunnerLimits,
                  lora_config: LoRAConfig | None = None, parallel: TensorParallel | Pipeline | None = None,
-                 draft_kv_bytes_per_token: int = 0):
+                 draft_kv_bytes_per_token: int = 0, pools_on_host: int = 1):
         """parallel: this process's place in a tensor-parallel or pipeline group (runner/worker.py): it builds, loads
         and caches only its part (`local_arch`: its heads, KV heads, MLP and vocabulary rows, or its layers).
         draft_kv_bytes_per_token: what a draft model's K/V take per token beside this pool's (speculative
-        draft_model): the pool is sized for both."""
+        draft_model): the pool is sized for both. pools_on_host: ParallelConfig.processes (runner/memory.py)."""
         self.draft_kv_bytes_per_token = draft_kv_bytes_per_token
+        self.pools_on_host = pools_on_host
         self.arch = source.arch
         self.parallel = parallel
         self.shard = parallel.local_arch() if parallel is not None else source.arch
@@ -121,7 +124,7 @@ class ModelRunner:
         if cache_config.num_pages is not None:
             num_pages, basis = cache_config.num_pages, "num_pages"
         else:
-            budget, basis, param = self._kv_budget(cache_config)
+            budget, basis, param = self._kv_budget(cache_config, per_token)
             num_pages = pages_for_budget(budget, self.page_size, per_token)
             if num_pages < 2:
                 raise InvalidParameterError(param, f"{basis}: fewer than 2 pages of {self.page_size * per_token} bytes")
@@ -130,7 +133,7 @@ class ModelRunner:
         dtype = str(self.kv_dtype).removeprefix("torch.")
         return KVCapacity(num_pages, self.page_size, per_token, self.limits.max_model_len, dtype, basis)
 
-    def _kv_budget(self, cache_config: CacheConfig) -> tuple[int, str, str]:
+    def _kv_budget(self, cache_config: CacheConfig, per_token: int) -> tuple[int, str, str]:
         """Bytes for the KV pool, where they come from, and the setting that decides them."""
         if cache_config.kv_cache_memory is not None:
             budget = cache_config.kv_cache_memory
@@ -139,7 +142,13 @@ class ModelRunner:
             util = cache_config.gpu_memory_utilization
             profile = profile_cuda_forward(self.profile_forward)
             return profile.kv_budget(util), f"--gpu-memory-utilization {profile.describe(util)}", "gpu_memory_utilization"
-        return DEFAULT_CPU_KV_BYTES, f"the CPU default of --kv-cache-memory, {DEFAULT_CPU_KV_BYTES / GiB:.2f} GiB", "kv_cache_memory"
+        if (fixed := cpu_kv_from_env()) is not None:
+            return fixed, f"${CPU_KV_ENV} {fixed / GiB:.2f} GiB", "kv_cache_memory"
+        limits, seq_pages = self.limits, -(-self.limits.max_model_len // self.page_size)  # runner/memory.py
+        activations = activation_bytes(self.shard, limits.max_num_batched_tokens, limits.max_num_seqs, self.arch.vocab_size)
+        sizing = CpuKVSizing(read_host_memory(), model_weight_bytes(self.model), activations, self.pools_on_host,
+                             useful=limits.max_num_seqs * seq_pages * self.page_size * per_token)
+        return sizing.budget, sizing.describe(), "kv_cache_memory"
 
     @torch.inference_mode()
     def profile_forward(self) -> torch.Tensor:

@@ -88,7 +88,7 @@ class ParallelRunner(ModelRunner):
     """Rank 0: a ModelRunner over its shard (or stage) that starts the other ranks and publishes each forward."""
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, source, limits: RunnerLimits,
-                 lora_config=None, *, parallel: ParallelConfig):
+                 lora_config=None, *, parallel: ParallelConfig, pools_on_host: int = 1):
         if lora_config is not None:
             raise InvalidParameterError("tensor_parallel_size", "LoRA adapters run in one process (tensor and "
                                         "pipeline parallel size 1) only")
@@ -97,7 +97,7 @@ class ParallelRunner(ModelRunner):
         self.workers = Workers(WorkerSpec(0, group_size(parallel), 0, "", model_config, cache_config, limits,
                                           parallel), resolve_device(model_config.device))
         try:
-            super().__init__(model_config, cache_config, source, limits,
+            super().__init__(model_config, cache_config, source, limits, pools_on_host=pools_on_host,
                              parallel=placement(parallel, self.workers.group, source.arch))
         except RuntimeError as e:  # a worker failed while loading: the agreement on the KV pool saw it
             raise self.workers.failure(e) from e
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                          spec.parallel.distributed_timeout)
     source = open_model(spec.model.model, spec.model.trust_remote_code, spec.model.tokenizer)
     part = placement(spec.parallel, group, source.arch)
-    runner = ModelRunner(spec.model, spec.cache, source, spec.limits, parallel=part)
+    runner = ModelRunner(spec.model, spec.cache, source, spec.limits, parallel=part, pools_on_host=spec.parallel.processes)
     fault = WorkerFault(spec.parallel.worker_fault) if spec.parallel.worker_fault and spec.rank == 1 else None
     serve(runner, steps, fault)
     steps.close(linger=0)

@@ -1,13 +1,14 @@
 """Memory accounting for the models of one server: estimate a model before its core starts, refuse what will not fit.
 
     estimate  = weights      parameters (from the checkpoint's shape) x bytes each as the core will hold them
-              + KV cache     kv_cache_memory (CPU default 1 GiB; num_pages x page x bytes per token when set)
+              + KV cache     kv_cache_memory (num_pages x page x bytes per token when set; on CPU by default
+                             $BANYAN_CPU_KV_CACHE_MEMORY, else 1 GiB: pinned so for each model of a server of several)
               + process      the core process itself (python + torch, measured 320 MiB on CPU), plus a GGUF file
                              (read through mmap while loading)
 
     budget    --memory-budget (bytes for all models together), or by default:
-                CPU: what is available now (MemAvailable) less a margin, less what loaded models may still grow
-                     into (their estimate above what they hold now)
+                CPU: what is available now (MemAvailable, or a cgroup limit less usage: host_memory.py) less a
+                     reserve, less what loaded models may still grow into (their estimate above what they hold now)
                 GPU: --gpu-memory-utilization of the device (nvidia-smi), less the loaded models' estimates
 
 A model counts its estimate, or what its core holds (RSS) when that is more, from the moment its load is
@@ -25,13 +26,11 @@ from pathlib import Path
 
 from banyan.config import DEFAULT_CPU_KV_BYTES, EngineConfig, ModelArch
 from banyan.errors import InvalidRequestError
+from banyan.host_memory import cpu_kv_from_env, read_host_memory
 
 MiB, GiB = 1 << 20, 1 << 30
 CORE_PROCESS_BYTES = 320 * MiB
 """An engine core's own footprint on CPU: python, torch and banyan imported (a tiny model's core: 324 MiB RSS)."""
-CPU_MARGIN_FRACTION = 0.1
-"""Of the machine's RAM, kept free by the default CPU budget (at least MIN_CPU_MARGIN)."""
-MIN_CPU_MARGIN = 1 * GiB
 
 
 class MemoryBudgetExceededError(InvalidRequestError):
@@ -108,7 +107,14 @@ def kv_cache_bytes(engine: EngineConfig, arch: ModelArch, on_gpu: bool) -> int:
         return cache.num_pages * cache.block_size * arch.kv_bytes_per_token(dtype_bytes)
     if cache.kv_cache_memory is not None:
         return cache.kv_cache_memory
-    return 0 if on_gpu else DEFAULT_CPU_KV_BYTES  # GPU: what --gpu-memory-utilization leaves (the budget's own rule)
+    return 0 if on_gpu else cpu_default_kv_bytes()  # GPU: what --gpu-memory-utilization leaves (the budget's own rule)
+
+
+def cpu_default_kv_bytes() -> int:
+    """A CPU model's pool in a server that budgets several: $BANYAN_CPU_KV_CACHE_MEMORY, else 1 GiB. Not sized from
+    free memory: their cores start at once, and each would count the memory the others are about to take."""
+    fixed = cpu_kv_from_env()
+    return DEFAULT_CPU_KV_BYTES if fixed is None else fixed
 
 
 def gpu_cache_by_utilization(estimate: MemoryEstimate, utilization: float) -> MemoryEstimate:
@@ -160,12 +166,11 @@ class MemoryBudget:
             limit = int(total * self.gpu_memory_utilization)
             free, what = limit - used, f"--gpu-memory-utilization {self.gpu_memory_utilization} of {gib(total)}"
         else:
-            available, ram = available_ram()
-            margin = max(MIN_CPU_MARGIN, int(CPU_MARGIN_FRACTION * ram))
+            host = read_host_memory()
             growth = sum(max(0, h.estimate - h.resident) for h in holding)
-            free = available - margin - growth
-            what = (f"the CPU default: {gib(available)} available - {gib(margin)} margin - {gib(growth)} the loaded "
-                    f"models may still grow into")
+            free = host.available - host.reserve - growth
+            what = (f"the CPU default: {gib(host.available)} available - {gib(host.reserve)} reserve - {gib(growth)} "
+                    f"the loaded models may still grow into")
         if need.total > free:
             loaded = ", ".join(f"{h.name} {gib(h.accounted)}" for h in holding) or "none"
             raise MemoryBudgetExceededError(
@@ -176,33 +181,8 @@ class MemoryBudget:
         """Bytes a model given memory_share `share` may hold in all (None: no budget to take a share of)."""
         if self.budget is not None:
             return int(self.budget * share)
-        total = gpu_total_bytes() if on_gpu else available_ram()[1]
+        total = gpu_total_bytes() if on_gpu else read_host_memory().total
         return None if total is None else int(total * share * (self.gpu_memory_utilization if on_gpu else 1.0))
-
-
-def available_ram() -> tuple[int, int]:
-    """(available, total) bytes: /proc/meminfo's MemAvailable and MemTotal, within the container's cgroup limit when
-    it has one (elsewhere: the physical pages, all of them free)."""
-    try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        available, total = int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        available = total
-    limit = _cgroup_limit()
-    if limit is not None and limit[0] < total:
-        total, available = limit[0], min(available, limit[0] - limit[1])
-    return available, total
-
-
-def _cgroup_limit() -> tuple[int, int] | None:
-    """(memory.max, memory.current) of this process's cgroup (v2), None without a limit."""
-    try:
-        cgroup = Path("/sys/fs/cgroup")
-        limit = (cgroup / "memory.max").read_text().strip()
-        return None if limit == "max" else (int(limit), int((cgroup / "memory.current").read_text()))
-    except (OSError, ValueError):
-        return None
 
 
 def gpu_total_bytes() -> int | None:

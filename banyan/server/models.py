@@ -38,6 +38,7 @@ from banyan.server.model_entry import ModelEntry, ModelState
 from banyan.server.model_memory import (
     Holding,
     MemoryBudget,
+    cpu_default_kv_bytes,
     estimate_memory,
     gpu_cache_by_utilization,
     runs_on_gpu,
@@ -187,7 +188,8 @@ class ModelRegistry:
     # -- loading ---------------------------------------------------------------------------------------
     async def start(self, specs: list[ModelSpec]) -> None:
         """The models given at start-up, all loaded before the server listens; the first failure is raised."""
-        # One model and no --memory-budget: as a single-model server always was, the core's own sizing decides.
+        # One model and no --memory-budget: as a single-model server always was, the core's own sizing decides (on a
+        # CPU from free memory); otherwise each CPU pool is pinned to what its estimate counts (_cpu_cache_pinned).
         check = len(specs) > 1 or self.budget.budget is not None
         entries = [await self.load(spec, check_memory=check) for spec in specs]
         for entry in entries:
@@ -272,6 +274,8 @@ class ModelRegistry:
             raise APIError(400, f"cannot load {spec.source!r}: {e}", param="model", code="model_load_failed") from None
         gpu = runs_on_gpu(spec.engine)
         spec = self._with_share(spec, checkpoint, path, gpu)
+        if check_memory and not gpu:
+            spec = _cpu_cache_pinned(spec)
         estimate = estimate_memory(spec.engine, checkpoint.arch, path, gpu)
         if gpu and spec.engine.cache.kv_cache_memory is None and spec.engine.cache.num_pages is None:
             estimate = gpu_cache_by_utilization(estimate, spec.engine.cache.gpu_memory_utilization)
@@ -397,6 +401,15 @@ def sticky_user(body: dict, tenant: Tenant) -> str | None:
     if isinstance(user, str) and user:
         return "user:" + user
     return None if tenant is ANONYMOUS else "tenant:" + tenant.tenant_id
+
+
+def _cpu_cache_pinned(spec: ModelSpec) -> ModelSpec:
+    """A CPU model in a server that budgets memory keeps the pool its estimate counted (cpu_default_kv_bytes) instead of
+    sizing it from free memory, which the other models' cores, starting at the same time, are about to take."""
+    cache = spec.engine.cache
+    if cache.kv_cache_memory is not None or cache.num_pages is not None:
+        return spec
+    return with_engine(spec, cache=_cache(spec, cpu_default_kv_bytes()))
 
 
 def _cache(spec: ModelSpec, kv_bytes: int):

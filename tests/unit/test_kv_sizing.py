@@ -46,7 +46,7 @@ def test_gpu_budget_comes_from_the_profile(monkeypatch):
     """The GPU branch of the runner's sizing, with a made-up profile in place of the device's."""
     monkeypatch.setattr(model_runner, "profile_cuda_forward", lambda run: H200)
     fake_runner = SimpleNamespace(device=torch.device("cuda"), profile_forward=None)
-    budget, basis, param = model_runner.ModelRunner._kv_budget(fake_runner, CacheConfig(gpu_memory_utilization=0.9))
+    budget, basis, param = model_runner.ModelRunner._kv_budget(fake_runner, CacheConfig(gpu_memory_utilization=0.9), 1)
     assert budget == H200.kv_budget(0.9)
     assert param == "gpu_memory_utilization" and "activation peak 2.00 GiB" in basis
 
