@@ -256,16 +256,29 @@ def cut_to_budget(caps: Sequence[int], max_drafts: int | None) -> list[int]:
     return ks
 
 
+def evidence_bucket(evidence: int) -> int:
+    """The prior a proposal's evidence (the length of the match its drafts continue; 0: nothing to tell) selects:
+    0 for none, then one per power of two (1, 2-3, 4-7, 8-15, 16-31, 32+)."""
+    return 0 if evidence <= 0 else min(evidence.bit_length(), 6)
+
+
 class SpecController:
     """Chooses each step's draft counts under one SpeculativeConfig, for one proposer.
 
-    State: a global prior (an EWMA over every request's verifications, starting from the proposer's declared
-    prior) and per-request AcceptanceStats seeded from the global prior when first seen. A request that has a
-    proposal but gets k = 0 is not observed, so its estimates relax toward the global prior at `probe_rate` per
-    such step: after a run of rejections it is tried again, once its recovered estimate pays, and sooner where
-    other requests' drafts are being accepted. A step where proposals existed and none was drafted relaxes the
-    global prior toward the declared one at `global_probe_rate`, so a workload that stopped paying (random text)
-    is probed again now and then, not every few steps by every request.
+    State: global priors (EWMAs over the verifications of every request, starting from the proposer's declared
+    prior), one per evidence bucket, and per-request AcceptanceStats seeded from the prior of the request's
+    bucket. The evidence is what a lookup proposer knows of its proposal, the length of the match it continues:
+    a request copying a document matches dozens of tokens back, a chance match in fresh text one or two, and
+    their drafts pass at very different rates. One prior for both would let a batch's fresh-text requests talk
+    its copying requests out of drafting (they are seeded low, never drafted, so never learn otherwise); per
+    bucket, each learns from its own kind. A request whose evidence moves to another bucket is seeded again from
+    that bucket's prior (the population at that evidence predicts better than this request's past at another).
+
+    A request that has a proposal but gets k = 0 is not observed, so its estimates relax toward its bucket's prior
+    at `probe_rate` per such step: after a run of rejections it is tried again, once its recovered estimate pays,
+    and sooner where other requests' drafts are being accepted. A step where proposals existed and none was
+    drafted relaxes the priors of those proposals' buckets toward the declared one at `global_probe_rate`, so a
+    workload that stopped paying (random text) is probed again now and then, not every few steps by every request.
     """
 
     def __init__(self, config: SpeculativeConfig, step_time: StepTimeModel, prior: Sequence[float],
@@ -278,23 +291,31 @@ class SpecController:
             raise ValueError("prior needs at least one position")
         self.seed = [float(prior[min(j, len(prior) - 1)]) for j in range(self.max_k)]
         self.step_time = step_time
-        self.global_stats = AcceptanceStats(self.seed, global_rate, self.seed, global_probe_rate)
+        self.global_rate, self.global_probe_rate = global_rate, global_probe_rate
+        self.priors: dict[int, AcceptanceStats] = {}  # evidence bucket -> what its verifications taught
         self.request_rate = request_rate
         self.probe_rate = probe_rate
         self.stats: dict[str, AcceptanceStats] = {}
+        self.buckets: dict[str, int] = {}  # request id -> the evidence bucket of its latest proposal
         self.draft_seconds = 0.0  # c: what making one draft costs (a network proposer's forward per draft token)
 
     def choose(self, request_ids: Sequence[str], proposal_lens: Sequence[int], base_tokens: int = 0,
-               base_emitted: float = 0.0, token_budget: int | None = None) -> list[int]:
+               base_emitted: float = 0.0, token_budget: int | None = None,
+               evidence: Sequence[int] | None = None) -> list[int]:
         """k_i for each decoding request of the step, in order.
 
         proposal_lens[i]: drafts request i's proposer has (0: nothing to propose; cap it by the tokens the
         request may still emit, less one). base_tokens / base_emitted: tokens the rest of the step feeds /
-        is expected to emit. token_budget: the step's token limit, if any. All zeros means the plain path.
+        is expected to emit. token_budget: the step's token limit, if any. evidence[i]: the length of the match
+        request i's proposal continues (None or 0: nothing to tell). All zeros means the plain path.
         """
         caps = [min(length, self.max_k) for length in proposal_lens]
         if not any(caps):
             return [0] * len(caps)  # the plain path: nothing read, nothing updated
+        if evidence is not None:
+            for rid, cap, found in zip(request_ids, caps, evidence):
+                if cap:
+                    self._move_to_bucket(rid, evidence_bucket(found))
         room = None if token_budget is None else token_budget - base_tokens - len(caps)
         policy = self.config.policy
         if policy == "fixed":
@@ -310,11 +331,33 @@ class SpecController:
         for rid, cap, k in zip(request_ids, caps, ks):
             if cap and not k:
                 stats = self.stats[rid]
-                stats.relax_to = list(self.global_stats.alphas)
+                stats.relax_to = list(self.prior_of(rid).alphas)
                 stats.idle()
         if not any(ks):
-            self.global_stats.idle()
+            for bucket in {self.buckets.get(rid, 0) for rid, cap in zip(request_ids, caps) if cap}:
+                self.prior(bucket).idle()
         return ks
+
+    @property
+    def global_stats(self) -> AcceptanceStats:
+        """The prior of proposals with no evidence (every proposal, for a proposer that gives none)."""
+        return self.prior(0)
+
+    def prior(self, bucket: int) -> AcceptanceStats:
+        """The learned prior of an evidence bucket, starting from the proposer's declared one."""
+        stats = self.priors.get(bucket)
+        if stats is None:
+            stats = self.priors[bucket] = AcceptanceStats(self.seed, self.global_rate, self.seed, self.global_probe_rate)
+        return stats
+
+    def prior_of(self, request_id: str) -> AcceptanceStats:
+        return self.prior(self.buckets.get(request_id, 0))
+
+    def _move_to_bucket(self, request_id: str, bucket: int) -> None:
+        """The request's latest proposal has evidence of `bucket`: on a change it is seeded again from there."""
+        if self.buckets.get(request_id, 0) != bucket:
+            self.buckets[request_id] = bucket
+            self.stats.pop(request_id, None)
 
     def table_k(self, batch_size: int) -> int:
         """The table policy's k for a step of `batch_size` requests (0 outside every range)."""
@@ -324,19 +367,18 @@ class SpecController:
         return 0
 
     def request_stats(self, request_id: str) -> AcceptanceStats:
-        """The request's estimates, seeded from the global prior the first time it is asked for."""
+        """The request's estimates, seeded from its bucket's prior the first time it is asked for."""
         stats = self.stats.get(request_id)
         if stats is None:
-            stats = AcceptanceStats(self.global_stats.alphas, self.request_rate, self.global_stats.alphas,
-                                    self.probe_rate)
-            self.stats[request_id] = stats
+            prior = self.prior_of(request_id).alphas
+            stats = self.stats[request_id] = AcceptanceStats(prior, self.request_rate, prior, self.probe_rate)
         return stats
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         """After verification: `accepted` of the request's `drafted` drafts passed; both EWMAs learn from it."""
         if drafted:
             self.request_stats(request_id).update(drafted, accepted)
-            self.global_stats.update(drafted, accepted)
+            self.prior_of(request_id).update(drafted, accepted)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A forward of `num_tokens` tokens took `seconds` (measured by the caller)."""
@@ -345,3 +387,4 @@ class SpecController:
     def finish(self, request_id: str) -> None:
         """Forget a finished or aborted request."""
         self.stats.pop(request_id, None)
+        self.buckets.pop(request_id, None)

@@ -42,16 +42,19 @@ class NgramProposer(Proposer):
         self._histories: dict[str, _History] = {}
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_k: int) -> list[int]:
+        return self.propose_with_evidence(request_id, token_ids, max_k)[0]
+
+    def propose_with_evidence(self, request_id: str, token_ids: Sequence[int], max_k: int) -> tuple[list[int], int]:
         history = self._indexed(request_id, token_ids)
         length = len(token_ids)
         if max_k <= 0:
-            return []
+            return [], 0
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             key = tuple(token_ids[length - n :])
             end = history.ends.get(hash(key))
             if end is not None and tuple(token_ids[end - n : end]) == key:
-                return _continuation(token_ids, end, max_k)
-        return []
+                return _continuation(token_ids, end, max_k), _match_length(token_ids, end, n)
+        return [], 0
 
     def finish(self, request_id: str, output_token_ids: Sequence[int]) -> None:
         self._histories.pop(request_id, None)
@@ -67,6 +70,18 @@ class NgramProposer(Proposer):
                 history.ends[hash(tuple(token_ids[end - n : end]))] = end
         history.num_indexed = max(history.num_indexed, len(token_ids))
         return history
+
+
+MAX_EVIDENCE = 64
+"""How far back a match is measured: past a few dozen tokens it predicts no better."""
+
+
+def _match_length(token_ids: Sequence[int], end: int, n: int) -> int:
+    """How many tokens before position `end` equal those before the text's end (at least the n looked up)."""
+    length = len(token_ids)
+    while n < min(end, MAX_EVIDENCE) and token_ids[end - n - 1] == token_ids[length - n - 1]:
+        n += 1
+    return n
 
 
 def _continuation(token_ids: Sequence[int], end: int, max_k: int) -> list[int]:

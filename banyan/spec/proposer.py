@@ -3,6 +3,7 @@
     proposer = make_proposer("ngram", prompt_lookup_min=2, prompt_lookup_max=5)
     each step, per decoding request:
         drafts = proposer.propose(request.request_id, request.all_token_ids, max_k)   # [] = nothing to propose
+        drafts, evidence = proposer.propose_with_evidence(...)   # the same, and the length of the match behind them
     when a request ends (finished or aborted):
         proposer.finish(request.request_id, request.output_token_ids)
 
@@ -30,6 +31,12 @@ class Proposer(ABC):
     def propose(self, request_id: str, token_ids: Sequence[int], max_k: int) -> list[int]:
         """At most max_k draft tokens to follow token_ids (prompt + output so far), in order; []
         when there is nothing worth proposing, found cheaply. Updates only this request's own index."""
+
+    def propose_with_evidence(self, request_id: str, token_ids: Sequence[int], max_k: int) -> tuple[list[int], int]:
+        """propose's drafts and the evidence behind them: how many tokens of the text before the drafts match the
+        text their continuation was taken from (the controller keeps one prior per amount of evidence: a long
+        match predicts well, a chance one poorly); 0 when the proposer has nothing to tell (a network)."""
+        return self.propose(request_id, token_ids, max_k), 0
 
     def finish(self, request_id: str, output_token_ids: Sequence[int]) -> None:
         """The request ended: drop its state; a cross-request proposer also learns from its output.

@@ -95,9 +95,11 @@ class Speculator:
                token_budget: int) -> dict[str, list[int]]:
         """Draft tokens per request id, for those the controller gives k > 0 (absent: the plain path).
         candidates: (request_id, its verified tokens, room); base_tokens / base_emitted: the rest of the step."""
-        proposals = [self.proposer.propose(rid, tokens, min(room, self.max_k)) for rid, tokens, room in candidates]
+        found = [self.proposer.propose_with_evidence(rid, tokens, min(room, self.max_k)) for rid, tokens, room in candidates]
+        proposals = [drafts for drafts, _ in found]
         ids = [rid for rid, _, _ in candidates]
-        ks = self.controller.choose(ids, [len(p) for p in proposals], base_tokens, base_emitted, token_budget)
+        ks = self.controller.choose(ids, [len(p) for p in proposals], base_tokens, base_emitted, token_budget,
+                                    evidence=[evidence for _, evidence in found])
         return {rid: proposal[:k] for rid, proposal, k in zip(ids, proposals, ks) if k}
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:

@@ -123,14 +123,15 @@ class SuffixTrie:
         return node
 
     def speculate(self, context: Sequence[int], max_k: int, max_match: int, max_spec_factor: float,
-                  min_token_prob: float) -> tuple[list[int], float]:
-        """(drafts, expected accepted tokens) from the longest suffix of `context` with a continuation."""
+                  min_token_prob: float) -> tuple[list[int], float, int]:
+        """(drafts, expected accepted tokens, length of the suffix matched) from the longest suffix of `context`
+        with a continuation."""
         for m in range(min(max_match, len(context), self.max_depth - 1), 0, -1):
             node = self.find(context[len(context) - m :])
             if node is not None and any(node.children()):
                 break
         else:
-            return [], 0.0
+            return [], 0.0, 0
         drafts: list[int] = []
         prob, score = 1.0, 0.0
         limit = min(max_k, int(max_spec_factor * m), self.max_depth - m)
@@ -142,7 +143,7 @@ class SuffixTrie:
             drafts.append(token)
             score += prob
             node = child
-        return drafts, score
+        return drafts, score, m
 
 
 class _Local:
@@ -172,13 +173,17 @@ class SuffixProposer(Proposer):
         self._local: dict[str, _Local] = {}
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_k: int) -> list[int]:
+        return self.propose_with_evidence(request_id, token_ids, max_k)[0]
+
+    def propose_with_evidence(self, request_id: str, token_ids: Sequence[int], max_k: int) -> tuple[list[int], int]:
         local = self._indexed(request_id, token_ids)
         if max_k <= 0 or local.trie is None:
-            return []
+            return [], 0
         options = (self.max_match, self.max_spec_factor, self.min_token_prob)
         own = local.trie.speculate(token_ids, max_k, *options)
         shared = self.shared.speculate(token_ids, max_k, *options)
-        return max(own, shared, key=lambda option: option[1])[0]
+        drafts, _, matched = max(own, shared, key=lambda option: option[1])
+        return drafts, matched if drafts else 0
 
     def finish(self, request_id: str, output_token_ids: Sequence[int]) -> None:
         """Drop the request's trie; remember its output in the shared trie, evicting the oldest outputs to

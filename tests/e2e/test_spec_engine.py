@@ -159,7 +159,7 @@ def test_no_verifier_call_when_the_proposer_has_nothing(tiny, verify_calls, monk
     plain, off = generate(path, prompts, greedy())
     assert off.speculator is None and off.scheduler.speculator is None
     llm = LLM(str(path), block_size=4, num_threads=1, num_pages=256, speculative_config=CONFIGS["ngram-adaptive"])
-    monkeypatch.setattr(llm.engine.speculator.proposer, "propose", lambda *args: [])
+    monkeypatch.setattr(llm.engine.speculator.proposer, "propose_with_evidence", lambda *args: ([], 0))
     spec = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
     assert token_ids(spec) == token_ids(plain)
     assert not verify_calls and llm.engine.speculator.stats.num_drafts == 0

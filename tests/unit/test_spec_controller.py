@@ -11,7 +11,8 @@ import pytest
 
 from banyan.errors import InvalidParameterError
 from banyan.spec.config import SpeculativeConfig
-from banyan.spec.controller import AcceptanceStats, SpecController, StepTimeModel, allocate, cut_to_budget
+from banyan.spec.controller import (AcceptanceStats, SpecController, StepTimeModel, allocate, cut_to_budget,
+                                   evidence_bucket)
 
 # fake forward-time curves over N tokens: memory-bound then compute-bound, concave, and one with tile steps
 CURVES = {
@@ -237,6 +238,46 @@ def test_where_every_draft_fails_requests_stop_probing_until_the_global_prior_re
     # nothing drafted for a while: the global prior drifts back toward the declared one until a draft pays again
     quiet = next(s for s in range(1, 10_000) if c.choose([f"new-{s}"], [4])[0] > 0)
     assert 10 < quiet < 5000
+
+
+def test_copying_requests_keep_drafting_beside_fresh_text_that_always_fails():
+    """A mixed batch: half the requests copy a document (long matches, drafts pass), half write fresh text (chance
+    matches of two tokens, drafts fail). Each kind learns its own evidence bucket's prior, so the fresh text turns
+    its own drafting off without talking the copying requests out of theirs, new ones included."""
+    c = make_controller(prior=(0.9,), time_model=make_time_model(lambda n: 0.010 + 0.002 * n))
+    copying = [f"copy{i}" for i in range(4)]
+    drafted = {"copy": 0, "fresh": 0}
+    for step in range(300):
+        fresh = [f"fresh{i}-{step // 10}" for i in range(4)]  # fresh requests come and go, every 10 steps
+        ids = copying + fresh
+        ks = c.choose(ids, [4] * 8, evidence=[40] * 4 + [2] * 4)
+        for rid, k in zip(ids, ks):
+            if k:
+                c.observe(rid, k, k if rid.startswith("copy") else 0)
+                drafted["copy" if rid.startswith("copy") else "fresh"] += step >= 200
+        if step % 10 == 9:
+            for rid in fresh:
+                c.finish(rid)
+    assert drafted["copy"] == 4 * 100  # every copying request drafts every step once the priors have learned
+    assert drafted["fresh"] <= 10
+    ids = [*copying, "new-copy", *(f"new-fresh{i}" for i in range(4))]
+    assert c.choose(ids, [4] * 9, evidence=[40] * 5 + [2] * 4) == [4] * 5 + [0] * 4
+    assert c.prior(evidence_bucket(2)).alphas[0] < 0.8 < 0.99 < c.prior(evidence_bucket(40)).alphas[0]
+
+
+def test_a_request_whose_evidence_changes_is_seeded_from_its_new_bucket():
+    c = make_controller(k=2, prior=(0.5,), global_rate=0.5)
+    c.choose(["a"], [2], evidence=[2])
+    for _ in range(5):
+        c.observe("a", 2, 0)  # chance matches fail
+    assert c.request_stats("a").alphas[0] < 0.1
+    c.choose(["a"], [2], evidence=[30])  # now it copies: what copying requests taught (here the declared prior)
+    assert c.request_stats("a").alphas == [0.5, 0.5]
+    assert c.prior(evidence_bucket(2)).alphas[0] < 0.05 and c.global_stats.alphas == [0.5, 0.5]
+
+
+def test_evidence_buckets_are_powers_of_two():
+    assert [evidence_bucket(e) for e in (0, 1, 2, 3, 4, 7, 8, 16, 31, 32, 1000)] == [0, 1, 2, 2, 3, 3, 4, 5, 5, 6, 6]
 
 
 # --- step time --------------------------------------------------------------------------------------------------

@@ -47,6 +47,18 @@ def test_ngram_bounds_k_min_and_max_n():
         NgramProposer(prompt_lookup_min=4, prompt_lookup_max=2)
 
 
+def test_ngram_evidence_is_how_far_back_the_match_goes():
+    ngram = NgramProposer(prompt_lookup_min=2, prompt_lookup_max=3)
+    document = list(range(100, 140))
+    # copying: the last 30 tokens repeat the document's first 30, far past the 3 looked up
+    assert ngram.propose_with_evidence("copy", document + [1] + document[:30], max_k=2) == ([130, 131], 30)
+    # a chance match: 2 tokens, and the token before them differs
+    assert ngram.propose_with_evidence("chance", [7, 8, 9, 1, 2, 3, 5, 8, 9], max_k=2) == ([1, 2], 2)
+    assert ngram.propose_with_evidence("none", [1, 2, 3], max_k=2) == ([], 0)
+    looped = [5] * 200  # a loop: evidence stops at MAX_EVIDENCE
+    assert ngram.propose_with_evidence("loop", looped, max_k=1) == ([5], 64)
+
+
 def test_ngram_continues_a_repeating_pattern_past_the_end():
     ngram = NgramProposer(prompt_lookup_min=2, prompt_lookup_max=2)
     assert ngram.propose("r", [9, 1, 2, 1, 2], max_k=5) == [1, 2, 1, 2, 1]
@@ -122,6 +134,14 @@ def test_suffix_speculation_length_follows_match_length_and_confidence():
     ambiguous = [1, 2, 1, 3, 1, 4, 1, 5, 1]  # after 1: four continuations of 1/5 each < 0.5
     assert suffix.propose("ambiguous", ambiguous, max_k=4) == []
     assert suffix.propose("long", text + [0] + text[:4], max_k=2) == [5, 6]
+
+
+def test_suffix_evidence_is_the_length_of_the_suffix_matched():
+    suffix = SuffixProposer(max_depth=16, max_match=8, max_spec_factor=1.0, min_token_prob=0.5)
+    text = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert suffix.propose_with_evidence("long", text + [0] + text[:4], max_k=8) == ([5, 6, 7, 8], 4)
+    assert suffix.propose_with_evidence("short", text + [0, 3], max_k=8) == ([4], 1)
+    assert suffix.propose_with_evidence("ambiguous", [1, 2, 1, 3, 1, 4, 1, 5, 1], max_k=4) == ([], 0)
 
 
 def test_suffix_learns_from_finished_requests():
