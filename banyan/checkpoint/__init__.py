@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from banyan.checkpoint import gguf_metadata
 from banyan.checkpoint.gguf_tokenizer import tokenizer_from_gguf
+from banyan.checkpoint.quant_config import CheckpointQuantization, read_quantization
 from banyan.config import ModelArch
 from banyan.errors import ModelLoadError, UnsupportedModelError
 from banyan.models.registry import supported_architectures
@@ -40,6 +41,7 @@ class Checkpoint:
     tokenizer: PreTrainedTokenizerBase
     generation_config: dict  # generation_config.json ({} when absent); for GGUF, the eos ids
     _gguf: Any = field(default=None, repr=False, compare=False)  # the open GGUF reader, reused for tensors
+    quantization: CheckpointQuantization | None = None  # an AWQ/GPTQ/compressed-tensors directory's own
 
 
 def open_checkpoint(model: str, trust_remote_code: bool = False, tokenizer: str | None = None) -> Checkpoint:
@@ -144,14 +146,16 @@ def _check_supported(arch: ModelArch, where: Path) -> ModelArch:
 
 def _open_hf_dir(path: Path, trust_remote_code: bool) -> Checkpoint:
     config_path = path / "config.json"
+    config = read_json(config_path)
     try:  # plain JSON: a config's auto_map is never imported
-        arch = ModelArch.from_hf_config(read_json(config_path))
+        arch = ModelArch.from_hf_config(config)
+        quantization = read_quantization(config, path)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{config_path}: missing or malformed field ({e!r})") from None
     _check_supported(arch, config_path)
     gen_path = path / "generation_config.json"
     generation_config = read_json(gen_path) if gen_path.is_file() else {}
-    return Checkpoint(path, arch, load_tokenizer(path, trust_remote_code), generation_config)
+    return Checkpoint(path, arch, load_tokenizer(path, trust_remote_code), generation_config, quantization=quantization)
 
 
 # -- GGUF files: parsed by gguf_metadata, tokenizer built by gguf_tokenizer ----------------------

@@ -12,7 +12,9 @@ leaves lm_head in the compute dtype, as vLLM does. `gguf` keeps a GGUF file's Q4
 as int4 in groups of 32 (exactly: same values) and its Q8_0 ones as int8 (requantized per row);
 a tied lm_head there is int8 whatever the file has. `fp16` stores every linear layer (lm_head too) in
 float16 for a float32 model: the default on x86 CPUs for checkpoints of 16 bits or fewer (see
-`default_method`), where FBGEMM's fp16 GEMM decodes up to 2x faster than float32.
+`default_method`), where FBGEMM's fp16 GEMM decodes up to 2x faster than float32. `awq`, `gptq` and
+`compressed-tensors` keep a checkpoint's own 4-bit or int8 layers as banyan's int4 / int8 with the same values
+(prequantized.py), as `gguf` does a GGUF file's; the default for such a checkpoint.
 """
 
 from __future__ import annotations
@@ -23,20 +25,23 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from banyan.checkpoint.quant_config import PREQUANTIZED_METHODS, CheckpointQuantization
 from banyan.errors import InvalidParameterError
 from banyan.kernels import cpu_gemv
 from banyan.layers.linear import checkpoint_shards
 from banyan.quantization.formats import FP16, INT8, WEIGHT_KINDS, WeightFormat
 from banyan.quantization.linear import FixedOrderLinear, QuantizedEmbedding, QuantizedLinear, fbgemm_fp16_works
+from banyan.quantization.prequantized import prequantized_method
 from banyan.registry import UnknownChoiceError
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = (*WEIGHT_KINDS.names(), "gguf")  # gguf: a GGUF file's own int4/int8 tensors, kept compact
+FILE_METHODS = ("gguf", *PREQUANTIZED_METHODS)  # a GGUF file's or a pre-quantized checkpoint's own tensors, compact
+QUANTIZATION_METHODS = (*WEIGHT_KINDS.names(), *FILE_METHODS)
 INT4_GROUP_SIZES = (32, 64, 128)
 
-__all__ = ["QUANTIZATION_METHODS", "Choice", "QuantizedLinear", "default_method", "finish_loading", "model_weight_bytes",
-           "plan_formats", "quantize_linears", "use_fixed_order"]
+__all__ = ["FILE_METHODS", "QUANTIZATION_METHODS", "Choice", "QuantizedLinear", "default_method", "finish_loading",
+           "model_weight_bytes", "plan_formats", "quantize_linears", "use_fixed_order"]
 
 
 @dataclass(frozen=True)
@@ -49,40 +54,53 @@ class Choice:
 
 
 def default_method(asked: str | None, device: torch.device, dtype: torch.dtype, checkpoint_dtype: str | None,
-                   is_gguf: bool) -> Choice:
+                   is_gguf: bool, prequantized: CheckpointQuantization | None = None) -> Choice:
     """The method asked for ("none": None). Unasked, on an x86 CPU running a float32 model, where the checkpoint
     holds 16 bits or fewer a weight (so nothing the file has is lost): a GGUF file's Q4/Q8 tensors stay compact
     for decode (banyan's AVX2 kernel, up to 8 rows) with a float16 copy for wider batches (prefill), the rest
-    float16; a bf16/fp16 checkpoint goes to float16. Otherwise the model's own dtype."""
+    float16; a bf16/fp16 checkpoint goes to float16. Otherwise the model's own dtype. A pre-quantized checkpoint
+    (AWQ, GPTQ, compressed-tensors) keeps its integer layers, mixed as a GGUF file's are where that applies."""
+    holds = "a GGUF file" if is_gguf else prequantized.description if prequantized is not None else "not quantized"
+    if asked in FILE_METHODS and asked != ("gguf" if is_gguf else prequantized and prequantized.method):
+        raise InvalidParameterError("quantization", f"{asked} keeps a checkpoint's own {asked} tensors; this "
+                                    f"checkpoint is {holds}")
+    if prequantized is not None:
+        method = prequantized_method(asked, prequantized)
+        return Choice(method, mix_fp16=method is not None and asked is None and _compact_mix(device, dtype))
     if asked == "none":
         return Choice(None)
     if asked is not None:
         return Choice(asked)
     if not fbgemm_fp16_works(device, dtype) or not (is_gguf or checkpoint_dtype in ("bfloat16", "float16")):
         return Choice(None)
-    # Measured on AVX2 only; with AVX-512 torch's own packed int kernels take the compact layers instead.
-    if is_gguf and torch.backends.cpu.get_cpu_capability() == "AVX2" and cpu_gemv.load() is not None:
-        return Choice("gguf", mix_fp16=True)
-    return Choice("fp16")
+    return Choice("gguf", mix_fp16=True) if is_gguf and _compact_mix(device, dtype) else Choice("fp16")
+
+
+def _compact_mix(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether compact int4/int8 layers take banyan's AVX2 kernel for decode and float16 copies for prefill here.
+    Measured on AVX2 only; with AVX-512 torch's own packed int kernels take the compact layers instead."""
+    return (fbgemm_fp16_works(device, dtype) and torch.backends.cpu.get_cpu_capability() == "AVX2"
+            and cpu_gemv.load() is not None)
 
 
 def plan_formats(model: nn.Module, method: str, group_size: int = 32,
                  file_formats: dict[str, WeightFormat] | None = None,
                  fill: WeightFormat | None = None) -> dict[str, WeightFormat]:
-    """The format of each linear layer to quantize, by module name. file_formats (for `gguf`): the
-    format of each checkpoint tensor a GGUF file keeps compact, by its Hugging Face name (None: not GGUF);
+    """The format of each linear layer to quantize, by module name. file_formats (for FILE_METHODS): the
+    format of each checkpoint tensor the file keeps compact, by its Hugging Face name (None: a float checkpoint);
     fill: the format of the layers the file does not keep compact (None: the model's dtype)."""
     if method not in QUANTIZATION_METHODS:
         raise UnknownChoiceError("quantization", method, [*QUANTIZATION_METHODS, "none"])
-    if method == "gguf" and file_formats is None:
-        raise InvalidParameterError("quantization", "gguf keeps a GGUF file's tensors compact: the model is not a .gguf")
+    if method in FILE_METHODS and file_formats is None:
+        raise InvalidParameterError("quantization", f"{method} keeps a checkpoint's own {method} tensors compact: the "
+                                    f"model is not {'a .gguf' if method == 'gguf' else f'a {method} checkpoint'}")
     if method == "int4" and group_size not in INT4_GROUP_SIZES:
         raise InvalidParameterError("quantization_group_size", f"must be one of {INT4_GROUP_SIZES}, got {group_size}")
     tied = model.arch.tie_word_embeddings
     plan = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
-            if method == "gguf":
+            if method in FILE_METHODS:
                 fmt = _file_format(name, module, file_formats, tied) or fill
             else:
                 fmt = _format(name, method, group_size)

@@ -36,6 +36,7 @@ from torch import nn
 from banyan.errors import ModelLoadError
 from banyan.kernels import cpu_gemv
 from banyan.quantization.formats import FP8_MAX, QuantizedWeight, WeightFormat, copy_rows, shape_of, take_rows
+from banyan.quantization.packing import InputOrdered, common_input_order
 
 _CPU_CHUNK_VALUES = 1 << 19  # weights dequantized at a time on a CPU: 2 MiB of float32
 
@@ -77,6 +78,8 @@ class QuantizedLinear(nn.Module):
         self.packed = self.scale_zeros = self.offset = None  # int4 and fp16, set by finish_loading
         self.packed_bytes = 0  # of an FBGEMM-packed weight (an opaque object, not a tensor)
         self._matmul = None  # set by finish_loading
+        self.input_order = None  # GPTQ act-order: the weight's inputs are stored permuted, x[:, input_order] meets them
+        self._shard_orders = []  # each loaded shard's input order (None: the inputs' own)
 
     @classmethod
     def like(cls, linear: nn.Linear, fmt: WeightFormat) -> QuantizedLinear:
@@ -85,7 +88,10 @@ class QuantizedLinear(nn.Module):
             return cls(linear.in_features, linear.out_features, fmt, linear.bias is not None,
                        getattr(linear, "out_sizes", None))
 
-    def load_weight(self, rows: slice, weight: torch.Tensor | QuantizedWeight, name: str) -> None:
+    def load_weight(self, rows: slice, weight: torch.Tensor | QuantizedWeight | InputOrdered, name: str) -> None:
+        self._shard_orders.append(weight.order.to(self.device) if isinstance(weight, InputOrdered) else None)
+        self.input_order = common_input_order(self._shard_orders, name)  # q/k/v, gate/up: one input, one order
+        weight = weight.weight if isinstance(weight, InputOrdered) else weight
         expected = (len(range(self.out_features)[rows]), self.in_features)
         if shape_of(weight) != expected:
             raise ModelLoadError(f"{name}: checkpoint shape {shape_of(weight)}, model expects {expected}")
@@ -120,6 +126,8 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
+        if self.input_order is not None:
+            x2 = x2.index_select(1, self.input_order)
         if self.gemv is not None and (x2.shape[0] <= self.gemv.max_rows or self.batch_invariant):  # decode: a few rows
             y = self._narrow(x2.contiguous())
         elif self.wide is not None:

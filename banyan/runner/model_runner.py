@@ -24,8 +24,8 @@ from banyan.layers.sampler import Sampler, compute_prompt_logprobs, request_gene
 from banyan.lora.layers import LoRAGroups, LoRAModel
 from banyan.models.registry import get_model_class
 from banyan.quantization.formats import FP16
-from banyan.quantization import (default_method, finish_loading, model_weight_bytes, plan_formats, quantize_linears,
-                                 use_fixed_order)
+from banyan.quantization import (FILE_METHODS, default_method, finish_loading, model_weight_bytes, plan_formats,
+                                 quantize_linears, use_fixed_order)
 from banyan.registry import UnknownChoiceError
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from banyan.runner.drafter import NetworkDrafter
@@ -94,7 +94,7 @@ class ModelRunner:
     def _load_model(self, source: ModelSource, model_config: ModelConfig) -> torch.nn.Module:
         model_cls = get_model_class(self.arch.architecture)
         choice = default_method(model_config.quantization, self.device, self.dtype, source.arch.torch_dtype,
-                                source.path.is_file())
+                                source.path.is_file(), source.quantization)
         method = choice.method
         with _default_dtype(self.dtype), torch.device(self.device):
             model = model_cls(self.shard, self.attn)
@@ -102,7 +102,7 @@ class ModelRunner:
                 plan = plan_formats(model, method, model_config.quantization_group_size, source.compact_formats(),
                                     fill=FP16 if choice.mix_fp16 else None)
                 quantize_linears(model, plan, wide_fp16=choice.mix_fp16, batch_invariant=model_config.batch_invariant)
-        compact = method == "gguf"
+        compact = method in FILE_METHODS
         model.load_weights(self.parallel.weights(source, compact) if self.parallel else source.iter_weights(compact))
         finish_loading(model)
         if model_config.batch_invariant:

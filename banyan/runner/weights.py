@@ -11,7 +11,8 @@ ModelLoadError, never an out-of-bounds read. Pickle checkpoints are refused, and
 model directory is ever imported.
 
 banyan.checkpoint finds the model and reads its shape and tokenizer; this module reads Hugging Face
-safetensors, gguf_loader GGUF tensors.
+safetensors (a pre-quantized checkpoint's packed layers put together by quantization/prequantized.py),
+gguf_loader GGUF tensors.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from banyan.checkpoint.safetensors_header import check_safetensors
 from banyan.distributed.tensor_parallel import WeightShard
 from banyan.errors import ModelLoadError
 from banyan.quantization.formats import QuantizedWeight, WeightFormat
+from banyan.quantization.prequantized import PackedLayers
 from banyan.runner import gguf_loader
 
 
@@ -38,18 +40,25 @@ class ModelSource(Checkpoint):
 
     def iter_weights(self, compact: bool = False,
                      shard: Shards | None = None) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-        """(Hugging Face name, tensor) pairs, read lazily; float tensors as stored, GGUF dequantized to fp32
-        (compact=True: the GGUF tensors named by compact_formats() come as banyan's quantized weights).
+        """(Hugging Face name, tensor) pairs, read lazily; float tensors as stored, GGUF and AWQ/GPTQ/compressed-tensors
+        layers dequantized to fp32 (compact=True: the ones compact_formats() names come as banyan's quantized weights).
         shard(name): the part of each tensor this tensor-parallel rank holds (None: all of it); a safetensors
         file is read only there (get_slice), a GGUF tensor's rows likewise (its columns after dequantizing)."""
         if self.path.is_file():
             return gguf_loader.iter_tensors(self._reader(), self.arch, compact, shard)
+        if self.quantization is not None:  # AWQ, GPTQ, compressed-tensors: each layer's packed tensors -> one weight
+            layers = PackedLayers(self.quantization, _header_shapes(self.path))
+            return layers.assemble(_iter_safetensors(self.path, layers.reading(shard)), compact, shard)
         return _iter_safetensors(self.path, shard)
 
     def compact_formats(self) -> dict[str, WeightFormat] | None:
         """Hugging Face name -> quantized format, for the tensors iter_weights(compact=True) keeps compact;
-        None for a Hugging Face directory (its tensors are floats)."""
-        return gguf_loader.compact_formats(self._reader()) if self.path.is_file() else None
+        None for a float Hugging Face directory."""
+        if self.path.is_file():
+            return gguf_loader.compact_formats(self._reader())
+        if self.quantization is not None:
+            return PackedLayers(self.quantization, _header_shapes(self.path)).formats()
+        return None
 
     def _reader(self):
         if self._gguf is None:
@@ -91,6 +100,16 @@ def _safetensors_plan(path: Path) -> list[tuple[Path, list[str] | None]]:
     if pickles:
         raise pickle_refused(pickles[0])
     raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def _header_shapes(path: Path) -> dict[str, list[int]]:
+    """Every tensor's shape, from the headers alone."""
+    shapes = {}
+    for file, names in _safetensors_plan(path):
+        header = check_safetensors(file)
+        listed = [n for n in header if n != "__metadata__" and (names is None or n in names)]
+        shapes.update({n: header[n]["shape"] for n in listed})
+    return shapes
 
 
 def _iter_safetensors(path: Path, shard: Shards | None = None) -> Iterator[tuple[str, torch.Tensor]]:
