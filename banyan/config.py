@@ -146,7 +146,9 @@ class ModelConfig:
     """Weight-only quantization, done while loading: int8 (one scale per output channel), int4 (groups of
     --quantization-group-size inputs), fp8 (e4m3, per channel; torch._scaled_mm), fp16 (float16 weights, float32
     math: FBGEMM on x86 CPUs), gguf (keep a GGUF file's Q4_0/Q4_1/Q8_0 tensors compact instead of dequantizing
-    them), or none. Default, for a float32 model on an x86 CPU: a GGUF file's tensors compact for decode (banyan's
+    them), awq, gptq or compressed-tensors (keep such a checkpoint's 4-bit / int8 layers as banyan's int4 / int8,
+    the same values; any other value but none is refused for it), or none. Default: an AWQ/GPTQ/compressed-tensors
+    checkpoint's own; for a float32 model on an x86 CPU: a GGUF file's tensors compact for decode (banyan's
     AVX2 kernel) with float16 copies for prefill where the CPU is AVX2-only, fp16 on AVX-512 CPUs; a bf16/fp16
     checkpoint in fp16 (nothing the file holds is lost); otherwise none. See docs/quantization.md."""
     quantization_group_size: int = 32
