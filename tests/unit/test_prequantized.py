@@ -14,6 +14,7 @@ from torch import nn
 
 from banyan import LLM
 from banyan.config import EngineConfig, ModelConfig
+from banyan.distributed.tensor_parallel import ShardPlan
 from banyan.errors import InvalidParameterError, ModelLoadError
 from banyan.layers.linear import checkpoint_shards
 from banyan.quantization.formats import INT8, WeightFormat
@@ -181,3 +182,21 @@ def test_none_dequantizes_to_floats(checkpoints):
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
     weights = reference_weights(reference)
     assert torch.equal(model.model.layers[0].mlp.down_proj.weight, weights["model.layers.0.mlp.down_proj.weight"])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tensor_parallel_rank_reads_its_slices_of_the_files_values(checkpoints, rank):
+    """Column-parallel layers take their output rows, row-parallel ones their inputs by whole groups (of 32 here)."""
+    path, reference = checkpoints["awq"]
+    source = open_model(str(path))
+    plan = ShardPlan(source.arch, 2, rank)
+    got = dict(source.iter_weights(compact=True, shard=plan))
+    for key, want in reference_weights(reference).items():
+        assert torch.equal(got[key].dequantize(), plan(key).take(want)), key
+
+
+def test_act_order_with_tensor_parallelism_is_refused(checkpoints):
+    path, _ = checkpoints["gptq"]
+    source = open_model(str(path))
+    with pytest.raises(ModelLoadError, match="act-order .* tensor parallelism"):
+        list(source.iter_weights(compact=True, shard=ShardPlan(source.arch, 2, 0)))
