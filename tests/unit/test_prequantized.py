@@ -200,3 +200,17 @@ def test_act_order_with_tensor_parallelism_is_refused(checkpoints):
     source = open_model(str(path))
     with pytest.raises(ModelLoadError, match="act-order .* tensor parallelism"):
         list(source.iter_weights(compact=True, shard=ShardPlan(source.arch, 2, 0)))
+
+
+def test_older_autogptq_keeps_its_config_beside_config_json(tmp_path):
+    """quantize_config.json (no quant_method in it) when config.json has no quantization_config."""
+    reference = write_prequantized(tmp_path, "gptq")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "quantize_config.json").write_text(json.dumps({k: v for k, v in config.pop("quantization_config").items()
+                                                               if k != "quant_method"}))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    source = open_model(str(tmp_path))
+    assert source.quantization.method == "gptq" and source.quantization.zeros_minus_one
+    weights = dict(source.iter_weights(compact=True))
+    for key, want in reference_weights(reference).items():
+        assert torch.equal(weights[key].dequantize(), want), key
