@@ -5,6 +5,9 @@ computed once in fp32 for every position up to the context length, as HF compute
 then looked up by `positions` and cast to the activations' dtype.
 
 Rope scaling kinds (config `rope_scaling.rope_type`): default, linear, llama3 (Llama 3.1), yarn.
+
+On a float32 CPU model `rotate_and_store` rotates q and k in place and stores k and v in the KV cache in
+one call of banyan's fused kernel (banyan/kernels/cpu_decode.c), which attention then need not do.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from banyan.kernels import cpu_decode
 from banyan.registry import Registry
 
 ROPE_KINDS = Registry("rope_scaling")  # rope_type -> (dim, base, max_position, scaling) -> (inv_freq, attention scaling)
@@ -41,6 +45,8 @@ class RotaryEmbedding(nn.Module):
         # them while `positions` is the same tensor object (the runner builds a new one per forward, and a
         # CUDA graph's replay runs no Python; the reference held here keeps its id from being reused).
         self._looked_up: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        fits = head_dim % 16 == 0 and self.cos.shape[1] * 2 == head_dim  # the kernel's lanes, whole heads rotated
+        self.kernels = cpu_decode.kernels_for(self.cos.device, torch.get_default_dtype()) if fits else None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -48,6 +54,18 @@ class RotaryEmbedding(nn.Module):
         """positions [num_tokens]; q [num_tokens, num_heads, head_dim]; k [num_tokens, num_kv_heads, head_dim]."""
         cos, sin = self._cos_sin(positions, q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+        """The fused path where it serves (float32 rows and cache on a CPU): q and k rotated in place, k and v
+        stored at slot_mapping, True. Else nothing done, False: the caller rotates and attention stores.
+        q, k, v: [num_tokens, heads, head_dim], rows of one qkv output (heads contiguous within a row)."""
+        if self.kernels is None or q.dtype is not torch.float32 or k_cache.dtype is not torch.float32 or not q.is_cpu:
+            return False
+        if not _heads_in_rows(q) or not _heads_in_rows(k) or not _heads_in_rows(v):
+            return False
+        self.kernels.rope_store(q, k, v, positions, self.cos, self.sin, k_cache, v_cache, slot_mapping)
+        return True
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of each row's angles, [num_tokens, 1, head_dim] in `dtype`."""
@@ -60,6 +78,11 @@ class RotaryEmbedding(nn.Module):
         sin = torch.cat((sin, sin), dim=-1)[:, None, :]
         self._looked_up = (positions, dtype, cos, sin)
         return cos, sin
+
+
+def _heads_in_rows(x: torch.Tensor) -> bool:
+    """[tokens, heads, head_dim] with each token's heads contiguous (rows may be apart)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

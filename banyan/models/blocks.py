@@ -16,7 +16,7 @@ from torch import nn
 
 from banyan.config import ModelArch
 from banyan.errors import ModelLoadError
-from banyan.layers.activation import get_activation
+from banyan.layers.activation import gated_activation
 from banyan.layers.attention import AttentionBackend
 from banyan.layers.linear import MergedLinear, checkpoint_shards
 from banyan.layers.norm import RMSNorm
@@ -64,8 +64,10 @@ class RopeAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(batch.positions, q, k)
-        o = self.attn.forward(q, k, v, *kv_cache, batch, self.scale, self.sliding_window)
+        stored = self.rotary_emb.rotate_and_store(batch.positions, q, k, v, *kv_cache, batch.slot_mapping)
+        if not stored:  # no fused CPU kernel here: rotate, and attention stores k and v
+            q, k = self.rotary_emb(batch.positions, q, k)
+        o = self.attn.forward(q, k, v, *kv_cache, batch, self.scale, self.sliding_window, kv_stored=stored)
         return self.o_proj(o.flatten(1))  # [num_tokens, hidden]
 
 
@@ -78,11 +80,10 @@ class GatedMLP(nn.Module):
             hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=bias
         )
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.act = get_activation(hidden_act)
+        self.act_mul = gated_activation(hidden_act, intermediate_size)  # [n, 2 inter] -> act(gate) * up [n, inter]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate] each
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -96,8 +97,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), kv_cache, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), kv_cache, batch))
+        return x.add_(self.mlp(h))  # x: add_forward's new tensor
 
 
 class DecoderModel(nn.Module):

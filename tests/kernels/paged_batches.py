@@ -79,7 +79,7 @@ def reference_attention(q, k, v, k_cache, v_cache, batch, scale, sliding_window=
     from banyan.layers.attention.torch_backend import TorchAttentionBackend
 
     k_ref, v_ref = k_cache.float().clone(), v_cache.float().clone()
-    out = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), k_ref, v_ref, batch, scale, sliding_window)
+    out = TorchAttentionBackend(fused=False).forward(q.float(), k.float(), v.float(), k_ref, v_ref, batch, scale, sliding_window)
     return out, k_ref, v_ref
 
 

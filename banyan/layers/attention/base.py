@@ -16,7 +16,8 @@ class AttentionBackend(ABC):
     """One stateless instance serves every layer; the layer passes its own cache pages.
 
     Contract of `forward`:
-      1. write the new k/v rows into k_cache/v_cache at batch.slot_mapping;
+      1. write the new k/v rows into k_cache/v_cache at batch.slot_mapping (unless kv_stored: the caller
+         wrote them already, fused with RoPE on CPUs);
       2. each new row of request i attends causally to its context: the first
          `context_lens[i] - query_lens[i] + j + 1` tokens for its j-th new row, read from the pages
          in batch.block_tables[i] (cached prefix and new tokens alike);
@@ -50,6 +51,7 @@ class AttentionBackend(ABC):
         batch: ForwardBatch,
         scale: float,
         sliding_window: int | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 

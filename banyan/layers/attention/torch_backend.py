@@ -12,10 +12,15 @@ pages and calls SDPA with a mask:
 The rows of each group, the pages to gather and the masks depend only on the batch: the first layer
 of a forward builds them (a `_Plan`) and every other layer reuses them.
 
+On a float32 CPU cache banyan's fused kernel (banyan/kernels/cpu_decode.c) takes the rows of requests with
+at most KERNEL_QUERY new rows instead: it reads each key where it lies in its page, no gather, no mask, no
+padding. Gathering and SDPA cost more per call than a decode row's whole attention at these sizes.
+
 SDPA's blocking follows the shapes, so a row's output moves in its last bits with the padding and the
 number of sequences beside it. With `fixed_order` (banyan's CPU kernels, set for batch-invariant mode)
-each row attends over the positions it sees in position order instead: the same bits alone, in a batch,
-in a prefill chunk or in a decode step (banyan/kernels/cpu_attention.c).
+every row attends over the positions it sees in position order instead (the fused kernel; over an fp8
+cache cpu_attention.c on gathered pages): the same bits alone, in a batch, in a prefill chunk or in a
+decode step.
 """
 
 from __future__ import annotations
@@ -26,12 +31,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from banyan.kernels import cpu_decode
 from banyan.layers.attention.base import AttentionBackend, read_pages, write_kv_cache
 from banyan.forward_batch import ForwardBatch
 
 
 SHORT_QUERY = 32
 """Chunks of at most this many rows share one padded group (padding costs less than a call per request)."""
+
+KERNEL_QUERY = 8
+"""Requests with at most this many new rows (decode, speculative verify) attend in the fused CPU kernel."""
 
 
 @dataclass
@@ -55,6 +64,7 @@ class _Plan:
     context_lens: list[int]  # copies: the plan serves only a batch with these very lengths
     query_lens: list[int]
     groups: list[_Group]
+    paged: cpu_decode.PagedRows | None = None  # the rows the fused CPU kernel attends (the groups: the others)
 
     def fits(self, batch: ForwardBatch, sliding_window: int | None) -> bool:
         return (batch is self.batch and sliding_window == self.sliding_window
@@ -64,19 +74,27 @@ class _Plan:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, kv_scale: float = 1.0):
+    def __init__(self, kv_scale: float = 1.0, fused: bool = True):
+        """fused: banyan's fused CPU kernel attends the rows it serves on a float32 CPU cache (False: SDPA only,
+        the reference the kernels are tested against)."""
         super().__init__(kv_scale)
+        self.kernels = cpu_decode.kernels_for(torch.device("cpu"), torch.float32) if fused else None  # None: SDPA
         self._plan: _Plan | None = None  # the forward in progress, built by its first layer
         self.fixed_order = None  # banyan's CPU kernels (cpu_gemv.load()) in batch-invariant mode, else SDPA
 
-    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float, sliding_window=None):
-        write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping, self.kv_scale)
-        plan = self._plan
+    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float, sliding_window=None,
+                kv_stored=False):
+        if not kv_stored:
+            write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping, self.kv_scale)
+        plan, kernels = self._plan, self._kernels(k_cache)
         if plan is None or not plan.fits(batch, sliding_window):
-            plan = self._plan = make_plan(batch, sliding_window, k_cache.shape[1])
-        if len(plan.groups) == 1 and plan.groups[0].rows is None:  # decode-only step
+            kernel_query = 0 if kernels is None else batch.max_query_len if self.fixed_order else KERNEL_QUERY
+            plan = self._plan = make_plan(batch, sliding_window, k_cache.shape[1], kernel_query)
+        if plan.paged is None and len(plan.groups) == 1 and plan.groups[0].rows is None:  # decode-only step
             return self._attend(plan.groups[0], q, k_cache, v_cache, scale)
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)
+        if plan.paged is not None:
+            kernels.paged_attention(q, k_cache, v_cache, out, plan.paged, scale, sliding_window)
         for group in plan.groups:
             attended = self._attend(group, q, k_cache, v_cache, scale)
             if group.keep is None:
@@ -84,6 +102,12 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 out[group.out_rows] = attended[group.keep]
         return out
+
+    def _kernels(self, k_cache: torch.Tensor) -> cpu_decode.DecodeKernels | None:
+        """The fused CPU kernels where they serve this cache (float32 on a CPU, head_dim in lanes of 8)."""
+        if k_cache.dtype is not torch.float32 or not k_cache.is_cpu or k_cache.shape[-1] % 8:
+            return None
+        return self.kernels
 
     def _attend(self, group: _Group, q, k_cache, v_cache, scale: float) -> torch.Tensor:
         """The group's output rows: [rows, num_heads, head_dim]."""
@@ -93,11 +117,13 @@ class TorchAttentionBackend(AttentionBackend):
         return out.flatten(0, 1)
 
 
-def make_plan(batch: ForwardBatch, sliding_window: int | None, page_size: int) -> _Plan:
-    """Decode rows in one group, short chunks in one padded group, each longer prefill chunk in its own."""
+def make_plan(batch: ForwardBatch, sliding_window: int | None, page_size: int, kernel_query: int = 0) -> _Plan:
+    """Requests of at most kernel_query rows to the fused kernel; of the rest, decode rows in one group, short
+    chunks in one padded group, each longer prefill chunk in its own."""
     device = batch.block_tables.device
     starts = [0, *itertools.accumulate(batch.query_lens)]
-    decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
+    paged = _paged_rows(batch, starts, kernel_query) if kernel_query else None
+    decode = [i for i, n in enumerate(batch.query_lens) if n == 1 and not kernel_query]
     groups = []
     if decode:
         every = len(decode) == batch.num_seqs
@@ -106,15 +132,27 @@ def make_plan(batch: ForwardBatch, sliding_window: int | None, page_size: int) -
         context_lens = [batch.context_lens[i] for i in decode]
         layout = paged_layout(tables, context_lens, [1] * len(decode), page_size, sliding_window)
         groups.append(_Group(rows, 1, *layout))
-    short = [i for i, n in enumerate(batch.query_lens) if 1 < n <= SHORT_QUERY]
+    short = [i for i, n in enumerate(batch.query_lens) if max(1, kernel_query) < n <= SHORT_QUERY]
     if short:
         groups.append(_padded_group(batch, short, starts, page_size, sliding_window))
     for i, n in enumerate(batch.query_lens):
-        if n > SHORT_QUERY:
+        if n > max(SHORT_QUERY, kernel_query):
             table, context_lens = batch.block_tables[i : i + 1], [batch.context_lens[i]]
             layout = paged_layout(table, context_lens, [n], page_size, sliding_window)
             groups.append(_Group(slice(starts[i], starts[i + 1]), n, *layout))
-    return _Plan(batch, sliding_window, list(batch.context_lens), list(batch.query_lens), groups)
+    return _Plan(batch, sliding_window, list(batch.context_lens), list(batch.query_lens), groups, paged)
+
+
+def _paged_rows(batch: ForwardBatch, starts: list[int], kernel_query: int) -> cpu_decode.PagedRows | None:
+    """The rows of requests with at most kernel_query new rows; request i's j-th new row is at position
+    context_lens[i] - query_lens[i] + j."""
+    rows, seqs, positions = [], [], []
+    for i, (n, ctx) in enumerate(zip(batch.query_lens, batch.context_lens)):
+        if n <= kernel_query:
+            rows += range(starts[i], starts[i] + n)
+            seqs += [i] * n
+            positions += range(ctx - n, ctx)
+    return cpu_decode.PagedRows(rows, seqs, positions, batch.block_tables) if rows else None
 
 
 def _padded_group(batch: ForwardBatch, seqs: list[int], starts: list[int], page_size: int,

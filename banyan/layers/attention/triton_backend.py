@@ -47,8 +47,10 @@ class TritonAttentionBackend(AttentionBackend):
         self._store_kv, self._decode = kv_store.store_kv, decode_attention.decode_attention
         self._prefill = prefill_attention.prefill_attention
 
-    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float, sliding_window=None):
-        self._store_kv(k, v, k_cache, v_cache, batch.slot_mapping, self.kv_scale)
+    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float, sliding_window=None,
+                kv_stored=False):
+        if not kv_stored:
+            self._store_kv(k, v, k_cache, v_cache, batch.slot_mapping, self.kv_scale)
         if batch.is_decode_only:
             # The split grid is sized from the block table's width, not the host lengths: under a CUDA graph
             # the table is the static one (max_model_len wide) and the lengths change at every replay.
