@@ -55,4 +55,7 @@ def announce(text: str, log_format: str = "text", role: str = "server") -> None:
     """A line for the operator on stdout (e.g. "serving ... at URL"): as it is, or (json) as a log record."""
     if log_format == "json":
         text = JsonFormatter(role).format(logging.LogRecord("banyan.server", logging.INFO, __file__, 0, text, None, None))
-    print(text, flush=True)
+    try:
+        print(text, flush=True)
+    except OSError:  # stdout on a full disk, or a closed pipe: the server serves on without its banner
+        pass

@@ -48,16 +48,21 @@ def launched(cmd: list[str], port: int, *, ready_timeout: float) -> Iterator[str
 
 
 @contextlib.contextmanager
-def launched_process(cmd: list[str], port: int, *, ready_timeout: float) -> Iterator[tuple[str, subprocess.Popen]]:
-    """As `launched`, also yielding the process (its pid, and its exit status once the block is left)."""
+def launched_process(cmd: list[str], port: int, *, ready_timeout: float,
+                     output: str | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """As `launched`, also yielding the process (its pid, and its exit status once the block is left).
+    output: where its stdout and stderr go instead of a log file (/dev/full: a disk that is full)."""
     base_url = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile("w+", prefix="banyan-bench-server-", suffix=".log") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        sink = open(output, "w") if output else log  # noqa: SIM115 - closed below, after the process
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             wait_ready(proc, base_url, ready_timeout, Path(log.name))
             yield base_url, proc
         finally:
             _stop(proc)
+            if sink is not log:
+                sink.close()
 
 
 def banyan_serve_cmd(config: EngineConfig, port: int) -> list[str]:

@@ -279,21 +279,23 @@ def run_soak(engine: EngineConfig, config: SoakConfig, server_flags: list[str] |
         results = asyncio.run(_run(base_url, config, probe, on_progress))
     results["exit_status"] = proc.returncode
     if config.faults:
-        from banyan.bench.soak_faults import kill_core, terminate, text_pool
+        from banyan.bench.soak_faults import disk_full, kill_core, terminate, text_pool
 
         on_progress("faults: SIGKILL of the engine core, SIGTERM of the server, the text pool saturated")
         results["faults"] = {"kill_core": _on_own_server(engine, kill_core),
                              "terminate": _on_own_server(engine, terminate, "--shutdown-timeout", "60"),
-                             "text_pool": _on_own_server(engine, text_pool)}
+                             "text_pool": _on_own_server(engine, text_pool),
+                             "disk_full": _on_own_server(engine, disk_full, output="/dev/full")}
     results["goals"] = goals(results)
     return results
 
 
-def _on_own_server(engine: EngineConfig, fault, *flags: str) -> dict:
+def _on_own_server(engine: EngineConfig, fault, *flags: str, output: str | None = None) -> dict:
     from banyan.bench.launcher import banyan_serve_cmd, free_port, launched_process
 
     port = free_port()
-    with launched_process(banyan_serve_cmd(engine, port) + list(flags), port, ready_timeout=600) as (base_url, proc):
+    cmd = banyan_serve_cmd(engine, port) + list(flags)
+    with launched_process(cmd, port, ready_timeout=600, output=output) as (base_url, proc):
         return asyncio.run(fault(base_url, proc))
 
 

@@ -5,6 +5,9 @@ them, tests/reliability asserts them.
                 and [DONE] within 5 s, /health answer 503 (or the server be gone), the server exit non-zero in 10 s
     terminate:  `streams` 48-token streams, the server SIGTERMed: in-flight streams drain (finish_reason, [DONE]), new
                 requests get 503, the server exits 0
+    disk_full:  the server's stdout and stderr on a full disk (/dev/full: every log line, the audit log's included,
+                fails with ENOSPC): it starts, `streams` streams and plain requests are answered, a bad request gets
+                its 400, /health 200, and SIGTERM still ends it with 0
     text_pool:  the server's tokenizer/template threads saturated (`big` prompts of 2 MB without a space, each
                 tokenized up to the render time cap): every one answered 200, 400 or 503, /health stays fast (p99 of
                 its latency meanwhile), and a normal request queued behind them is answered, or refused with 503
@@ -96,6 +99,26 @@ async def terminate(base_url: str, server: subprocess.Popen, streams: int = 8) -
             "new_request_status": refused, "exit_status": exit_status[0], "exited_after_s": exit_status[1],
             "ok": len(finished) == streams and all(how in ("length", "abort") for how in finished)
             and refused == 503 and exit_status[0] == 0}
+
+
+async def disk_full(base_url: str, server: subprocess.Popen, streams: int = 8) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        tasks, _ = await _load(http, streams, max_tokens=16)
+        plain = [(await http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})).status_code
+                 for _ in range(4)]
+        bad = (await http.post("/v1/completions", json={"prompt": "hello", "max_tokens": -1})).status_code
+        ends = await asyncio.gather(*tasks, return_exceptions=True)
+        health = (await http.get("/health")).status_code
+    signalled = time.monotonic()
+    server.send_signal(signal.SIGTERM)
+    exit_status = await _exit_status(server, signalled, timeout=60)
+    finished = [how for how, _ in (e for e in ends if isinstance(e, tuple))]
+    return {"streams": streams, "finished": {how: finished.count(how) for how in set(finished)},
+            "plain_statuses": plain, "bad_request_status": bad, "health": health, "exit_status": exit_status[0],
+            "ok": finished == ["length"] * streams and plain == [200] * 4 and bad == 400 and health == 200
+            and exit_status[0] == 0}
 
 
 async def _exit_status(proc: subprocess.Popen, since: float, timeout: float = EXIT_WITHIN + 5) -> tuple[int | None, float]:

@@ -14,7 +14,7 @@ import pytest
 
 from banyan.bench.launcher import free_port, launched_process
 from banyan.bench.soak import SoakConfig, run_soak
-from banyan.bench.soak_faults import kill_core, terminate
+from banyan.bench.soak_faults import disk_full, kill_core, terminate
 from banyan.config import CacheConfig, EngineConfig, ModelConfig
 from tests.factories import write_model_dir
 
@@ -41,11 +41,11 @@ def test_a_short_soak_and_storm_lose_and_mangle_nothing(engine):
     assert results["exit_status"] == 0
 
 
-def served(engine: EngineConfig, *flags: str):
+def served(engine: EngineConfig, *flags: str, output: str | None = None):
     from banyan.bench.launcher import banyan_serve_cmd
 
     port = free_port()
-    return launched_process(banyan_serve_cmd(engine, port) + list(flags), port, ready_timeout=300)
+    return launched_process(banyan_serve_cmd(engine, port) + list(flags), port, ready_timeout=300, output=output)
 
 
 def test_sigkill_of_the_core_under_load_errors_every_stream_and_exits_nonzero(engine):
@@ -59,3 +59,11 @@ def test_sigterm_under_load_drains_then_exits_zero(engine):
         figures = asyncio.run(terminate(base_url, proc, streams=8))
     assert figures["ok"], figures
     assert figures["finished"] == {"length": 8}  # drained: all ran to max_tokens within the timeout
+
+
+def test_a_full_disk_for_logs_costs_no_request(engine):
+    # every log line, the start-up banner and the audit log's included, fails with ENOSPC (the banner used to
+    # end the server at start-up)
+    with served(engine, output="/dev/full") as (base_url, proc):
+        figures = asyncio.run(disk_full(base_url, proc, streams=4))
+    assert figures["ok"], figures
