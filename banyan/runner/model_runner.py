@@ -142,12 +142,14 @@ class ModelRunner:
             util = cache_config.gpu_memory_utilization
             profile = profile_cuda_forward(self.profile_forward)
             return profile.kv_budget(util), f"--gpu-memory-utilization {profile.describe(util)}", "gpu_memory_utilization"
-        if (fixed := cpu_kv_from_env()) is not None:
-            return fixed, f"${CPU_KV_ENV} {fixed / GiB:.2f} GiB", "kv_cache_memory"
         limits, seq_pages = self.limits, -(-self.limits.max_model_len // self.page_size)  # runner/memory.py
+        useful = limits.max_num_seqs * seq_pages * self.page_size * per_token  # a larger pool is never filled
+        if (fixed := cpu_kv_from_env()) is not None:
+            capped = " (capped: max_num_seqs x max_model_len tokens fill no more)" if useful < fixed else ""
+            return min(fixed, useful), f"${CPU_KV_ENV} {fixed / GiB:.2f} GiB{capped}", "kv_cache_memory"
         activations = activation_bytes(self.shard, limits.max_num_batched_tokens, limits.max_num_seqs, self.arch.vocab_size)
         sizing = CpuKVSizing(read_host_memory(), model_weight_bytes(self.model), activations, self.pools_on_host,
-                             useful=limits.max_num_seqs * seq_pages * self.page_size * per_token)
+                             useful=useful)
         return sizing.budget, sizing.describe(), "kv_cache_memory"
 
     @torch.inference_mode()

@@ -172,6 +172,12 @@ def test_kv_cache_memory_wins_then_the_environment(tiny, tmp_path, auto):
     assert tiny_llm(tiny, kv_cache_memory=2 * MiB).engine.runner.num_pages == 2 * MiB // per_page
 
 
+def test_the_environment_size_is_capped_at_what_the_scheduler_can_fill(tiny, auto):
+    auto.setenv(CPU_KV_ENV, "1GiB")  # thousands of full contexts of the tiny model: 8 can ever run
+    assert tiny_llm(tiny, max_num_seqs=8).engine.runner.num_pages * 4 == 8 * 512
+    assert tiny_llm(tiny, max_num_seqs=8, kv_cache_memory=64 * MiB).engine.runner.num_pages * 4 > 8 * 512  # asked for
+
+
 def test_a_malformed_environment_size_is_named(tiny, auto):
     auto.setenv(CPU_KV_ENV, "lots")
     with pytest.raises(Exception, match=CPU_KV_ENV):
