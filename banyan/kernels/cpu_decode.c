@@ -120,10 +120,49 @@ int rope_store_kv(float *q, int q_stride, float *k, int k_stride, const float *v
     return bad;
 }
 
-static inline float dot(const float *a, const float *b, int n) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    return hsum8(acc);
+/* Eight lanes' sums of eight vectors at once: out[u] = the sum of a[u]'s lanes, each added up in the same tree
+ * ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) whichever u it is. */
+static inline __m256 hsum8x8(const __m256 a[8]) {
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* p[j] = scale * <q, keys[j]> for j < n (n <= 8; keys[n..7] valid rows, their products dropped): eight keys'
+ * dot products interleaved over D. */
+static inline void score8(const float *q, const float *const keys[8], int n, int D, float scale, float *p) {
+    __m256 acc[8];
+    for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+        for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys[u] + d), acc[u]);
+    }
+    float sums[8];
+    _mm256_storeu_ps(sums, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
+    for (int u = 0; u < n; u++) p[u] = sums[u];
+}
+
+/* o[0, width) = scale * sum_j p[j] * v[slot[j] * token, + width) in j order, width <= 64: the sums stay in
+ * registers. */
+static inline void weighted_sum(const float *p, const float *v, const uint32_t *slot, size_t token, int n, int width,
+                                __m256 scale, float *o) {
+    __m256 acc[8];
+    const int lanes = width / 8;
+    for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+    if (lanes == 8) {
+        for (int j = 0; j < n; j++) {
+            const __m256 w = _mm256_set1_ps(p[j]);
+            const float *row = v + slot[j] * token;
+            for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * r), acc[r]);
+        }
+    } else {
+        for (int j = 0; j < n; j++) {
+            const __m256 w = _mm256_set1_ps(p[j]);
+            const float *row = v + slot[j] * token;
+            for (int r = 0; r < lanes; r++) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * r), acc[r]);
+        }
+    }
+    for (int r = 0; r < lanes; r++) _mm256_storeu_ps(o + 8 * r, _mm256_mul_ps(acc[r], scale));
 }
 
 /* Causal attention of n query rows over a paged cache [pages, P, KVH, D]. Query row i is q row rows[i] (rows
@@ -133,42 +172,37 @@ static inline float dot(const float *a, const float *b, int n) {
  *
  *     s_t = scale * <q, k_t>      p_t = exp(s_t - max s)      out row rows[i] = sum_t p_t v_t / sum_t p_t
  *
- * each sum taken in position order. out [T, H, D]; scratch: threads * max_keys floats, max_keys at least the
- * keys any row sees. D a multiple of 8. */
+ * each sum taken in position order, each dot product in one fixed tree. out [T, H, D]; scratch: threads *
+ * 2 * max_keys floats (scores and slots), max_keys at least the keys any row sees. D a multiple of 8. */
 void paged_attention(const float *q, int q_stride, const float *k_cache, const float *v_cache,
                      const int32_t *tables, int table_stride, const int32_t *rows, const int32_t *seq_of_row,
                      const int32_t *positions, int n, int H, int KVH, int D, int P, int window, float scale,
                      float *out, float *scratch, int max_keys, int threads) {
     const int group = H / KVH;
+    const size_t token = (size_t)KVH * D;
 #pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
     for (int i = 0; i < n; i++) {
         for (int h = 0; h < H; h++) {
             const int pos = positions[i], first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+            const int keys = pos - first + 1;
             const int32_t *table = tables + (size_t)seq_of_row[i] * table_stride;
             const float *qr = q + (size_t)rows[i] * q_stride + (size_t)h * D;
-            const size_t head = (size_t)(h / group) * D, token = (size_t)KVH * D;
-            float *p = scratch + (size_t)omp_get_thread_num() * max_keys, *o = out + ((size_t)rows[i] * H + h) * D;
-            const int keys = pos - first + 1;
-            float top = -INFINITY;
-            for (int j = 0; j < keys; j++) {
-                const int t = first + j;
-                const size_t slot = (size_t)table[t / P] * P + t % P;
-                p[j] = scale * dot(qr, k_cache + slot * token + head, D);
-                top = fmaxf(top, p[j]);
+            const float *k = k_cache + (size_t)(h / group) * D, *v = v_cache + (size_t)(h / group) * D;
+            float *p = scratch + (size_t)omp_get_thread_num() * 2 * max_keys, *o = out + ((size_t)rows[i] * H + h) * D;
+            uint32_t *slot = (uint32_t *)(p + max_keys);
+            float top = -INFINITY, total = 0.0f;
+            for (int j = 0; j < keys; j++) slot[j] = (uint32_t)table[(first + j) / P] * P + (first + j) % P;
+            for (int j = 0; j < keys; j += 8) {
+                const int m = keys - j < 8 ? keys - j : 8;
+                const float *kr[8];
+                for (int u = 0; u < 8; u++) kr[u] = k + slot[j + (u < m ? u : 0)] * token;
+                score8(qr, kr, m, D, scale, p + j);
             }
+            for (int j = 0; j < keys; j++) top = fmaxf(top, p[j]);
             exp_shifted(p, keys, top);
-            float total = 0.0f;
-            for (int d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
-            for (int j = 0; j < keys; j++) {
-                const int t = first + j;
-                const float *vt = v_cache + ((size_t)table[t / P] * P + t % P) * token + head;
-                const __m256 w = _mm256_set1_ps(p[j]);
-                total += p[j];
-                for (int d = 0; d < D; d += 8)
-                    _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + d), _mm256_loadu_ps(o + d)));
-            }
-            const __m256 inv = _mm256_set1_ps(keys > 0 ? 1.0f / total : 0.0f);
-            for (int d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv));
+            for (int j = 0; j < keys; j++) total += p[j];
+            for (int c = 0; c < D; c += 64)
+                weighted_sum(p, v + c, slot, token, keys, D - c < 64 ? D - c : 64, _mm256_set1_ps(1.0f / total), o + c);
         }
     }
 }
