@@ -1,13 +1,21 @@
-/* Small-batch matmuls over compact weights on x86 CPUs with AVX2 (banyan/kernels/cpu_gemv.py builds and
- * loads this file). Decoding streams every weight once per step for a few rows of activations: the time is
- * the bytes read, so the weights stay 4 or 8 bits in memory and are multiplied as integers in registers.
+/* Matmuls over compact weights on x86 CPUs with AVX2 (banyan/kernels/cpu_gemv.py builds and loads this file).
+ * Decoding streams every weight once per step for a few rows of activations: the time is the bytes read, so
+ * the weights stay 4 or 8 bits in memory and are multiplied as integers in registers.
  *
- * y[m, n] = sum_k x[m, k] * w[n, k] for m < M, every weight row n in parallel (OpenMP, on the runtime torch
- * already loaded). x is rounded to int8 per block of 32 (one float scale each; llama.cpp's Q8 blocks), the
- * weights keep their exact values, and each block is one integer dot product: errors of 0.5-2.5% in norm on
- * random inputs (tests/unit/test_quantization.py), as llama.cpp's. Callers send at most GEMV_MAX_ROWS rows: beyond that FBGEMM's fp16 GEMM was
- * faster (measured on a 2-vCPU AVX2 EPYC, where these dot products are compute bound: about 0.7 ms a row
- * for a 49152 x 576 matrix).
+ * y[m, n] = sum_k x[m, k] * w[n, k], weight rows in parallel (OpenMP, on the runtime torch already loaded). x is
+ * rounded to int8 per block of 32 (one float scale each; llama.cpp's Q8 blocks), the weights keep their exact
+ * values, and each block is one integer dot product (`vpmaddubsw` + `vpmaddwd`, or `vpdpbusd` where the library
+ * is built for AVX-512 VNNI: the same exact integers), scaled by the blocks' scales into a float accumulator:
+ * errors of 0.5-2.5% in norm on random inputs (tests/unit/test_int8_gemm.py), as llama.cpp's.
+ *
+ * Register tiles of 2 weight rows x 4 rows of x: each x block loaded serves both weight rows, each weight block
+ * all four rows of x. A (weight row, x row) pair takes the same instructions in the same order whatever tile
+ * slot it falls in and however many rows the call has, so a row's result never depends on the other rows
+ * (batch invariance: a token's logits have the same bits alone, in a batch, or inside a prompt).
+ *
+ * Compute bound from a few rows on: on a 2-vCPU AVX2 EPYC a block costs maddubs + madd + convert + fma per 32
+ * products, about what FBGEMM's fp16 GEMM pays (one fma per 8), so past GEMV_MAX_ROWS rows that GEMM is as
+ * fast or faster (docs/quantization.md has the measurements) and callers holding a float16 copy use it there.
  */
 #include <immintrin.h>
 #include <stddef.h>
@@ -16,6 +24,16 @@
 #define GEMV_MAX_ROWS 8
 
 int gemv_max_rows(void) { return GEMV_MAX_ROWS; }
+
+/* 32 unsigned x 32 signed bytes -> 8 int32 sums of 4 products. Pair sums never saturate int16 here (int4: 2 * 15 *
+ * 127; int8 with the sign on x: 2 * 127 * 127), so both forms give the same integers. */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -56,48 +74,74 @@ static void quantize_rows(const float *x, int8_t *q, float *scale, float *sum, i
     }
 }
 
-/* One weight row against R (at most 4, a constant after inlining) rows of x: the accumulators live in
- * registers. Each block is one integer dot product (unsigned 4-bit x signed 8-bit, as llama.cpp does),
- * scaled by the weight's and the activation's block scales. The offsets' part, sum_b o[b] * xsum[r, b],
- * goes eight blocks at a time when every block has its own offset (groups of 32). */
-static inline __attribute__((always_inline)) void int4_row(const uint8_t *row, const float *s, const float *o,
-                                                           const int8_t *xq, const float *xscale, const float *xsum,
-                                                           float *y, const int R, int N, int K, int per_group) {
+/* RN (1 or 2) weight rows against R (at most 4) rows of x, both constants after inlining: the 2 x 4 accumulators
+ * live in registers, each x block loaded serves both weight rows and each unpacked weight block all R rows. Each
+ * block is one integer dot product (unsigned 4-bit x signed 8-bit, as llama.cpp does), scaled by the weight's
+ * and the activation's block scales. The offsets' part, sum_b o[b] * xsum[r, b], goes eight blocks at a time when
+ * every block has its own offset (groups of 32). Every (weight row, x row) pair takes the same instructions in
+ * the same order whatever RN, R and the rows around it: a row's result does not depend on the call's other rows. */
+static inline __attribute__((always_inline)) void int4_tile(const uint8_t *row, const float *s, const float *o,
+                                                            const int8_t *xq, const float *xscale, const float *xsum,
+                                                            float *y, const int RN, const int R, int N, int K, int groups,
+                                                            int per_group) {
     const int blocks = K / 32;
     const __m128i low4 = _mm_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[4], off[4];
-    for (int r = 0; r < R; r++) acc[r] = off[r] = _mm256_setzero_ps();
+    __m256 acc[2][4];
+    for (int i = 0; i < RN; i++)
+        for (int r = 0; r < R; r++) acc[i][r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        __m128i bytes = _mm_loadu_si128((const __m128i *)(row + 16 * b));
-        __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-        __m256i w = _mm256_set_m128i(hi, lo);  /* q[32b .. 32b + 31] in order */
-        __m256 sb = _mm256_set1_ps(s[b / per_group]);
+        /* Two tiles ahead (4 rows of K/2 bytes): the two rows' blocks alternate, which hides the stream from the
+         * hardware prefetcher (a 49152 x 576 int8 matrix at one row of x: 3x slower than row by row without this) */
+        _mm_prefetch((const char *)(row + 2 * (size_t)K + 32 * b), _MM_HINT_T0);
+        __m256i w[2];
+        __m256 sb[2];
+        for (int i = 0; i < RN; i++) {
+            __m128i bytes = _mm_loadu_si128((const __m128i *)(row + (size_t)i * (K / 2) + 16 * b));
+            __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+            w[i] = _mm256_set_m128i(hi, lo);  /* q[32b .. 32b + 31] in order */
+            sb[i] = _mm256_set1_ps(s[(size_t)i * groups + b / per_group]);
+        }
         for (int r = 0; r < R; r++) {
             __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * K + 32 * b));
-            __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xb), ones);  /* 8 partial sums, int32 */
-            __m256 scale = _mm256_mul_ps(sb, _mm256_broadcast_ss(xscale + (size_t)r * blocks + b));
-            acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[r]);
+            __m256 xs = _mm256_broadcast_ss(xscale + (size_t)r * blocks + b);
+            for (int i = 0; i < RN; i++) {
+                __m256i dot = dot_u8s8(w[i], xb);  /* 8 partial sums, int32 */
+                acc[i][r] = _mm256_fmadd_ps(_mm256_mul_ps(sb[i], xs), _mm256_cvtepi32_ps(dot), acc[i][r]);
+            }
         }
     }
-    int b = 0;
-    if (per_group == 1) {
-        for (; b + 8 <= blocks; b += 8) {
-            __m256 ob = _mm256_loadu_ps(o + b);
-            for (int r = 0; r < R; r++) off[r] = _mm256_fmadd_ps(ob, _mm256_loadu_ps(xsum + (size_t)r * blocks + b), off[r]);
+    for (int i = 0; i < RN; i++) {
+        const float *oi = o + (size_t)i * groups;
+        __m256 off[4];
+        for (int r = 0; r < R; r++) off[r] = _mm256_setzero_ps();
+        int b = 0;
+        if (per_group == 1) {
+            for (; b + 8 <= blocks; b += 8) {
+                __m256 ob = _mm256_loadu_ps(oi + b);
+                for (int r = 0; r < R; r++) off[r] = _mm256_fmadd_ps(ob, _mm256_loadu_ps(xsum + (size_t)r * blocks + b), off[r]);
+            }
         }
-    }
-    for (int r = 0; r < R; r++) {
-        float tail = 0.0f;
-        for (int t = b; t < blocks; t++) tail += o[t / per_group] * xsum[(size_t)r * blocks + t];
-        y[(size_t)r * N] = hsum(_mm256_add_ps(acc[r], off[r])) + tail;
+        for (int r = 0; r < R; r++) {
+            float tail = 0.0f;
+            for (int t = b; t < blocks; t++) tail += oi[t / per_group] * xsum[(size_t)r * blocks + t];
+            y[(size_t)r * N + i] = hsum(_mm256_add_ps(acc[i][r], off[r])) + tail;
+        }
     }
 }
+
+#define INT4_TILES(RN)                                                                                        \
+    switch (M - m) {                                                                                          \
+        case 1: int4_tile(row, s, o, xm, xs, xt, ym, RN, 1, N, K, groups, per_group); break;                  \
+        case 2: int4_tile(row, s, o, xm, xs, xt, ym, RN, 2, N, K, groups, per_group); break;                  \
+        case 3: int4_tile(row, s, o, xm, xs, xt, ym, RN, 3, N, K, groups, per_group); break;                  \
+        default: int4_tile(row, s, o, xm, xs, xt, ym, RN, 4, N, K, groups, per_group); break;                 \
+    }
 
 /* 4-bit weights in blocks of 32 along k: w[n, k] = scale[n, g] * q[n, k] + offset[n, g], g = k / group.
  * packed [N, K/2]: block b of row n is bytes 16b..16b+15 of the row, byte j = q[32b + j] | q[32b + 16 + j] << 4.
  * scratch: M * K bytes + 2 * M * K / 32 floats, for x as int8 blocks (quantize_rows).
- * Rows of x go four at a time; a weight row (K/2 bytes) stays in L1 between them. */
+ * Weight rows go two at a time (one alone if N is odd), rows of x four at a time within them; the two weight
+ * rows (K bytes) stay in L1 while every row of x passes. */
 void int4_gemv(const float *x, void *scratch, const uint8_t *packed, const float *scale, const float *offset,
                float *y, int M, int N, int K, int group, int threads) {
     const int per_group = group / 32, groups = K / group, blocks = K / 32;
@@ -105,43 +149,55 @@ void int4_gemv(const float *x, void *scratch, const uint8_t *packed, const float
     int8_t *xq = (int8_t *)(xsum + (size_t)M * blocks);
     quantize_rows(x, xq, xscale, xsum, M, K);
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int n = 0; n < N; n++) {
+    for (int n = 0; n < N; n += 2) {
         const uint8_t *row = packed + (size_t)n * (K / 2);
         const float *s = scale + (size_t)n * groups, *o = offset + (size_t)n * groups;
         for (int m = 0; m < M; m += 4) {
             const int8_t *xm = xq + (size_t)m * K;
             const float *xs = xscale + (size_t)m * blocks, *xt = xsum + (size_t)m * blocks;
             float *ym = y + (size_t)m * N + n;
-            switch (M - m) {
-                case 1: int4_row(row, s, o, xm, xs, xt, ym, 1, N, K, per_group); break;
-                case 2: int4_row(row, s, o, xm, xs, xt, ym, 2, N, K, per_group); break;
-                case 3: int4_row(row, s, o, xm, xs, xt, ym, 3, N, K, per_group); break;
-                default: int4_row(row, s, o, xm, xs, xt, ym, 4, N, K, per_group); break;
-            }
+            if (n + 1 < N) INT4_TILES(2) else INT4_TILES(1)
         }
     }
 }
 
 /* 8-bit weights, one scale per row: w[n, k] = scale[n] * q[n, k]; q [N, K] int8, K a multiple of 32.
  * x goes in as int8 blocks too (scratch as for int4_gemv); signed x signed through maddubs by moving
- * the weight's sign onto x. */
-static inline __attribute__((always_inline)) void int8_row(const int8_t *row, const int8_t *xq, const float *xscale,
-                                                           float *y, const int R, int N, int K, float scale) {
+ * the weight's sign onto x. Tiled as int4_tile: each pair the same instructions whatever the rows around it. */
+static inline __attribute__((always_inline)) void int8_tile(const int8_t *row, const int8_t *xq, const float *xscale,
+                                                            float *y, const int RN, const int R, int N, int K,
+                                                            const float *scale) {
     const int blocks = K / 32;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[4];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    __m256 acc[2][4];
+    for (int i = 0; i < RN; i++)
+        for (int r = 0; r < R; r++) acc[i][r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        __m256i w = _mm256_loadu_si256((const __m256i *)(row + 32 * b));
-        __m256i wabs = _mm256_sign_epi8(w, w);
+        __m256i w[2], wabs[2];
+        _mm_prefetch((const char *)(row + 4 * (size_t)K + 64 * b), _MM_HINT_T0);  /* two tiles ahead: see int4_tile */
+        for (int i = 0; i < RN; i++) {
+            w[i] = _mm256_loadu_si256((const __m256i *)(row + (size_t)i * K + 32 * b));
+            wabs[i] = _mm256_sign_epi8(w[i], w[i]);
+        }
         for (int r = 0; r < R; r++) {
-            __m256i xb = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + (size_t)r * K + 32 * b)), w);
-            __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xb), ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xscale + (size_t)r * blocks + b), _mm256_cvtepi32_ps(dot), acc[r]);
+            __m256i xr = _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * K + 32 * b));
+            __m256 xs = _mm256_broadcast_ss(xscale + (size_t)r * blocks + b);
+            for (int i = 0; i < RN; i++) {
+                __m256i dot = dot_u8s8(wabs[i], _mm256_sign_epi8(xr, w[i]));
+                acc[i][r] = _mm256_fmadd_ps(xs, _mm256_cvtepi32_ps(dot), acc[i][r]);
+            }
         }
     }
-    for (int r = 0; r < R; r++) y[(size_t)r * N] = hsum(acc[r]) * scale;
+    for (int i = 0; i < RN; i++)
+        for (int r = 0; r < R; r++) y[(size_t)r * N + i] = hsum(acc[i][r]) * scale[i];
 }
+
+#define INT8_TILES(RN)                                                                 \
+    switch (M - m) {                                                                   \
+        case 1: int8_tile(row, xm, xs, ym, RN, 1, N, K, scale + n); break;             \
+        case 2: int8_tile(row, xm, xs, ym, RN, 2, N, K, scale + n); break;             \
+        case 3: int8_tile(row, xm, xs, ym, RN, 3, N, K, scale + n); break;             \
+        default: int8_tile(row, xm, xs, ym, RN, 4, N, K, scale + n); break;            \
+    }
 
 void int8_gemv(const float *x, void *scratch, const int8_t *q, const float *scale, float *y, int M, int N, int K,
                int threads) {
@@ -150,18 +206,13 @@ void int8_gemv(const float *x, void *scratch, const int8_t *q, const float *scal
     int8_t *xq = (int8_t *)(xsum + (size_t)M * blocks);
     quantize_rows(x, xq, xscale, xsum, M, K);
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int n = 0; n < N; n++) {
+    for (int n = 0; n < N; n += 2) {
         const int8_t *row = q + (size_t)n * K;
         for (int m = 0; m < M; m += 4) {
             const int8_t *xm = xq + (size_t)m * K;
             const float *xs = xscale + (size_t)m * blocks;
             float *ym = y + (size_t)m * N + n;
-            switch (M - m) {
-                case 1: int8_row(row, xm, xs, ym, 1, N, K, scale[n]); break;
-                case 2: int8_row(row, xm, xs, ym, 2, N, K, scale[n]); break;
-                case 3: int8_row(row, xm, xs, ym, 3, N, K, scale[n]); break;
-                default: int8_row(row, xm, xs, ym, 4, N, K, scale[n]); break;
-            }
+            if (n + 1 < N) INT8_TILES(2) else INT8_TILES(1)
         }
     }
 }

@@ -1,4 +1,4 @@
-"""Small-batch matmuls over 4- and 8-bit weights on AVX2 CPUs (the C source beside this file).
+"""Matmuls over 4- and 8-bit weights on AVX2 CPUs (the C source beside this file).
 
 torch 2.13's packed int4/int8 CPU kernels are vectorized for AVX-512 only; on AVX2 they run scalar
 loops, and dequantizing a block of rows before each matmul costs more than the bytes it saves. These
@@ -10,8 +10,10 @@ every row of every matmul goes through these kernels: a row's result here is ind
 rows (tests/unit/test_quantization.py), unlike torch's float GEMMs and SDPA, whose blocking follows M.
 
 The library is compiled on first use with the system C compiler (`cc -O3 -mavx2 -mfma -mf16c -fopenmp`, about
-a second) into ~/.cache/banyan/kernels (or $BANYAN_CACHE_DIR/kernels), named by a hash of the sources
-and flags, and loaded with ctypes; its OpenMP calls run on the libgomp torch has already loaded.
+a second; with `-mavx512vnni` and its companions too where /proc/cpuinfo lists avx512_vnni, so the integer dot
+products are `vpdpbusd`, giving the same integers) into ~/.cache/banyan/kernels (or $BANYAN_CACHE_DIR/kernels),
+named by a hash of the sources and flags, and loaded with ctypes; its OpenMP calls run on the libgomp torch has
+already loaded.
 Without a compiler, or on a CPU without AVX2, `load()` returns None and callers dequantize instead.
 """
 
@@ -33,14 +35,16 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_attention.c", "cpu_decode.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+ISA_FLAGS = {"avx2": (), "avx512_vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")}
 
 
 class CpuKernels:
-    """The loaded library: y = x W^T with W 4-bit blocked or 8-bit per row (callers send at most `max_rows` rows
-    unless batch-invariant), and causal attention in a fixed order."""
+    """The loaded library: y = x W^T with W 4-bit blocked or 8-bit per row (any number of rows; callers that hold a
+    float16 copy send it at most `max_rows`), and causal attention in a fixed order."""
 
-    def __init__(self, lib: ctypes.CDLL):
+    def __init__(self, lib: ctypes.CDLL, isa: str = "avx2"):
         p, i = ctypes.c_void_p, ctypes.c_int
+        self.isa = isa  # the ISA the library was built for: a key of ISA_FLAGS
         lib.int4_gemv.argtypes = [p, p, p, p, p, p, i, i, i, i, i]
         lib.int8_gemv.argtypes = [p, p, p, p, p, i, i, i, i]
         lib.float_gemv.argtypes = [p, p, i, p, i, i, i, i]
@@ -109,24 +113,42 @@ def load() -> CpuKernels | None:
     if compiler is None:
         logger.warning("no C compiler (cc) found: 4/8-bit weights are dequantized per matmul, which is slower")
         return None
+    for isa in ("avx512_vnni", "avx2") if "avx512_vnni" in cpu_flags() else ("avx2",):
+        try:
+            return CpuKernels(ctypes.CDLL(str(build(compiler, isa))), isa)
+        except (OSError, subprocess.CalledProcessError) as e:  # an older compiler may not know the AVX-512 flags
+            detail = getattr(e, "stderr", "") or str(e)
+            logger.warning("could not build the CPU kernels for %s (%s)", isa, detail.strip()[-500:])
+    logger.warning("no CPU kernels: 4/8-bit weights are dequantized per matmul")
+    return None
+
+
+def build(compiler: str, isa: str) -> Path:
+    """The library for `isa` (a key of ISA_FLAGS), compiled unless the cache has it; raises what the compiler
+    raises."""
+    flags = (*FLAGS, *ISA_FLAGS[isa])
     source = b"".join(path.read_bytes() for path in SOURCES)
-    tag = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("BANYAN_CACHE_DIR", Path.home() / ".cache" / "banyan")) / "kernels"
     library = cache / f"cpu_gemv-{tag}.so"
+    if not library.exists():
+        _compile(compiler, cache, library, flags)
+    return library
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
     try:
-        if not library.exists():
-            _compile(compiler, cache, library)
-        return CpuKernels(ctypes.CDLL(str(library)))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        logger.warning("could not build the CPU kernels (%s): 4/8-bit weights are dequantized per matmul", detail.strip()[-500:])
-        return None
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
 
 
-def _compile(compiler: str, cache: Path, library: Path) -> None:
+def _compile(compiler: str, cache: Path, library: Path, flags: tuple[str, ...]) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: processes may race
         out = Path(tmp) / library.name
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"], check=True, capture_output=True, text=True,
+        subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(out), "-lm"], check=True, capture_output=True, text=True,
                        timeout=120)
         os.replace(out, library)

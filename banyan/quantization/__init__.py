@@ -172,9 +172,6 @@ def finish_loading(model: nn.Module) -> None:
     if any(layer.gemv is None for layer in cpu_int):
         logger.warning("int8/int4 weights on a CPU without AVX-512 nor banyan's AVX2 kernel: each matmul "
                        "dequantizes; this saves memory, and decodes slower than float32")
-    elif any(layer.wide is None and not layer.batch_invariant for layer in cpu_int):
-        logger.info("int8/int4 weights: batches of more than %d rows (prefill) dequantize a block of rows at a "
-                    "time, about 0.8x float32's speed", cpu_gemv.load().max_rows)
 
 
 def model_weight_bytes(model: nn.Module) -> int:

@@ -11,9 +11,10 @@ merged matrix). `finish_loading()` then picks the kernel and lays the weight out
 
 The packed integer kernels are taken on CPUs with AVX-512 only: with AVX2 alone PyTorch 2.13 runs
 them as scalar loops, 10-40x slower than a float32 matmul (measured on an AVX2 EPYC). There, int8 and
-int4 layers multiply up to 8 rows (decode) with banyan's own AVX2 kernel (banyan/kernels/cpu_gemv.c:
-integer dot products against x quantized to int8 per block of 32, as llama.cpp does), and wider
-batches either dequantize a block of rows at a time or, with `wide_fp16`, use a float16 copy. torch._scaled_mm runs on CPU and on CUDA from sm89 (Ada,
+int4 layers multiply with banyan's own AVX2 kernel (banyan/kernels/cpu_gemv.c: integer dot products against x
+quantized to int8 per block of 32, as llama.cpp does; 1.2-4x faster than dequantizing at 16-256 rows), every
+row, or with `wide_fp16` up to 8 rows (decode) and wider batches through a float16 copy (FBGEMM's GEMM, faster
+than the kernel there on AVX2). torch._scaled_mm runs on CPU and on CUDA from sm89 (Ada,
 Hopper) for dimensions that are multiples of 16; elsewhere fp8 is dequantized. FBGEMM's fp16 GEMM
 (`quantized::linear_dynamic_fp16`, in every x86 build of torch) reads half the bytes of a float32
 matmul and converts in registers (F16C): decode, which streams every weight once per step, is
@@ -128,7 +129,7 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.input_order is not None:
             x2 = x2.index_select(1, self.input_order)
-        if self.gemv is not None and (x2.shape[0] <= self.gemv.max_rows or self.batch_invariant):  # decode: a few rows
+        if self.gemv is not None and (self.wide is None or x2.shape[0] <= self.gemv.max_rows):  # a float16 copy: wide
             y = self._narrow(x2.contiguous())
         elif self.wide is not None:
             y = torch.ops.quantized.linear_dynamic_fp16(x2.contiguous(), self.wide)

@@ -1,0 +1,144 @@
+"""banyan's integer CPU kernels (banyan/kernels/cpu_gemv.c) as a specification: y = x W^T with x rounded to int8
+per block of 32 and W's exact 4- or 8-bit values, equal to that product computed in float64 up to float32
+accumulation; every row's bits independent of the rows beside it; the AVX-512 VNNI build the same integers."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from banyan.kernels import cpu_gemv
+from banyan.quantization.formats import INT8, WeightFormat
+from banyan.quantization.linear import QuantizedLinear
+
+pytestmark = pytest.mark.skipif(cpu_gemv.load() is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                                reason="banyan's CPU kernels need an x86 CPU with AVX2 and a C compiler")
+
+# M: one row, a tile of four, tails of 1-3 rows, more than one tile of weight rows; N: odd counts leave a weight
+# row without its tile partner; K: one block, a few, the default model's 576 and 1536.
+SHAPES = [(1, 1, 32), (3, 7, 96), (4, 2, 64), (5, 33, 160), (8, 16, 576), (13, 9, 1536), (64, 31, 256)]
+
+
+def round_x(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel multiplies it: per block of 32, d = max|x| / 127, q = round(x / d) (ties to even), x = d q,
+    in float32 as the kernel computes it."""
+    blocks = x.view(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv) * d).view_as(x)
+
+
+def int4_weight(n: int, k: int, group: int, seed: int = 0):
+    """Random 4-bit values q in [0, 15] with a scale and an offset per group; packed in blocks of 32 (see
+    cpu_gemv.c): byte j of block b holds q[32b + j] and q[32b + 16 + j]."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    scale = torch.rand(n, k // group, generator=g) * 0.02 + 0.001
+    offset = torch.randn(n, k // group, generator=g) * 0.05
+    halves = q.view(n, -1, 2, 16)
+    packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, -1).contiguous()
+    return q, scale, offset, packed
+
+
+def int4_reference(x: torch.Tensor, q, scale, offset, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scaled values times x rounded, plus each group's offset times the exact sum of x over the group (the
+    kernel keeps those sums in float), in float64; and the same sum over the terms' magnitudes."""
+    m, k = x.shape
+    scaled = (q.double().view(q.shape[0], -1, group) * scale.double()[:, :, None]).view(q.shape[0], k)
+    sums, rounded = x.double().view(m, -1, group).sum(-1), round_x(x).double()
+    want = rounded @ scaled.T + sums @ offset.double().T
+    return want, rounded.abs() @ scaled.abs().T + sums.abs() @ offset.double().abs().T
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor) -> None:
+    """Equal up to float32 accumulation: a few float32 roundings (6e-8 each) of the terms' magnitudes."""
+    error = ((got.double() - want).abs() / magnitude.clamp(min=1e-30)).max()
+    assert error < 1e-6, f"{error:.2e}"
+
+
+@pytest.mark.parametrize("m, n, k", SHAPES)
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_kernel_is_the_rounded_product(m, n, k, group):
+    if k % group:
+        pytest.skip("K is not a multiple of the group")
+    q, scale, offset, packed = int4_weight(n, k, group)
+    x = torch.randn(m, k) * 3
+    assert_close(cpu_gemv.load().int4(x, packed, scale, offset, group), *int4_reference(x, q, scale, offset, group))
+
+
+@pytest.mark.parametrize("m, n, k", SHAPES)
+def test_int8_kernel_is_the_rounded_product(m, n, k):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, generator=g) * 0.01
+    x = torch.randn(m, k) * 3
+    rounded = round_x(x).double()
+    want, magnitude = (rounded @ q.double().T) * scale.double(), (rounded.abs() @ q.double().abs().T) * scale.double()
+    assert_close(cpu_gemv.load().int8(x, q, scale), want, magnitude)
+
+
+def test_a_row_has_its_bits_whatever_the_call():
+    """Row r of a 37-row call equals the row alone, and inside calls of other sizes at other places: the tiles
+    only decide which rows share a loaded block, never a row's own order of sums."""
+    kernels = cpu_gemv.load()
+    _, scale, offset, packed = int4_weight(33, 576, 32)
+    q8 = torch.randint(-127, 128, (33, 576), dtype=torch.int8)
+    scale8 = torch.rand(33)
+    x = torch.randn(37, 576)
+    for multiply in (lambda rows: kernels.int4(rows, packed, scale, offset, 32), lambda rows: kernels.int8(rows, q8, scale8)):
+        whole = multiply(x)
+        for r in range(37):
+            assert torch.equal(multiply(x[r:r + 1]), whole[r:r + 1])
+        for start, stop in [(1, 6), (5, 13), (30, 37)]:
+            assert torch.equal(multiply(x[start:stop].contiguous()), whole[start:stop])
+
+
+def test_threads_do_not_change_the_bits():
+    kernels, threads = cpu_gemv.load(), torch.get_num_threads()
+    _, scale, offset, packed = int4_weight(65, 256, 32)
+    x = torch.randn(9, 256)
+    try:
+        torch.set_num_threads(1)
+        one = kernels.int4(x, packed, scale, offset, 32)
+        torch.set_num_threads(2)
+        assert torch.equal(kernels.int4(x, packed, scale, offset, 32), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("fmt", [INT8, WeightFormat("int4", 32)])
+def test_a_layer_without_a_float16_copy_sends_every_row_to_the_kernel(fmt):
+    """Prefill-sized batches too: the kernel is faster than dequantizing at any width, and a row is then the
+    same whether it is decoded alone or computed inside a prompt."""
+    layer = QuantizedLinear(256, 24, fmt)
+    layer.load_weight(slice(None), torch.randn(24, 256), "w")
+    layer.packed_kernels = False  # torch's own packed kernels where the CPU has AVX-512
+    layer.finish_loading()
+    assert layer.gemv is not None and layer.wide is None
+    x = torch.randn(40, 256)
+    wide = layer(x)
+    assert all(torch.equal(layer(x[r:r + 1]), wide[r:r + 1]) for r in range(40))
+
+
+def test_the_avx512_vnni_build_compiles_and_agrees(monkeypatch, tmp_path):
+    """The library built with -mavx512vnni (vpdpbusd for the dot products) compiles wherever the compiler knows
+    the flags, and where the CPU has VNNI it gives the AVX2 build's bits."""
+    compiler = shutil.which("cc")
+    monkeypatch.setenv("BANYAN_CACHE_DIR", str(tmp_path))
+    try:
+        library = cpu_gemv.build(compiler, "avx512_vnni")
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"the compiler does not build for AVX-512 VNNI: {e.stderr[-200:]}")
+    assert library.exists()
+    if "avx512_vnni" not in cpu_gemv.cpu_flags():
+        return  # compiled only: its code cannot run here
+    vnni = cpu_gemv.CpuKernels(ctypes.CDLL(str(library)), "avx512_vnni")
+    avx2 = cpu_gemv.CpuKernels(ctypes.CDLL(str(cpu_gemv.build(compiler, "avx2"))), "avx2")
+    _, scale, offset, packed = int4_weight(33, 576, 32)
+    q8, scale8, x = torch.randint(-127, 128, (33, 576), dtype=torch.int8), torch.rand(33), torch.randn(13, 576)
+    assert torch.equal(vnni.int4(x, packed, scale, offset, 32), avx2.int4(x, packed, scale, offset, 32))
+    assert torch.equal(vnni.int8(x, q8, scale8), avx2.int8(x, q8, scale8))
