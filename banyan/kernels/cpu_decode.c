@@ -142,13 +142,12 @@ static inline void score8(const float *q, const float *const keys[8], int n, int
     for (int u = 0; u < n; u++) p[u] = sums[u];
 }
 
-/* o[0, width) = scale * sum_j p[j] * v[slot[j] * token, + width) in j order, width <= 64: the sums stay in
- * registers. */
-static inline void weighted_sum(const float *p, const float *v, const uint32_t *slot, size_t token, int n, int width,
-                                __m256 scale, float *o) {
+/* o[0, width) += sum_j p[j] * v[slot[j] * token, + width) in j order, width <= 64: the sums stay in registers. */
+static inline void weighted_add(const float *p, const float *v, const uint32_t *slot, size_t token, int n, int width,
+                                float *o) {
     __m256 acc[8];
     const int lanes = width / 8;
-    for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < lanes; r++) acc[r] = _mm256_loadu_ps(o + 8 * r);
     if (lanes == 8) {
         for (int j = 0; j < n; j++) {
             const __m256 w = _mm256_set1_ps(p[j]);
@@ -162,8 +161,10 @@ static inline void weighted_sum(const float *p, const float *v, const uint32_t *
             for (int r = 0; r < lanes; r++) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * r), acc[r]);
         }
     }
-    for (int r = 0; r < lanes; r++) _mm256_storeu_ps(o + 8 * r, _mm256_mul_ps(acc[r], scale));
+    for (int r = 0; r < lanes; r++) _mm256_storeu_ps(o + 8 * r, acc[r]);
 }
+
+#define V_BLOCK 32 /* keys whose V rows serve every head of a group from L1 (32 x 64 floats: 8 KiB) */
 
 /* Causal attention of n query rows over a paged cache [pages, P, KVH, D]. Query row i is q row rows[i] (rows
  * q_stride floats apart, heads D apart), at position positions[i] of the sequence whose pages are
@@ -172,8 +173,10 @@ static inline void weighted_sum(const float *p, const float *v, const uint32_t *
  *
  *     s_t = scale * <q, k_t>      p_t = exp(s_t - max s)      out row rows[i] = sum_t p_t v_t / sum_t p_t
  *
- * each sum taken in position order, each dot product in one fixed tree. out [T, H, D]; scratch: threads *
- * 2 * max_keys floats (scores and slots), max_keys at least the keys any row sees. D a multiple of 8. */
+ * each sum taken in position order, each dot product in one fixed tree. The H / KVH query heads of a KV head
+ * go together, so each K and V row is read from memory once for all of them. out [T, H, D]; scratch: threads *
+ * (H / KVH + 1) * max_keys floats (each head's scores, the slots), max_keys at least the keys any row sees.
+ * D a multiple of 8. */
 void paged_attention(const float *q, int q_stride, const float *k_cache, const float *v_cache,
                      const int32_t *tables, int table_stride, const int32_t *rows, const int32_t *seq_of_row,
                      const int32_t *positions, int n, int H, int KVH, int D, int P, int window, float scale,
@@ -182,27 +185,41 @@ void paged_attention(const float *q, int q_stride, const float *k_cache, const f
     const size_t token = (size_t)KVH * D;
 #pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
     for (int i = 0; i < n; i++) {
-        for (int h = 0; h < H; h++) {
+        for (int kh = 0; kh < KVH; kh++) {
             const int pos = positions[i], first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
             const int keys = pos - first + 1;
             const int32_t *table = tables + (size_t)seq_of_row[i] * table_stride;
-            const float *qr = q + (size_t)rows[i] * q_stride + (size_t)h * D;
-            const float *k = k_cache + (size_t)(h / group) * D, *v = v_cache + (size_t)(h / group) * D;
-            float *p = scratch + (size_t)omp_get_thread_num() * 2 * max_keys, *o = out + ((size_t)rows[i] * H + h) * D;
-            uint32_t *slot = (uint32_t *)(p + max_keys);
-            float top = -INFINITY, total = 0.0f;
+            const float *qr = q + (size_t)rows[i] * q_stride + (size_t)kh * group * D;
+            const float *k = k_cache + (size_t)kh * D, *v = v_cache + (size_t)kh * D;
+            float *p = scratch + (size_t)omp_get_thread_num() * (group + 1) * max_keys;
+            float *o = out + ((size_t)rows[i] * H + (size_t)kh * group) * D;
+            uint32_t *slot = (uint32_t *)(p + (size_t)group * max_keys);
             for (int j = 0; j < keys; j++) slot[j] = (uint32_t)table[(first + j) / P] * P + (first + j) % P;
             for (int j = 0; j < keys; j += 8) {
                 const int m = keys - j < 8 ? keys - j : 8;
                 const float *kr[8];
                 for (int u = 0; u < 8; u++) kr[u] = k + slot[j + (u < m ? u : 0)] * token;
-                score8(qr, kr, m, D, scale, p + j);
+                for (int g = 0; g < group; g++) score8(qr + (size_t)g * D, kr, m, D, scale, p + (size_t)g * max_keys + j);
             }
-            for (int j = 0; j < keys; j++) top = fmaxf(top, p[j]);
-            exp_shifted(p, keys, top);
-            for (int j = 0; j < keys; j++) total += p[j];
+            for (int g = 0; g < group; g++) {
+                float *pg = p + (size_t)g * max_keys, top = -INFINITY;
+                for (int j = 0; j < keys; j++) top = fmaxf(top, pg[j]);
+                exp_shifted(pg, keys, top);
+            }
+            for (int d = 0; d < group * D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
             for (int c = 0; c < D; c += 64)
-                weighted_sum(p, v + c, slot, token, keys, D - c < 64 ? D - c : 64, _mm256_set1_ps(1.0f / total), o + c);
+                for (int j = 0; j < keys; j += V_BLOCK)
+                    for (int g = 0; g < group; g++)
+                        weighted_add(p + (size_t)g * max_keys + j, v + c, slot + j, token,
+                                     keys - j < V_BLOCK ? keys - j : V_BLOCK, D - c < 64 ? D - c : 64, o + (size_t)g * D + c);
+            for (int g = 0; g < group; g++) {
+                const float *pg = p + (size_t)g * max_keys;
+                float total = 0.0f;
+                for (int j = 0; j < keys; j++) total += pg[j];
+                const __m256 inv = _mm256_set1_ps(1.0f / total);
+                for (int d = 0; d < D; d += 8)
+                    _mm256_storeu_ps(o + (size_t)g * D + d, _mm256_mul_ps(_mm256_loadu_ps(o + (size_t)g * D + d), inv));
+            }
         }
     }
 }

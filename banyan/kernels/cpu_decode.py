@@ -74,8 +74,9 @@ class DecodeKernels:
         heads, dim = q.shape[1:]
         page_size, kv_heads = k_cache.shape[1:3]
         threads = torch.get_num_threads()
-        if rows.scratch is None or rows.scratch.numel() < 2 * threads * rows.max_keys:
-            rows.scratch = torch.empty(2 * threads * rows.max_keys, dtype=torch.float32)  # scores and slots a row
+        room = threads * (heads // kv_heads + 1) * rows.max_keys  # each head's scores and the slots, per thread
+        if rows.scratch is None or rows.scratch.numel() < room:
+            rows.scratch = torch.empty(room, dtype=torch.float32)
         tables = rows.tables
         self._lib.paged_attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
@@ -105,7 +106,7 @@ class PagedRows:
         self.positions = torch.tensor(positions, dtype=torch.int32)
         self.tables = tables.to(torch.int32).contiguous()
         self.max_keys = max(positions, default=0) + 1
-        self.scratch: torch.Tensor | None = None  # threads x 2 max_keys (scores, slots), allocated by the first layer
+        self.scratch: torch.Tensor | None = None  # scores and slots, allocated by the first layer
 
 
 def kernels_for(device: torch.device, dtype: torch.dtype) -> DecodeKernels | None:
