@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from banyan.forward_batch import ForwardBatch
-from banyan.host_memory import GiB, HostMemory
+from banyan.host_memory import CPU_KV_ENV, GiB, HostMemory, cpu_kv_from_env, read_host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,21 @@ class CpuKVSizing:
         capped = " (capped: max_num_seqs x max_model_len tokens fill no more)" if self.useful < self.share else ""
         return (f"free memory: {left} - activations {_gib(self.activations)} = {_gib(max(0, self.share))}; at most "
                 f"{_gib(self.useful)}{capped}; --kv-cache-memory sets it")
+
+
+def cpu_kv_budget(arch, vocab_size: int, limits, page_size: int, per_token: int, weights: int,
+                  pools: int) -> tuple[int, str]:
+    """Bytes for a CPU pool without --kv-cache-memory, and where they come from: $BANYAN_CPU_KV_CACHE_MEMORY when
+    set, else CpuKVSizing from the host's memory now; either at most what the scheduler can fill (limits: the
+    runner's largest step)."""
+    seq_tokens = -(-limits.max_model_len // page_size) * page_size  # whole pages
+    useful = limits.max_num_seqs * seq_tokens * per_token  # a larger pool is never filled
+    if (fixed := cpu_kv_from_env()) is not None:
+        capped = " (capped: max_num_seqs x max_model_len tokens fill no more)" if useful < fixed else ""
+        return min(fixed, useful), f"${CPU_KV_ENV} {_gib(fixed)}{capped}"
+    activations = activation_bytes(arch, limits.max_num_batched_tokens, limits.max_num_seqs, vocab_size)
+    sizing = CpuKVSizing(read_host_memory(), weights, activations, pools, useful)
+    return sizing.budget, sizing.describe()
 
 
 def activation_bytes(arch, max_num_batched_tokens: int, max_num_seqs: int, vocab_size: int) -> int:

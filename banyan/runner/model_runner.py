@@ -30,8 +30,7 @@ from banyan.registry import UnknownChoiceError
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from banyan.runner.drafter import NetworkDrafter
 from banyan.forward_batch import ForwardBatch
-from banyan.host_memory import CPU_KV_ENV, cpu_kv_from_env, read_host_memory
-from banyan.runner.memory import (GiB, CpuKVSizing, KVCapacity, activation_bytes, pages_for_budget, profile_batch,
+from banyan.runner.memory import (GiB, KVCapacity, cpu_kv_budget, pages_for_budget, profile_batch,
                                   profile_cuda_forward)
 from banyan.runner.weights import ModelSource
 from banyan.scheduler.batch import Batch, SampledToken, ScheduledRequest, StepResult
@@ -142,15 +141,9 @@ class ModelRunner:
             util = cache_config.gpu_memory_utilization
             profile = profile_cuda_forward(self.profile_forward)
             return profile.kv_budget(util), f"--gpu-memory-utilization {profile.describe(util)}", "gpu_memory_utilization"
-        limits, seq_pages = self.limits, -(-self.limits.max_model_len // self.page_size)  # runner/memory.py
-        useful = limits.max_num_seqs * seq_pages * self.page_size * per_token  # a larger pool is never filled
-        if (fixed := cpu_kv_from_env()) is not None:
-            capped = " (capped: max_num_seqs x max_model_len tokens fill no more)" if useful < fixed else ""
-            return min(fixed, useful), f"${CPU_KV_ENV} {fixed / GiB:.2f} GiB{capped}", "kv_cache_memory"
-        activations = activation_bytes(self.shard, limits.max_num_batched_tokens, limits.max_num_seqs, self.arch.vocab_size)
-        sizing = CpuKVSizing(read_host_memory(), model_weight_bytes(self.model), activations, self.pools_on_host,
-                             useful=useful)
-        return sizing.budget, sizing.describe(), "kv_cache_memory"
+        budget, basis = cpu_kv_budget(self.shard, self.arch.vocab_size, self.limits, self.page_size, per_token,
+                                      model_weight_bytes(self.model), self.pools_on_host)
+        return budget, basis, "kv_cache_memory"
 
     @torch.inference_mode()
     def profile_forward(self) -> torch.Tensor:

@@ -17,6 +17,7 @@ from banyan.config import EngineConfig, ModelConfig, ParallelConfig
 from banyan.engine.engine import Engine
 from banyan.host_memory import CPU_KV_ENV, V1_UNLIMITED, HostMemory, read_host_memory
 from banyan.runner import model_runner
+from banyan.runner import memory
 from banyan.runner.memory import CpuKVSizing, activation_bytes
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -146,7 +147,7 @@ def tiny_llm(tiny, **kwargs) -> LLM:
 
 
 def test_a_large_host_fills_the_cap_and_logs_the_numbers(tiny, tmp_path, auto, caplog):
-    auto.setattr(model_runner, "read_host_memory", write_host(tmp_path, 64 * GiB, 128 * GiB))
+    auto.setattr(memory, "read_host_memory", write_host(tmp_path, 64 * GiB, 128 * GiB))
     with caplog.at_level(logging.INFO, logger=model_runner.__name__):
         runner = tiny_llm(tiny, max_num_seqs=8).engine.runner
     assert runner.num_pages * 4 == 8 * 512  # 8 requests of the full 512-token context: no more
@@ -160,12 +161,12 @@ def test_a_small_host_gets_what_is_left(tiny, tmp_path, auto):
     per_token, limits = runner.arch.kv_bytes_per_token(4), runner.limits
     activations = activation_bytes(runner.arch, limits.max_num_batched_tokens, limits.max_num_seqs, runner.arch.vocab_size)
     free_after_weights = GiB + activations + 100 * 4 * per_token  # the 1 GiB reserve, activations, 100 pages
-    auto.setattr(model_runner, "read_host_memory", write_host(tmp_path, free_after_weights, 2 * GiB))
+    auto.setattr(memory, "read_host_memory", write_host(tmp_path, free_after_weights, 2 * GiB))
     assert tiny_llm(tiny).engine.runner.num_pages == 100
 
 
 def test_kv_cache_memory_wins_then_the_environment(tiny, tmp_path, auto):
-    auto.setattr(model_runner, "read_host_memory", write_host(tmp_path, 64 * GiB, 128 * GiB))
+    auto.setattr(memory, "read_host_memory", write_host(tmp_path, 64 * GiB, 128 * GiB))
     per_page = 4 * tiny_llm(tiny, num_pages=4).engine.runner.arch.kv_bytes_per_token(4)
     auto.setenv(CPU_KV_ENV, "1MiB")
     assert tiny_llm(tiny).engine.runner.num_pages == MiB // per_page
