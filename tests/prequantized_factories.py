@@ -48,6 +48,7 @@ LAYOUTS = {
     "awq": Layout("awq", 32),
     "gptq": Layout("gptq", 32, act_order=True, symmetric=True),  # the common desc_act + sym checkpoint, v1 zeros
     "gptq-v2": Layout("gptq", -1, v2=True),  # per channel, asymmetric, zeros as they are
+    "gptq-128": Layout("gptq", 128, act_order=True),  # asymmetric; over 192 or 320 inputs the last group is short
     "w8a8": Layout("compressed-tensors", -1),
 }
 
@@ -130,7 +131,7 @@ def random_layer(layout: Layout, out: int, cols: int, g_idx: torch.Tensor | None
         scale = (torch.rand(out, generator=gen) * 0.0006 + 0.0008).half().float()
         return pack_w8a8(q, scale), scale[:, None] * q
     group = cols if layout.group_size == -1 else layout.group_size
-    groups = cols // group
+    groups = -(-cols // group)  # AutoGPTQ: the last group takes what is left
     q = torch.randint(0, 16, (out, cols), generator=gen)
     zeros = torch.full((out, groups), 8) if layout.symmetric else torch.randint(0, 16, (out, groups), generator=gen)
     scales = (torch.rand(out, groups, generator=gen) * 0.015 + 0.01).half().float()

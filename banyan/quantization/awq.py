@@ -15,11 +15,7 @@ import torch
 
 from banyan.checkpoint.quant_config import CheckpointQuantization
 from banyan.quantization.formats import Int4Weight, WeightFormat
-from banyan.quantization.packing import (
-    banyan_group_size,
-    unpack_int4,
-    zero_point_groups,
-)
+from banyan.quantization.packing import banyan_group_size, file_group_size, unpack_int4, zero_point_groups
 
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output each nibble of a word holds (AutoAWQ's pack order)
 MARKER = "qweight"
@@ -27,10 +23,14 @@ PARTS = ("qweight", "qzeros", "scales")
 
 
 def layer_format(quant: CheckpointQuantization, shapes: dict[str, list[int]]) -> WeightFormat:
-    return WeightFormat("int4", banyan_group_size(shapes["qweight"][0], shapes["scales"][0]))
+    in_features = shapes["qweight"][0]
+    return WeightFormat("int4", banyan_group_size(file_group_size(quant.group_size, in_features, shapes["scales"][0]),
+                                                  in_features))
 
 
 def unpack(quant: CheckpointQuantization, parts: dict[str, torch.Tensor], fmt: WeightFormat) -> Int4Weight:
     q = unpack_int4(parts["qweight"], dim=1, order=ORDER)  # [in, out]
     zeros = unpack_int4(parts["qzeros"], dim=1, order=ORDER)  # [groups, out]
-    return zero_point_groups(q.t(), parts["scales"].t(), zeros.t(), fmt.group_size)
+    scales = parts["scales"]
+    file_group = file_group_size(quant.group_size, q.shape[0], scales.shape[0])
+    return zero_point_groups(q.t(), scales.t(), zeros.t(), file_group, fmt.group_size)

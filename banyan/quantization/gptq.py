@@ -25,19 +25,17 @@ import torch
 from banyan.checkpoint.quant_config import CheckpointQuantization
 from banyan.errors import ModelLoadError
 from banyan.quantization.formats import Int4Weight, WeightFormat
-from banyan.quantization.packing import (
-    InputOrdered,
-    banyan_group_size,
-    unpack_int4,
-    zero_point_groups,
-)
+from banyan.quantization.packing import (InputOrdered, banyan_group_size, file_group_size, unpack_int4,
+                                         zero_point_groups)
 
 MARKER = "qweight"
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
 
 
 def layer_format(quant: CheckpointQuantization, shapes: dict[str, list[int]]) -> WeightFormat:
-    return WeightFormat("int4", banyan_group_size(8 * shapes["qweight"][0], shapes["scales"][0]))
+    in_features = 8 * shapes["qweight"][0]
+    return WeightFormat("int4", banyan_group_size(file_group_size(quant.group_size, in_features, shapes["scales"][0]),
+                                                  in_features))
 
 
 def unpack(quant: CheckpointQuantization, parts: dict[str, torch.Tensor],
@@ -47,20 +45,19 @@ def unpack(quant: CheckpointQuantization, parts: dict[str, torch.Tensor],
     if quant.zeros_minus_one:
         zeros = (zeros + 1) & 15
     scales = parts["scales"]
-    order = input_order(parts.get("g_idx"), q.shape[0], scales.shape[0])
+    file_group = file_group_size(quant.group_size, q.shape[0], scales.shape[0])
+    order = input_order(parts.get("g_idx"), q.shape[0], file_group)
     if order is not None:
         q = q[order]
-    weight = zero_point_groups(q.t(), scales.t(), zeros.t(), fmt.group_size)
+    weight = zero_point_groups(q.t(), scales.t(), zeros.t(), file_group, fmt.group_size)
     return weight if order is None else InputOrdered(weight, order)
 
 
-def input_order(g_idx: torch.Tensor | None, in_features: int, groups: int) -> torch.Tensor | None:
+def input_order(g_idx: torch.Tensor | None, in_features: int, file_group: int) -> torch.Tensor | None:
     """The permutation that makes every group's inputs contiguous, in group order; None when they already are."""
     if g_idx is None:
         return None
-    if in_features % groups:
-        raise ModelLoadError(f"GPTQ with {in_features} inputs in {groups} groups: groups of unequal size")
     order = torch.argsort(g_idx.long(), stable=True)
-    if not torch.equal(g_idx.long()[order], torch.arange(in_features) // (in_features // groups)):
-        raise ModelLoadError(f"GPTQ g_idx with groups of unequal size ({groups} groups over {in_features} inputs)")
+    if not torch.equal(g_idx.long()[order], torch.arange(in_features) // file_group):
+        raise ModelLoadError(f"g_idx does not give each group {file_group} inputs (the last one the rest)")
     return None if torch.equal(order, torch.arange(in_features)) else order

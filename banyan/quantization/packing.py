@@ -1,7 +1,8 @@
 """Pieces shared by the 4-bit layouts of AWQ and GPTQ checkpoints (awq.py, gptq.py):
 
     unpack_int4(words, dim)            int32 words of eight 4-bit values -> the values, 8x longer along dim
-    zero_point_groups(q, s, z, group)  w = s * (q - z) per group of inputs -> banyan's Int4Weight, exactly
+    banyan_group_size(file group, in)  banyan's group size for the file's groups
+    zero_point_groups(q, s, z, ...)    w = s * (q - z) per group of inputs -> banyan's Int4Weight, exactly
     InputOrdered(weight, order)        a weight whose input columns are stored permuted (GPTQ act-order)
 
 Both tools store w = s * (q - z) with an integer zero point z in [0, 15]; banyan's int4 stores
@@ -11,6 +12,7 @@ w = s * (q - 8) + zero, so zero = s * (8 - z): a product of a float16 scale and 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,28 +38,36 @@ def unpack_int4(words: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(ra
     return values.reshape(shape).to(torch.int16)
 
 
-def banyan_group_size(in_features: int, groups: int) -> int:
-    """The largest of banyan's group sizes that divides the file's groups (`groups` per row, read from the scales'
-    shape, so a config's group_size that the tensors contradict does not matter): groups of 256, or one per
-    channel, become groups of 128 with their scale repeated, the same values."""
-    if in_features % groups:
-        raise ModelLoadError(f"{in_features} inputs in {groups} groups: groups of unequal size")
-    span = in_features // groups
+def file_group_size(config_group: int, in_features: int, groups: int) -> int:
+    """Inputs per group in the file: the config's group size (0: the whole row). The scales hold one column per
+    group, the last one possibly shorter (AutoGPTQ: 576 inputs in groups of 128 are 4 x 128 + 64)."""
+    group = config_group or in_features
+    if -(-in_features // group) != groups:
+        raise ModelLoadError(f"{groups} groups of scales for {in_features} inputs in groups of {group}")
+    return group
+
+
+def banyan_group_size(file_group: int, in_features: int) -> int:
+    """The largest of banyan's group sizes that falls on every boundary of the file's groups: groups of 256, or
+    one per channel, become groups of 128 with their scale repeated; 576 inputs in groups of 128, groups of 64."""
+    span = math.gcd(file_group, in_features)
     for group in BANYAN_GROUPS:
         if span % group == 0:
             return group
-    raise ModelLoadError(f"int4 groups of {span} inputs: none of banyan's group sizes {BANYAN_GROUPS} divides them")
+    raise ModelLoadError(f"int4 groups of {file_group} over {in_features} inputs: none of banyan's group sizes "
+                         f"{BANYAN_GROUPS} falls on their boundaries")
 
 
-def zero_point_groups(q: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor, group: int) -> Int4Weight:
-    """q [out, in] in 0..15; scale, zeros [out, in / file group]: w = scale * (q - zeros) per file group,
-    as banyan's Int4Weight in groups of `group` (each file group's scale and zero repeated if larger)."""
-    inputs, groups = q.shape[1], scale.shape[1]
-    if inputs % groups or inputs // groups % group:
-        raise ModelLoadError(f"{inputs} inputs in {groups} groups: not whole groups of {group}")
-    repeat = inputs // groups // group
-    scale = scale.float().repeat_interleave(repeat, dim=1)
-    zeros = zeros.float().repeat_interleave(repeat, dim=1)
+def zero_point_groups(q: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor, file_group: int,
+                      group: int) -> Int4Weight:
+    """q [out, in] in 0..15; scale, zeros [out, file groups]: w = scale * (q - zeros) per `file_group` inputs, as
+    banyan's Int4Weight in groups of `group` (a divisor of the file's), each taking its file group's scale and zero:
+
+        file groups of 128:  [        0        |        1        | 2 (64) ]
+        banyan's of 64:      [   0    |   0    |   1    |   1    |   2    ]
+    """
+    which = torch.arange(0, q.shape[1], group, device=q.device) // file_group  # the file's group of each of banyan's
+    scale, zeros = scale.float()[:, which], zeros.float()[:, which]
     return Int4Weight(q.to(torch.uint8), scale, scale * (8 - zeros))
 
 
