@@ -41,8 +41,8 @@ def test_greedy_tokens_are_the_references(checkpoint, without_cpu_kernels):  # n
 def test_by_default_the_compact_layers_generate_the_references_start(checkpoint):
     """Unasked, on an AVX2 CPU, as for a GGUF file: the prefill through float16 copies of the file's values, decode
     through banyan's kernel, which rounds x to int8 per block of 32 as llama.cpp does (tests/unit/test_prequantized.py
-    bounds the error). On these random tiny models greedy texts may then part: measured over the four layouts and
-    two seeds, 20 of 24 prompts gave the reference's 8 tokens, the others parted after 1 to 3; the first is promised."""
+    bounds the error). On these random tiny models greedy texts may then part: measured over the five layouts and
+    two seeds, 22 of 30 prompts gave the reference's 8 tokens, the others parted after 1 to 7; the first is promised."""
     path, _, want = checkpoint
     got = generate(path)
     assert [t[:1] for t in got] == [t[:1] for t in want]
