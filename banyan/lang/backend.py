@@ -29,6 +29,7 @@ class GenCall:
     sampling: SamplingOptions  # the program's defaults already applied
     regex: str | None = None
     json_schema: str | dict | None = None
+    messages: list[dict] | None = None  # a backend on the chat API: the conversation, the open assistant turn last
 
     @property
     def max_tokens(self) -> int:
@@ -40,6 +41,7 @@ class SelectCall:
     name: str
     prompt: str
     choices: list[str]
+    messages: list[dict] | None = None  # as GenCall's
 
 
 @dataclass
@@ -66,6 +68,12 @@ class Backend:
             if self._format is None:
                 self._format = probe_role_format(self.render_chat)
             return self._format
+
+    @property
+    def sends_messages(self) -> bool:
+        """Whether programs with roles reach the model as chat messages (/v1/chat/completions, the server renders
+        the template) rather than as the template's text: GenCall.messages and SelectCall.messages are then set."""
+        return False
 
     def render_chat(self, messages: list[dict]) -> str:
         """The chat template's text for `messages` (no generation prompt)."""

@@ -40,6 +40,15 @@ class RoleFormat:
         return self.suffix[role]
 
 
+CHAT_API_FORMAT = RoleFormat(
+    prefix={"system": "SYSTEM: ", "user": "USER: ", "assistant": "ASSISTANT: "},
+    suffix={"system": "\n", "user": "\n", "assistant": "\n"},
+    start="",
+)
+"""How a program's text shows its roles on a backend that sends messages to /v1/chat/completions instead of rendering
+the model's template (the server renders it): the text is for reading only, the messages are what the model sees."""
+
+
 def probe_role_format(render: Callable[[list[dict]], str]) -> RoleFormat:
     """The roles' prefixes and suffixes, from three renders per role (see the module docstring)."""
     m0, m1 = MARK.format(0), MARK.format(1)

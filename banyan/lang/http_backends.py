@@ -11,6 +11,11 @@ They differ in select:
                        "logprobs": one /v1/completions (echo, max_tokens 0, logprobs) for the prefix and
                        every prefix + option, plain OpenAI; options start where their echoed tokens leave
                        the prefix's. "auto" picks "choice" for servers known to have it (vLLM, banyan).
+
+OpenAICompatible can also send a program's roles as messages to /v1/chat/completions (`api="chat"`, or "auto" on a
+server that does not render its template through /tokenize: OpenAI itself, llama-server), as SGLang's OpenAI backend
+does for chat models: then the server applies the template, gens and selects run inside assistant turns only, and
+an assistant turn that already holds text is continued with vLLM's `continue_final_message`.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from banyan.lang.backend import (
     Backend, GenCall, GenResult, SelectCall, SelectResult, choose_normalized, finish_reason_meta, option_start,
     structured_outputs,
 )
-from banyan.lang.chat import ChatFormatError
+from banyan.lang.chat import CHAT_API_FORMAT, ChatFormatError, RoleFormat
 from banyan.lang.errors import BackendError, BackendUnavailableError
 
 logger = logging.getLogger("banyan.lang")
@@ -35,6 +40,7 @@ logger = logging.getLogger("banyan.lang")
 DEFAULT_TIMEOUT = 600.0
 """Seconds a call may wait for the server's answer (a longer generation is an error, never a hang)."""
 SELECT_MODES = ("auto", "choice", "logprobs")
+APIS = ("auto", "completions", "chat")
 CHOICE_SERVERS = ("vllm", "banyan")  # /v1/models' owned_by of servers with structured_outputs.choice
 
 
@@ -95,20 +101,22 @@ class _HTTPBackend(Backend):
 
     def generate(self, call: GenCall, on_text: Callable[[str], None] | None = None) -> GenResult:
         started = time.monotonic()
-        body = {"model": self.model, "prompt": call.prompt, **self._sampling(call)}
-        url = f"{self.api_base}/completions"
+        if call.messages is None:
+            body, url = {"model": self.model, "prompt": call.prompt, **self._sampling(call)}, f"{self.api_base}/completions"
+        else:
+            body, url = {**chat_body(self.model, call.messages), **self._sampling(call)}, f"{self.api_base}/chat/completions"
         if on_text is None:
             answer = self.post(call.name, url, body)
             choice, usage = answer["choices"][0], answer.get("usage") or {}
-            text = choice["text"]
+            text = choice_text(choice)
         else:
             text, choice, usage, answer = "", {}, {}, {}
             body.update(stream=True, stream_options={"include_usage": True})
             for chunk in self._stream(call.name, url, body):
                 answer, usage = chunk, chunk.get("usage") or usage
                 for piece in chunk.get("choices", ()):
-                    text += piece.get("text") or ""
-                    on_text(piece.get("text") or "")
+                    text += choice_text(piece)
+                    on_text(choice_text(piece))
                     choice = {**choice, **{k: v for k, v in piece.items() if v is not None}}
         completion_tokens = usage.get("completion_tokens", 0)
         return GenResult(text, {
@@ -169,9 +177,15 @@ class OpenAICompatible(_HTTPBackend):
     "auto" (choice on servers known to have it). Uses no banyan-only field."""
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None, *,
-                 select_mode: str = "auto", timeout: float = DEFAULT_TIMEOUT):
+                 select_mode: str = "auto", api: str = "auto", timeout: float = DEFAULT_TIMEOUT):
+        """api: how programs with roles reach the model: "completions" (the template's text, read from the
+        server's /tokenize), "chat" (messages to /v1/chat/completions), or "auto" (completions where the server
+        renders its template through /tokenize, else chat)."""
         if select_mode not in SELECT_MODES:
             raise ValueError(f"select_mode must be one of {', '.join(SELECT_MODES)}, got {select_mode!r}")
+        if api not in APIS:
+            raise ValueError(f"api must be one of {', '.join(APIS)}, got {api!r}")
+        self.api = api
         base_url = base_url.rstrip("/")
         super().__init__(base_url.removesuffix("/v1"), base_url, model, api_key, timeout)
         if select_mode == "auto":
@@ -181,7 +195,26 @@ class OpenAICompatible(_HTTPBackend):
                else "log-probability scoring through echo + logprobs (token_length_normalized)")
         logger.info("banyan.lang: select on %s (%s) uses %s", base_url, self.owned_by or "unknown server", how)
 
+    def role_format(self) -> RoleFormat:
+        if self.api == "chat":
+            return CHAT_API_FORMAT
+        if self.api == "auto":
+            try:
+                return super().role_format()
+            except ChatFormatError as e:
+                logger.info("banyan.lang: %s renders no chat template here (%s); roles go to /v1/chat/completions",
+                            self.api_base, e)
+                self.api = "chat"
+                return CHAT_API_FORMAT
+        return super().role_format()
+
+    @property
+    def sends_messages(self) -> bool:
+        return self.role_format() is CHAT_API_FORMAT
+
     def select(self, call: SelectCall) -> SelectResult:
+        if call.messages is not None:
+            return self._select_by_choice(call)  # a chat answer has no echo to score options with
         if self.select_mode == "choice":
             return self._select_by_choice(call)
         positions = self._score(call.name, [call.prompt] + [call.prompt + c for c in call.choices], {})
@@ -193,10 +226,13 @@ class OpenAICompatible(_HTTPBackend):
         return choose_normalized(scores, call.choices, len(prefix_tokens), 0)
 
     def _select_by_choice(self, call: SelectCall) -> SelectResult:
-        body = {"model": self.model, "prompt": call.prompt, "max_tokens": 256, "temperature": 0.0,
-                "structured_outputs": {"choice": call.choices}}
-        answer = self.post(call.name, f"{self.api_base}/completions", body)
-        text = answer["choices"][0]["text"]
+        body = {"max_tokens": 256, "temperature": 0.0, "structured_outputs": {"choice": call.choices}}
+        if call.messages is None:
+            body.update(model=self.model, prompt=call.prompt)
+            answer = self.post(call.name, f"{self.api_base}/completions", body)
+        else:
+            answer = self.post(call.name, f"{self.api_base}/chat/completions", {**chat_body(self.model, call.messages), **body})
+        text = choice_text(answer["choices"][0])
         if text not in call.choices:
             raise BackendError(call.name, f"the server's constrained choice answered {text[:80]!r}, not an option")
         usage = answer.get("usage") or {}
@@ -205,6 +241,22 @@ class OpenAICompatible(_HTTPBackend):
             "prompt_tokens": usage.get("prompt_tokens"),
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
         })
+
+
+def chat_body(model: str, messages: list[dict]) -> dict:
+    """A chat completion's messages: the open assistant turn (last) is continued when it holds text (vLLM's
+    continue_final_message), else the server's generation prompt starts it."""
+    *before, turn = messages
+    if turn["content"]:
+        return {"model": model, "messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    return {"model": model, "messages": before}
+
+
+def choice_text(choice: dict) -> str:
+    """The text of a completion's choice, a chat completion's message, or a streamed chunk of either."""
+    if "text" in choice:
+        return choice["text"] or ""
+    return ((choice.get("message") or choice.get("delta") or {}).get("content")) or ""
 
 
 def _raise_for_error(call: str, response: httpx.Response) -> None:

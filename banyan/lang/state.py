@@ -206,7 +206,7 @@ class ProgramState:
 
     def _gen(self, expr: ir.Gen) -> None:
         call = GenCall(_call_name("gen", expr.name), self._text, expr.sampling.over(self.defaults), expr.regex,
-                       expr.json_schema)
+                       expr.json_schema, self._conversation(f"gen({expr.name!r})"))
         on_text = None
         if self._stream is not None:
             on_text = lambda piece: self._stream.put((expr.name, piece))  # noqa: E731
@@ -217,11 +217,23 @@ class ProgramState:
 
     def _select(self, expr: ir.Select) -> None:
         self._warm_prefix()
-        result = self.backend.select(SelectCall(_call_name("select", expr.name), self._text, expr.choices))
+        call = SelectCall(_call_name("select", expr.name), self._text, expr.choices,
+                          self._conversation(f"select({expr.name!r})"))
+        result = self.backend.select(call)
         chosen = expr.choices[result.index]
         self._append(chosen, expr.name)
         self._computed = len(self._text)
         self._set(expr.name, chosen, result.meta)
+
+    def _conversation(self, what: str) -> list[dict] | None:
+        """For a backend that sends messages: the messages so far and the open assistant turn (its text so far, which
+        the model continues); None for any other backend, or for a program without roles (it sends text)."""
+        if (self._role is None and not self._messages) or not self.backend.sends_messages:
+            return None
+        if self._role is None or self._role[0] != "assistant":
+            raise ProgramUsageError(f"{what} outside an assistant turn: on the chat completions API only the assistant "
+                                    "generates; put it inside bl.assistant(...)")
+        return [*map(dict, self._messages), {"role": "assistant", "content": self._text[self._role[1]:]}]
 
     def _begin_role(self, role: str) -> None:
         if self._role is not None:

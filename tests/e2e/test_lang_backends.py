@@ -250,3 +250,34 @@ def test_openai_compatible_says_how_it_selects_and_uses_the_constrained_choice(s
         assert state.get_meta_info("x")["method"] == "constrained_choice"
     finally:
         backend.close()
+
+
+def test_on_the_chat_api_roles_go_as_messages_and_answer_as_the_template_text_does(server, backends):
+    """api="chat" (what "auto" picks on a server without /tokenize, such as OpenAI's): the server renders the template.
+    Greedy answers equal those of the same program sent as the template's text."""
+    chat = bl.OpenAICompatible(f"{server.base_url}/v1", api="chat")
+    try:
+        state = qa.run(question="The quick brown fox", temperature=0, backend=chat)
+        want = qa.run(question="The quick brown fox", temperature=0, backend=backends["runtime"])
+        assert state.messages() == want.messages() and state["again"] == want["again"]
+        assert state.text().startswith("SYSTEM: Answer briefly.\nUSER: The quick brown fox\nASSISTANT: ")
+        streamed = qa.run(question="The quick brown fox", temperature=0, stream=True, backend=chat)
+        assert "".join(streamed.text_iter()) == state.text()
+
+        @bl.function
+        def continued(s):  # text already in the assistant turn: the server continues it (continue_final_message)
+            s += bl.user("Which one?")
+            s += bl.assistant("I pick" + bl.gen("why", max_tokens=4) + ": " + bl.select("pick", choices=["fox", "dog"]))
+
+        state, want = continued.run(temperature=0, backend=chat), continued.run(temperature=0, backend=backends["runtime"])
+        assert state["why"] == want["why"] and state["pick"] in ("fox", "dog")
+        assert state.get_meta_info("pick")["method"] == "constrained_choice"
+
+        @bl.function
+        def outside(s):
+            s += bl.user("Hi") + bl.gen("nope", max_tokens=2)
+
+        error = outside.run(backend=chat).error()
+        assert isinstance(error, bl.ProgramUsageError) and "assistant" in str(error)
+    finally:
+        chat.close()
