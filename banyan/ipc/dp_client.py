@@ -3,8 +3,8 @@
     server ── DataParallelClient ── Router.choose(prompt, loads) ──► EngineClient r ──► engine core r
                                   ◄── deltas of that request ──────┘
 
-`DataParallelClient` answers what the server asks of an `EngineClient` (generate, abort, stats, info, health,
-shutdown), so the server does not know how many cores there are. Each request goes to the replica the router
+`DataParallelClient` answers what the server asks of an `EngineClient` (generate, open, close, abort, stats, info,
+health, shutdown), so the server does not know how many cores there are. Each request goes to the replica the router
 picks (banyan/distributed/router.py; --router-policy, cache_aware by default), and its aborts follow it there.
 Stats are summed over the replicas (per-replica series: server/replica_metrics.py). A replica that dies fails its
 own in-flight requests (their streams raise EngineDeadError), the router stops sending there, and the server
@@ -24,7 +24,7 @@ import msgspec
 from banyan.config import EngineConfig
 from banyan.distributed.router import Router
 from banyan.ipc import messages as m
-from banyan.ipc.client import EngineClient, EngineDeadError
+from banyan.ipc.client import EngineClient, EngineDeadError, Sink
 from banyan.request import RequestDelta
 
 logger = logging.getLogger(__name__)
@@ -118,24 +118,54 @@ class DataParallelClient:
     # -- requests -----------------------------------------------------------------------------
     async def generate(self, request: m.AddRequest) -> AsyncIterator[RequestDelta]:
         """As EngineClient.generate, on the replica the router picks."""
-        if not self.is_alive():
-            raise EngineDeadError("every data-parallel replica is gone")
-        loads = [r.num_in_flight for r in self.replicas]
-        index = self.router.choose(request.cache_salt, request.prompt_token_ids, loads, self.alive())
-        self._placed[request.request_id] = index
+        index = self._place(request)
         try:
             async for delta in self.replicas[index].generate(request):
                 yield delta
         finally:
             self._placed.pop(request.request_id, None)
 
+    def open(self, request: m.AddRequest, sink: Sink) -> None:
+        """As EngineClient.open, on the replica the router picks."""
+        index = self._place(request)
+
+        def placed_sink(item: RequestDelta | Exception) -> None:
+            if isinstance(item, Exception) or item.finish_reason is not None:
+                self._placed.pop(request.request_id, None)
+            sink(item)
+
+        try:
+            self.replicas[index].open(request, placed_sink)
+        except BaseException:
+            self._placed.pop(request.request_id, None)
+            raise
+
+    def close(self, request_ids: list[str]) -> None:
+        """As EngineClient.close, each on its replica."""
+        for index, ids in self._by_replica(request_ids).items():
+            self.replicas[index].close(ids)
+        for request_id in request_ids:
+            self._placed.pop(request_id, None)
+
     async def abort(self, request_ids: list[str]) -> None:
+        for index, ids in self._by_replica(request_ids).items():
+            await self.replicas[index].abort(ids)
+
+    def _place(self, request: m.AddRequest) -> int:
+        """The replica the router picks for the request, remembered until it ends."""
+        if not self.is_alive():
+            raise EngineDeadError("every data-parallel replica is gone")
+        loads = [r.num_in_flight for r in self.replicas]
+        index = self.router.choose(request.cache_salt, request.prompt_token_ids, loads, self.alive())
+        self._placed[request.request_id] = index
+        return index
+
+    def _by_replica(self, request_ids: list[str]) -> dict[int, list[str]]:
         by_replica: dict[int, list[str]] = {}
         for request_id in request_ids:
             if request_id in self._placed:
                 by_replica.setdefault(self._placed[request_id], []).append(request_id)
-        for index, ids in by_replica.items():
-            await self.replicas[index].abort(ids)
+        return by_replica
 
     async def kv_report(self, timeout: float = 10.0) -> m.KvReport:
         """The first live replica's KV census (each replica checks its own cache)."""
@@ -169,7 +199,7 @@ class DataParallelClient:
         """A new core for the replica; the router sends to it again once it is ready."""
         try:
             replica = await self._start(self.config)
-        except Exception as e:  # noqa: BLE001 - logged; the replica stays down
+        except Exception as e:
             logger.error("data-parallel replica %d could not restart: %s", index, e)
             return
         if self._closing or not self.is_alive():

@@ -1,9 +1,10 @@
 """Generation: the choices of one HTTP request running in the core, merged into one event stream.
 
-One HTTP request holds P prompts x n choices; each choice is one engine request. A pump task per
-choice reads its deltas from the engine client, turns them into text (detokenizer, stop strings:
-SequenceState, shared with the offline API) and puts events on one queue, so streaming and
-non-streaming responses read the same events:
+One HTTP request holds P prompts x n choices; each choice is one engine request. The engine client
+hands each choice's deltas to this Generation as they arrive (`EngineClient.open`, a sink per choice),
+which turns them into text (detokenizer, stop strings: SequenceState, shared with the offline API)
+and appends events to one list; the reader of the stream wakes once per engine step and takes every
+event of that step at once (`batches`), so streaming and non-streaming responses read the same events:
 
     choice index = prompt index * n + j            (OpenAI's numbering for several prompts)
     engine id    = f"{http request id}.{serial}-{prompt index}-{j}"   (frontend.prepare.fan_out, key f"{...}-{p}")
@@ -11,8 +12,8 @@ non-streaming responses read the same events:
 The HTTP request id (the client's X-Request-Id, if sane) is a label for logs: two requests may carry
 the same one, so a per-process serial keeps the engine ids unique.
 
-Closing the Generation (client gone, error, shutdown) cancels the pumps; the engine client aborts
-their requests in the core, which frees their pages within one step.
+Closing the Generation (client gone, error, shutdown) closes the choices still running: the engine
+client aborts their requests in the core, which frees their pages within one step.
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
 from banyan.frontend.prepare import fan_out
 from banyan.ipc.client import EngineClient
 from banyan.ipc.messages import AddRequest
 from banyan.lora.request import LoRARequest
-from banyan.request import Slo
+from banyan.request import RequestDelta, Slo
 from banyan.sampling_params import SamplingParams
 from banyan.text.output_processor import SequenceState, best_of, to_position_logprobs
 from banyan.text.outputs import PositionLogprobs
@@ -95,63 +95,90 @@ class Generation:
         self.structured_param: str | None = None  # the request field of its structured-output spec, if any
         self.route: tuple[str, str] | None = None  # (route, variant) when an A/B route chose the model
         self.choices: list[Choice] = []
-        self._queue: asyncio.Queue[Event | None] = asyncio.Queue()
-        self._read: dict[int, int] = {}  # choice index -> its output tokens up to the last event read
-        self._tasks: list[asyncio.Task] = []
+        self._events: list[Event] = []  # not read yet
+        self._wakeup: asyncio.Future | None = None  # the reader's, while it waits for events
         now = time.time()
         key = f"{http_request_id}.{next(_serials)}"  # unique, whatever the client's id
         n = params.num_sequences  # best_of candidates, or the n choices
+        requests = []
         for p, prompt in enumerate(prompts):
             for s in fan_out(f"{key}-{p}", params):
                 index = p * n + s.index
-                choice = Choice(index, s.request_id, p, SequenceState(index, s.params, tokenizer, prompt), now)
-                add = AddRequest(s.request_id, prompt, s.params, arrival_time=now, priority=priority,
-                                 cache_salt=cache_salt, group_id=s.group_id, slo=slo, lora_request=lora_request)
-                self.choices.append(choice)
-                self._tasks.append(asyncio.ensure_future(self._pump(choice, add)))
+                seq = SequenceState(index, s.params, tokenizer, prompt)
+                self.choices.append(Choice(index, s.request_id, p, seq, now))
+                requests.append(AddRequest(s.request_id, prompt, s.params, arrival_time=now, priority=priority,
+                                           cache_salt=cache_salt, group_id=s.group_id, slo=slo,
+                                           lora_request=lora_request))
+        for choice, add in zip(self.choices, requests):
+            try:
+                self.client.open(add, lambda item, choice=choice: self._take(choice, item))
+            except Exception as e:  # e.g. the engine is shutting down: this choice fails, as if at once
+                self._fail(choice, e)
 
-    async def _pump(self, choice: Choice, add: AddRequest) -> None:
+    def _take(self, choice: Choice, item: RequestDelta | Exception) -> None:
+        """The engine client's sink for one choice (inside its reader: never raises)."""
+        if choice.finished:
+            return
         try:
-            async with aclosing(self.client.generate(add)) as deltas:  # leaving early aborts it in the core
-                async for delta in deltas:
-                    choice.token_times.append(time.time())
-                    if delta.queue_time is not None:
-                        choice.queue_time = delta.queue_time
-                        choice.num_cached_tokens = delta.num_cached_tokens
-                    if delta.prompt_logprobs is not None:
-                        choice.prompt_logprobs = [None if lp is None else to_position_logprobs(lp, self.tokenizer)
-                                                  for lp in delta.prompt_logprobs]
-                    text, stopped = choice.seq.apply(delta)
-                    if self._queue.qsize() >= self._event_cap:
-                        raise SlowReaderError("the client is not reading the stream")
-                    self._queue.put_nowait(Event(choice, text, len(choice.seq.token_ids), choice.seq.finish_reason))
-                    if stopped:  # a stop string ended it here: the core stops at once
-                        await self.client.abort([choice.request_id])
-                        break
-        except asyncio.CancelledError:
-            raise
+            if isinstance(item, Exception):
+                raise item
+            self._apply(choice, item)
         except Exception as e:  # request-scoped: this choice fails, the others go on
-            if isinstance(e, SlowReaderError) and not self.slow_reader:
-                self.slow_reader = True  # logged once per HTTP request; its other choices fail the same way
-                logger.warning("request %s aborted: its client stopped reading the stream", choice.request_id)
-            if choice.seq.finish_reason is None:  # how metrics and the audit log count it
-                choice.seq.finish_reason = "abort" if isinstance(e, SlowReaderError) else "error"
-            self._queue.put_nowait(Event(choice, "", error=e))
-        finally:
+            self._fail(choice, e)
+        self._wake()
+
+    def _apply(self, choice: Choice, delta: RequestDelta) -> None:
+        choice.token_times.append(time.time())
+        if delta.queue_time is not None:
+            choice.queue_time = delta.queue_time
+            choice.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            choice.prompt_logprobs = [None if lp is None else to_position_logprobs(lp, self.tokenizer)
+                                      for lp in delta.prompt_logprobs]
+        text, stopped = choice.seq.apply(delta)
+        if len(self._events) >= self._event_cap:
+            raise SlowReaderError("the client is not reading the stream")
+        self._events.append(Event(choice, text, len(choice.seq.token_ids), choice.seq.finish_reason))
+        if stopped:  # a stop string ended it here: the core stops at once
+            self.client.close([choice.request_id])
+        if stopped or delta.finish_reason is not None:
             choice.finished = True
-            self._queue.put_nowait(None)
+
+    def _fail(self, choice: Choice, e: Exception) -> None:
+        if isinstance(e, SlowReaderError) and not self.slow_reader:
+            self.slow_reader = True  # logged once per HTTP request; its other choices fail the same way
+            logger.warning("request %s aborted: its client stopped reading the stream", choice.request_id)
+        if choice.seq.finish_reason is None:  # how metrics and the audit log count it
+            choice.seq.finish_reason = "abort" if isinstance(e, SlowReaderError) else "error"
+        self.client.close([choice.request_id])  # still running in the core: aborted there
+        choice.finished = True
+        self._events.append(Event(choice, "", error=e))
+
+    def _wake(self) -> None:
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+
+    async def batches(self) -> AsyncIterator[list[Event]]:
+        """Every choice's events as they come, until all choices end: each list holds all that came since the
+        last (one engine step's, for a reader that keeps up)."""
+        while True:
+            if self._events:
+                batch, self._events = self._events, []
+                yield batch
+            elif self.done:
+                return
+            else:
+                self._wakeup = asyncio.get_running_loop().create_future()
+                try:
+                    await self._wakeup
+                finally:
+                    self._wakeup = None
 
     async def events(self) -> AsyncIterator[Event]:
-        """Every choice's events as they come, until all choices end."""
-        remaining = len(self._tasks)
-        while remaining:
-            event = await self._queue.get()
-            if event is None:
-                remaining -= 1
-                continue
-            if event.error is None:
-                self._read[event.choice.index] = event.num_tokens
-            yield event
+        """Every choice's events as they come, one by one, until all choices end."""
+        async for batch in self.batches():
+            for event in batch:
+                yield event
 
     async def run(self) -> list[Event]:
         """Wait for the end of all choices; returns the error events (if any)."""
@@ -170,24 +197,28 @@ class Generation:
 
     @property
     def done(self) -> bool:
-        return all(task.done() for task in self._tasks)
+        return all(c.finished for c in self.choices)
 
     def abort(self) -> None:
         """End every unfinished choice now with finish_reason "abort" (shutdown past its drain time)."""
-        for choice, task in zip(self.choices, self._tasks):
+        for choice in self.choices:
             if not choice.finished:
                 choice.seq.finish_reason = "abort"
-                self._queue.put_nowait(Event(choice, "", len(choice.seq.token_ids), "abort"))
-                task.cancel()
+                self._events.append(Event(choice, "", len(choice.seq.token_ids), "abort"))
+        self.close()
+        self._wake()
 
     def close(self) -> None:
-        """Cancel what still runs; the engine client aborts their requests in the core.
+        """Close the choices still running; the engine client aborts their requests in the core.
 
         Synchronous on purpose: it runs in `finally` blocks of cancelled tasks, where any await
         would be cancelled again before it could finish.
         """
-        for task in self._tasks:
-            task.cancel()
+        running = [c for c in self.choices if not c.finished]
+        for choice in running:
+            choice.finished = True
+        if running:
+            self.client.close([c.request_id for c in running])
 
     # -- usage --------------------------------------------------------------------------------
     @property
@@ -197,11 +228,6 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return sum(len(c.seq.token_ids) for c in self.choices)
-
-    @property
-    def read_completion_tokens(self) -> int:
-        """Output tokens of the events read so far (a stream's running count; the pumps may be ahead)."""
-        return sum(self._read.values())
 
     @property
     def cached_tokens(self) -> int:

@@ -1,9 +1,10 @@
 """The answers of /v1/completions and /v1/chat/completions: one JSON body, or SSE chunks.
 
 A renderer reads one Generation: `response()` builds the body once every choice has ended; `stream()`
-yields the chunks as the events come (with tools, each reply is parsed for calls as it streams:
+writes the chunks as the events come (with tools, each reply is parsed for calls as it streams:
 id and name first, then the arguments), then the usage chunk when stream_options asks for it, and
-with continuous_usage_stats the running usage on every chunk.
+with continuous_usage_stats the running usage on every chunk. A stream wakes once per batch of events
+(one engine step's) and writes all of that batch's chunks as one piece of SSE bytes (server/sse.py).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-from banyan.server.generation import Choice, Generation
+from banyan.server.generation import Choice, Event, Generation
 from banyan.server.logprobs import (
     chat_logprobs, completion_logprobs, echoed_prompt_logprobs, joined, vllm_prompt_logprobs,
 )
+from banyan.server.sse import ChunkEncoder, escape_line_breaks
 from banyan.text.reasoning import ReasoningSplitter
 from banyan.tools import ToolCalling, ToolCallParser
 
@@ -44,25 +46,49 @@ class _Render:
         self.created = int(time.time())
         self.model = req.model or model
 
-    def _head(self, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model, "choices": choices}
+    def _head(self, choices: list[dict] | None = None) -> dict:
+        """A chunk's fields (a chunk's whole body with `choices`)."""
+        head = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model}
+        return head if choices is None else head | {"choices": choices}
 
-    def chunks(self) -> AsyncIterator[dict]:
-        """The choices' chunks, as their events come."""
+    def opening(self) -> list[list[dict]]:
+        """Called once as the stream starts: sets up the choices' stream state; returns the `choices` of the chunks
+        sent before any event."""
+        return []
+
+    def event_chunks(self, event: Event) -> list[list[dict]]:
+        """The `choices` of each chunk one event makes (none, one or two)."""
         raise NotImplementedError
 
-    async def stream(self) -> AsyncIterator[dict]:
-        """The SSE chunks, then the usage chunk when stream_options asks for it. With continuous_usage_stats
-        (vLLM's; here it implies include_usage, which vLLM requires) every chunk carries the running usage
-        of the events read so far."""
+    async def stream(self) -> AsyncIterator[bytes]:
+        """The SSE body, one piece per batch of events (an error event raises, after the chunks before it), then
+        the usage chunk when stream_options asks for it. With continuous_usage_stats (vLLM's; here it implies
+        include_usage, which vLLM requires) every chunk carries the running usage of the events streamed so far."""
         options = self.req.stream_options
         running = bool(options and options.continuous_usage_stats)
-        async for chunk in self.chunks():
-            if running:
-                chunk["usage"] = usage(self.gen, self.gen.read_completion_tokens)
-            yield chunk
+        read: dict[int, int] = {}  # choice index -> its output tokens in the events streamed so far
+        encoder = ChunkEncoder(self._head())
+
+        def encoded(chunks: list[list[dict]]) -> list[bytes]:
+            running_usage = usage(self.gen, sum(read.values())) if running else None
+            return [encoder.encode(choices, running_usage) for choices in chunks]
+
+        opening = encoded(self.opening())
+        if opening:
+            yield escape_line_breaks(b"".join(opening))
+        async for batch in self.gen.batches():
+            pieces = []
+            for event in batch:
+                if event.error is not None:
+                    if pieces:
+                        yield escape_line_breaks(b"".join(pieces))
+                    raise event.error
+                read[event.choice.index] = event.num_tokens
+                pieces += encoded(self.event_chunks(event))
+            if pieces:
+                yield escape_line_breaks(b"".join(pieces))
         if options and (options.include_usage or options.continuous_usage_stats):
-            yield self._head([]) | {"usage": usage(self.gen, self.completion_tokens())}
+            yield escape_line_breaks(encoder.encode([], usage(self.gen, self.completion_tokens())))
 
     def completion_tokens(self) -> int | None:
         """The answer's completion tokens when they differ from what the engine generated (None: those)."""
@@ -116,24 +142,26 @@ class CompletionRender(_Render):
     def completion_tokens(self) -> int | None:
         return 0 if self.req.scores_only else None
 
-    async def chunks(self) -> AsyncIterator[dict]:
-        echoed: dict[int, int] = {}  # choice index -> length of its echoed prompt
-        sent = {c.index: 0 for c in self.gen.choices}  # logprob positions already sent
-        async for event in self.gen.events():
-            if event.error is not None:
-                raise event.error
-            c, text, logprobs = event.choice, event.text, None
-            finish_reason = event.finish_reason
-            if self.req.scores_only:
-                text, finish_reason = "", "length" if finish_reason else None
-            if self.prompt_texts and c.index not in echoed:
-                echo, logprobs = self._echo(c)
-                echoed[c.index], text = len(echo), echo + text
-            if self.req.logprobs is not None:
-                logprobs = joined(logprobs, self._logprobs(c, sent[c.index], event.num_tokens, echoed.get(c.index, 0)))
-                sent[c.index] = event.num_tokens
-            if text or logprobs or finish_reason:
-                yield self._head([self._choice(c, text, logprobs, finish_reason)])
+    def opening(self) -> list[list[dict]]:
+        self._echoed: dict[int, int] = {}  # choice index -> length of its echoed prompt
+        self._sent = {c.index: 0 for c in self.gen.choices}  # logprob positions already sent
+        return []
+
+    def event_chunks(self, event: Event) -> list[list[dict]]:
+        c, text, logprobs = event.choice, event.text, None
+        finish_reason = event.finish_reason
+        if self.req.scores_only:
+            text, finish_reason = "", "length" if finish_reason else None
+        if self.prompt_texts and c.index not in self._echoed:
+            echo, logprobs = self._echo(c)
+            self._echoed[c.index], text = len(echo), echo + text
+        if self.req.logprobs is not None:
+            logprobs = joined(logprobs, self._logprobs(c, self._sent[c.index], event.num_tokens,
+                                                       self._echoed.get(c.index, 0)))
+            self._sent[c.index] = event.num_tokens
+        if text or logprobs or finish_reason:
+            return [[self._choice(c, text, logprobs, finish_reason)]]
+        return []
 
 
 class ChatRender(_Render):
@@ -180,25 +208,28 @@ class ChatRender(_Render):
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage(self.gen)}
 
-    async def chunks(self) -> AsyncIterator[dict]:
-        for c in self.gen.choices:  # OpenAI sends the role first, with empty content
-            yield self._head([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-        sent = {c.index: 0 for c in self.gen.choices}  # logprob positions already sent
-        parsers = {c.index: self.calling.parser() for c in self.gen.choices}
-        splitters = {c.index: self.reasoning() for c in self.gen.choices} if self.reasoning else {}
-        async for event in self.gen.events():
-            if event.error is not None:
-                raise event.error
-            c, parser = event.choice, parsers[event.choice.index]
-            logprobs = self._logprobs(c, sent[c.index], event.num_tokens)
-            sent[c.index] = event.num_tokens
-            delta = _stream_delta(parser, event.text, done=event.finish_reason is not None,
-                                  splitter=splitters.get(c.index))
-            if delta or logprobs:
-                yield self._head([{"index": c.index, "delta": delta or {"content": ""}, "logprobs": logprobs, "finish_reason": None}])
-            if event.finish_reason is not None:
-                finish_reason = _tool_finish_reason(event.finish_reason, parser) if parser else event.finish_reason
-                yield self._head([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
+    def opening(self) -> list[list[dict]]:
+        self._sent = {c.index: 0 for c in self.gen.choices}  # logprob positions already sent
+        self._parsers = {c.index: self.calling.parser() for c in self.gen.choices}
+        self._splitters = {c.index: self.reasoning() for c in self.gen.choices} if self.reasoning else {}
+        # OpenAI sends the role first, with empty content
+        role = {"role": "assistant", "content": ""}
+        return [[{"index": c.index, "delta": role, "logprobs": None, "finish_reason": None}] for c in self.gen.choices]
+
+    def event_chunks(self, event: Event) -> list[list[dict]]:
+        c, parser = event.choice, self._parsers[event.choice.index]
+        logprobs = self._logprobs(c, self._sent[c.index], event.num_tokens)
+        self._sent[c.index] = event.num_tokens
+        delta = _stream_delta(parser, event.text, done=event.finish_reason is not None,
+                              splitter=self._splitters.get(c.index))
+        chunks = []
+        if delta or logprobs:
+            delta = delta or {"content": ""}
+            chunks.append([{"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
+        if event.finish_reason is not None:
+            finish_reason = _tool_finish_reason(event.finish_reason, parser) if parser else event.finish_reason
+            chunks.append([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
+        return chunks
 
 
 def _stream_delta(parser: ToolCallParser | None, text: str, done: bool,

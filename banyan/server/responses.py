@@ -32,6 +32,7 @@ from banyan.server.protocol_parts import Int64, RequestModel, StrictModel
 from banyan.server.response_render import OutputItems, new_id, output_messages
 from banyan.server.response_store import ResponseStore
 from banyan.server.serving import OpenAIServing
+from banyan.server.sse import sse_event
 from banyan.text.reasoning import splitters
 
 MAX_INPUT_ITEMS = 2048
@@ -102,8 +103,9 @@ class ResponsesServing:
                          serving.tokenizer)
         finish = lambda: self._finish(answer, gen, tenant, conversation)  # noqa: E731
         if req.stream:
-            return serving.sse(gen, answer.stream(gen, finish), http, encode=_event,
-                                error_event=lambda error: answer.numbered(_error_event(error)), done="")
+            events = (_event(event) async for event in answer.stream(gen, finish))
+            return serving.sse(gen, events, http, error_event=lambda error: _event(answer.numbered(_error_event(error))),
+                               done="")
         try:
             return await serving.respond(gen, lambda: answer.whole(gen, finish), http)
         except APIError as e:  # e.g. a grammar the core failed to compile
@@ -294,7 +296,7 @@ def _not_found(response_id: str, param: str) -> APIError:
 
 def _event(event: dict) -> str:
     """An SSE event as OpenAI sends them: `event: <type>` then its data (numbered by the caller)."""
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+    return f"event: {event['type']}\n{sse_event(event)}"
 
 
 def _error_event(error: APIError) -> dict:

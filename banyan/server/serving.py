@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -32,6 +31,7 @@ from banyan.server.errors import APIError, error_body, from_banyan_error, model_
 from banyan.server.generation import Generation
 from banyan.server.metrics import ServerMetrics
 from banyan.server.renderers import ChatRender, CompletionRender
+from banyan.server.sse import sse_event
 from banyan.text.chat_template import ChatTemplateError
 from banyan.text.reasoning import splitters
 from banyan.text.tokenizer import with_special_tokens
@@ -315,20 +315,18 @@ class OpenAIServing:
             raise _error_of(errors[0].error, gen.structured_param)
         return JSONResponse(build())
 
-    def sse(self, gen: Generation, chunks: AsyncIterator[dict], http: Request, *,
-             encode: Callable[[dict], str] | None = None, error_event: Callable[[APIError], dict] = error_body,
-             done: str = "data: [DONE]\n\n") -> StreamingResponse:
-        """The chunks as server-sent events (`encode`, default sse_event); a request-scoped failure mid-stream becomes
-        an error event, then `done` ends the stream (chat and completions; /v1/responses brings its own three)."""
-        encode = encode or sse_event
+    def sse(self, gen: Generation, body: AsyncIterator[bytes | str], http: Request, *,
+            error_event: Callable[[APIError], str] = lambda error: sse_event(error_body(error)),
+            done: str = "data: [DONE]\n\n") -> StreamingResponse:
+        """`body` (server-sent events, written as they come); a request-scoped failure mid-stream becomes
+        `error_event`, then `done` ends the stream (chat and completions; /v1/responses brings its own)."""
 
         async def stream():
             try:
-                async for chunk in chunks:
-                    yield encode(chunk)
+                async for piece in body:
+                    yield piece
             except Exception as e:  # request-scoped failure mid-stream: an error event, then [DONE]
-                err = _error_of(e, gen.structured_param)
-                yield encode(error_event(err))
+                yield error_event(_error_of(e, gen.structured_param))
             finally:
                 self._finish(gen, http)
             if done:
@@ -355,16 +353,6 @@ class OpenAIServing:
                 e2e=times[-1] - c.arrival,
                 queue_time=c.queue_time,
             )
-
-
-LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-"""Characters JSON leaves raw that str.splitlines (and so httpx's aiter_lines, and SSE clients built on either)
-takes for line ends: escaped, an event stays one line (the soak found a token decoding to one cut an event)."""
-
-
-def sse_event(payload: dict) -> str:
-    """One server-sent event: `data: <json>` on one line, whatever line-break characters the text holds."""
-    return f"data: {json.dumps(payload, ensure_ascii=False).translate(LINE_BREAKS_JSON_KEEPS)}\n\n"
 
 
 async def _client_disconnected(http: Request) -> None:

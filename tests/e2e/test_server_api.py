@@ -76,17 +76,65 @@ def test_prompt_forms(client):
     assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
 
 
-def test_stream_equals_non_stream_with_the_same_seed(client):
-    kw = dict(model="tiny", messages=[{"role": "user", "content": "hello there"}], max_tokens=16, temperature=1.0,
-              seed=11, extra_body={"ignore_eos": True})
-    full = client.chat.completions.create(**kw)
-    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
-    assert chunks[0].choices[0].delta.role == "assistant"
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == full.choices[0].message.content
-    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert [c.choices[0].finish_reason for c in finishing] == ["length"]
-    assert chunks[-1].usage.completion_tokens == 16 and chunks[-1].choices == []
+def _streamed(chunks, route: str) -> dict[int, dict]:
+    """Per choice index, what a stream's chunks say: the text joined, the logprobs' tokens and values joined, the
+    finish reasons (each chunk as the openai client parsed it)."""
+    out: dict[int, dict] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            got = out.setdefault(c.index, {"text": "", "tokens": [], "logprobs": [], "finish_reasons": []})
+            if route == "chat":
+                got["text"] += c.delta.content or ""
+                for p in c.logprobs.content if c.logprobs else []:
+                    got["tokens"].append(p.token), got["logprobs"].append(p.logprob)
+            else:
+                got["text"] += c.text
+                if c.logprobs:
+                    got["tokens"] += c.logprobs.tokens
+                    got["logprobs"] += c.logprobs.token_logprobs
+            if c.finish_reason:
+                got["finish_reasons"].append(c.finish_reason)
+    return out
+
+
+def _answered(full, route: str) -> dict[int, dict]:
+    """The same fields of a non-streamed answer."""
+    out = {}
+    for c in full.choices:
+        if route == "chat":
+            text, positions = c.message.content, c.logprobs.content
+            tokens, logprobs = [p.token for p in positions], [p.logprob for p in positions]
+        else:
+            text, tokens, logprobs = c.text, c.logprobs.tokens, c.logprobs.token_logprobs
+        out[c.index] = {"text": text, "tokens": tokens, "logprobs": logprobs, "finish_reasons": [c.finish_reason]}
+    return out
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_a_stream_means_what_the_answer_says_with_the_same_seed(client, route):
+    """The streamed chunks of n=3 choices (several in one engine step, one cut by a stop string), joined per choice,
+    equal the non-streamed answer: text, logprobs, finish reasons; one id, creation time and model on every chunk;
+    the usage chunk equals the answer's usage."""
+    if route == "chat":
+        create = client.chat.completions.create
+        kw = dict(messages=[{"role": "user", "content": "hello there"}], logprobs=True, top_logprobs=2)
+    else:
+        create = client.completions.create
+        kw = dict(prompt=PROMPT, logprobs=2)
+    kw |= dict(model="tiny", max_tokens=16, temperature=1.0, seed=11, n=3, extra_body={"ignore_eos": True})
+    first = _answered(create(**kw), route)[0]["text"]
+    kw["stop"] = [first[len(first) // 2:][:3]]  # met in the middle of choice 0, maybe in the others
+    full = create(**kw)
+    chunks = list(create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert _streamed(chunks, route) == _answered(full, route)
+    assert "stop" in _answered(full, route)[0]["finish_reasons"]
+    assert len({(c.id, c.created, c.model, c.object) for c in chunks}) == 1 and chunks[0].model == "tiny"
+    if route == "chat":
+        assert [c.choices[0].delta.role for c in chunks[:3]] == ["assistant"] * 3
+    usage, want = chunks[-1].usage, full.usage  # (cached tokens: what the cache held then, stream or not)
+    assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        want.prompt_tokens, want.completion_tokens, want.total_tokens)
+    assert all(c.usage is None for c in chunks[:-1])
 
 
 def test_completion_stream_ends_with_done(server):

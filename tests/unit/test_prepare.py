@@ -12,6 +12,7 @@ from banyan.config import EngineConfig, ModelConfig, ServerConfig
 from banyan.errors import InvalidParameterError
 from banyan.frontend.llm import LLM
 from banyan.frontend.prepare import ChatInput, fan_out, prepare_chat
+from banyan.request import RequestDelta
 from banyan.sampling_params import SamplingParams
 from banyan.server import protocol
 from banyan.server.generation import Generation
@@ -51,11 +52,13 @@ def test_the_server_names_engine_requests_key_p_j():
     """Two prompts x n=2: choice p * n + j runs as `<http id>.<serial>-<p>-<j>`, seeded s + j, grouped per prompt."""
     added = []
 
-    class Client:
-        async def generate(self, add):
+    class Client:  # each request ends at once, with no tokens
+        def open(self, add, sink):
             added.append(add)
-            return
-            yield
+            sink(RequestDelta(add.request_id, [], None, 0.0, "length", None, 0))
+
+        def close(self, request_ids):
+            pass
 
     async def run():
         gen = Generation(Client(), make_tokenizer(), "req", [[1, 2], [3]], SamplingParams(n=2, seed=5))
