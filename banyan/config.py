@@ -6,6 +6,7 @@ Each field's docstring (the string below it) is its `--help` text in the CLI (ba
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -254,6 +255,7 @@ class LoRAConfig:
 
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "least_load")
+PARALLEL_BACKENDS = ("mp", "ray")  # vLLM's names: local processes, or Ray actors (banyan/distributed/ray_cluster.py)
 
 
 @dataclass(frozen=True)
@@ -276,6 +278,16 @@ class ParallelConfig:
     died or hung): the in-flight requests get an error and the server exits non-zero."""
     worker_fault: str | None = None
     """Tests only (runner/worker.py): hang-at-step=N or exit-at-step=N on worker rank 1."""
+    data_parallel_backend: str = "mp"
+    """Where engine cores run: mp (local processes) or ray (Ray actors on the nodes of a Ray cluster, one per node
+    while nodes have room, each asking for its ranks' CPUs (--num-threads each) or one GPU per rank;
+    pip install 'banyan[ray]'; docs/parallel.md)."""
+    distributed_executor_backend: str = "mp"
+    """Where tensor/pipeline-parallel workers run: mp (local processes) or ray (Ray actors in a placement group, on
+    any nodes of a Ray cluster; pip install 'banyan[ray]')."""
+    ray_address: str | None = None
+    """The Ray cluster to join with a ray backend: its GCS address host:port (default: $RAY_ADDRESS, or else a
+    one-node Ray started by this process)."""
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -285,6 +297,17 @@ class ParallelConfig:
             raise UnknownChoiceError("router_policy", self.router_policy, list(ROUTER_POLICIES))
         if not self.distributed_timeout > 0:
             raise InvalidParameterError("distributed_timeout", f"must be positive, got {self.distributed_timeout}")
+        for name in ("data_parallel_backend", "distributed_executor_backend"):
+            if getattr(self, name) not in PARALLEL_BACKENDS:
+                raise UnknownChoiceError(name, getattr(self, name), list(PARALLEL_BACKENDS))
+            if getattr(self, name) == "ray" and importlib.util.find_spec("ray") is None:
+                raise InvalidParameterError(name, "'ray' needs the Ray package, which is not installed: "
+                                            "pip install 'banyan[ray]'")
+
+    @property
+    def on_ray(self) -> bool:
+        """Whether any process (an engine core or a worker) is placed by Ray."""
+        return "ray" in (self.data_parallel_backend, self.distributed_executor_backend)
 
     @property
     def processes(self) -> int:

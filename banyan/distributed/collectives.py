@@ -1,7 +1,8 @@
 """The collectives tensor parallelism needs, over a torch.distributed process group object held here (no
 global default group, so several engines can live in one process): gloo on CPU, NCCL on CUDA, one code path.
 
-Two groups share one TCP store (rank 0 hosts it on 127.0.0.1):
+Two groups share one TCP store (rank 0 hosts it; the others reach it on 127.0.0.1, or on rank 0's node address when
+they are Ray actors on other nodes, where gloo also listens on each rank's node address):
     startup   every rank loads its shard at its own pace: a long timeout (rendezvous, KV pool agreement)
     step      the collectives inside a forward: `timeout` seconds, after which a rank waiting on a dead or
               hung peer raises instead of hanging (WorkerError at rank 0)
@@ -10,6 +11,7 @@ Two groups share one TCP store (rank 0 hosts it on 127.0.0.1):
 from __future__ import annotations
 
 import datetime
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,7 @@ class TPGroup:
     store: object  # the TCPStore (rank 0 hosts it; kept alive as long as the group)
     device: torch.device = torch.device("cpu")
     timeout: float = 60.0
+    address: str | None = None  # where gloo listens (a Ray node's IP); None: gloo's default, the hostname's
 
     @staticmethod
     def host_store(size: int):
@@ -36,24 +39,25 @@ class TPGroup:
         return dist.TCPStore("127.0.0.1", 0, size, True, timeout=STARTUP_TIMEOUT, wait_for_workers=False)
 
     @staticmethod
-    def connect_store(port: int, size: int):
-        return dist.TCPStore("127.0.0.1", port, size, False, timeout=STARTUP_TIMEOUT)
+    def connect_store(host: str, port: int, size: int):
+        return dist.TCPStore(host, port, size, False, timeout=STARTUP_TIMEOUT)
 
     @classmethod
-    def over(cls, store, rank: int, size: int, device: torch.device, timeout: float) -> TPGroup:
-        startup = dist.ProcessGroupGloo(dist.PrefixStore("startup", store), rank, size, STARTUP_TIMEOUT)
+    def over(cls, store, rank: int, size: int, device: torch.device, timeout: float,
+             address: str | None = None) -> TPGroup:
+        startup = _gloo(dist.PrefixStore("startup", store), rank, size, STARTUP_TIMEOUT, address)
         step_timeout = datetime.timedelta(seconds=timeout)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = step_timeout
             step = dist.ProcessGroupNCCL(dist.PrefixStore("step", store), rank, size, options)
         else:
-            step = dist.ProcessGroupGloo(dist.PrefixStore("step", store), rank, size, step_timeout)
-        return cls(rank, size, step, startup, store, device, timeout)
+            step = _gloo(dist.PrefixStore("step", store), rank, size, step_timeout, address)
+        return cls(rank, size, step, startup, store, device, timeout, address)
 
     def subgroup(self, name: str, rank: int, size: int) -> TPGroup:
         """A group of some of these ranks (every member calls this at once), under its own name in the store."""
-        return TPGroup.over(dist.PrefixStore(name, self.store), rank, size, self.device, self.timeout)
+        return TPGroup.over(dist.PrefixStore(name, self.store), rank, size, self.device, self.timeout, self.address)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place."""
@@ -87,3 +91,20 @@ class TPGroup:
         options.reduceOp = dist.ReduceOp.MIN
         self.startup.allreduce([t], options).wait()
         return int(t.item())
+
+
+def _gloo(store, rank: int, size: int, timeout: datetime.timedelta, address: str | None):
+    """A gloo group listening on `address` (None: on the address of this machine's hostname, gloo's default)."""
+    if address is None:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (no packet is sent: a UDP socket only picks its source)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return probe.getsockname()[0]

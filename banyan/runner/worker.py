@@ -21,7 +21,9 @@ Failure: a worker that exits is seen before the next publish (its process polled
 (connection closed); one that hangs makes rank 0's collective time out. Either way the step raises WorkerError:
 `LLM` raises it, the engine core dies with it (in-flight requests get an error, the server exits non-zero), and
 the workers are killed and reaped. Workers start through ipc/core_launch.py --worker, so they die with the
-engine process from their first moment (PR_SET_PDEATHSIG), whatever ends it.
+engine process from their first moment (PR_SET_PDEATHSIG), whatever ends it. With --distributed-executor-backend ray
+the same command runs in a Ray actor on some node of a placement group, over TCP on the nodes' addresses
+(distributed/ray_cluster.py), and dies with that actor.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ import torch
 import zmq
 
 from banyan.config import CacheConfig, ModelConfig, ParallelConfig
-from banyan.distributed.collectives import STARTUP_TIMEOUT, TPGroup
+from banyan.distributed import ray_cluster
+from banyan.distributed.collectives import STARTUP_TIMEOUT, TPGroup, address_towards
 from banyan.distributed.pipeline import Pipeline, check_stages
 from banyan.distributed.tensor_parallel import TensorParallel, check_sizes
 from banyan.errors import InvalidParameterError, WorkerError
@@ -137,6 +140,7 @@ class WorkerSpec(msgspec.Struct):
     cache: CacheConfig
     limits: RunnerLimits
     parallel: ParallelConfig
+    host: str = "127.0.0.1"  # rank 0's address (its node's with --distributed-executor-backend ray)
 
 
 class Workers:
@@ -144,20 +148,25 @@ class Workers:
 
     def __init__(self, spec: WorkerSpec, device: torch.device):
         self.size, self.timeout = spec.size, spec.parallel.distributed_timeout
+        on_ray = spec.parallel.distributed_executor_backend == "ray"
+        options, self.ray_group = _ray_placement(spec, device) if on_ray else (None, None)
         self.dir = tempfile.mkdtemp(prefix="banyan-tp-")  # mode 0700
         self.context = zmq.Context()
         self.pub = self.context.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # one subscription message per worker, duplicates too
         self.pub.setsockopt(zmq.SNDHWM, 0)  # never drop a frame for a slow worker
-        address = f"ipc://{self.dir}/steps"
-        self.pub.bind(address)
+        host = ray_cluster.node_address() if on_ray else "127.0.0.1"
+        self.pub.bind(f"tcp://{host}:*" if on_ray else f"ipc://{self.dir}/steps")
         store = TPGroup.host_store(spec.size)
-        spec = msgspec.structs.replace(spec, port=store.port, steps=address)
-        self.procs = [_spawn(msgspec.structs.replace(spec, rank=rank)) for rank in range(1, spec.size)]
-        self._finalizer = weakref.finalize(self, _reap, self.procs, self.pub, self.context, self.dir)
+        spec = msgspec.structs.replace(spec, host=host, port=store.port,
+                                       steps=self.pub.getsockopt(zmq.LAST_ENDPOINT).decode())
+        self.procs = [_spawn(msgspec.structs.replace(spec, rank=rank), self.ray_group, options)
+                      for rank in range(1, spec.size)]
+        self._finalizer = weakref.finalize(self, _reap, self.procs, self.pub, self.context, self.dir, self.ray_group)
         try:
             self._await_subscriptions()
-            self.group = TPGroup.over(store, 0, spec.size, device, spec.parallel.distributed_timeout)
+            self.group = TPGroup.over(store, 0, spec.size, device, spec.parallel.distributed_timeout,
+                                      host if on_ray else None)
         except BaseException:
             self.close()
             raise
@@ -202,7 +211,7 @@ class Workers:
         self._finalizer()
 
 
-def _reap(procs: list[subprocess.Popen], pub: zmq.Socket, context: zmq.Context, directory: str) -> None:
+def _reap(procs: list, pub: zmq.Socket, context: zmq.Context, directory: str, ray_group=None) -> None:
     if any(proc.poll() is None for proc in procs):
         try:
             pub.send(encode_stop(), zmq.NOBLOCK)
@@ -218,14 +227,27 @@ def _reap(procs: list[subprocess.Popen], pub: zmq.Socket, context: zmq.Context, 
     pub.close(linger=0)
     context.term()
     shutil.rmtree(directory, ignore_errors=True)
+    if ray_group is not None:
+        ray_cluster.release(ray_group)
 
 
-def _spawn(spec: WorkerSpec) -> subprocess.Popen:
+def _spawn(spec: WorkerSpec, ray_group=None, ray_options: dict | None = None):
     """By the file path of our own core_launch.py (this banyan, never one in the working directory); its log
-    lines go to our stderr."""
-    cmd = [sys.executable, str(CORE_LAUNCH), "--worker", "--parent-pid", str(os.getpid()),
-           "--spec-json", msgspec.json.encode(spec).decode()]
+    lines go to our stderr. With --distributed-executor-backend ray: the same command in the rank's bundle of the
+    placement group, by its node's banyan, dying with the actor that runs it (ray_cluster.RayProcess)."""
+    args = ["--worker", "--spec-json", msgspec.json.encode(spec).decode()]
+    if ray_group is not None:
+        return ray_cluster.RayProcess(args, {**ray_options, **ray_cluster.in_bundle(ray_group, spec.rank - 1)})
+    cmd = [sys.executable, str(CORE_LAUNCH), "--parent-pid", str(os.getpid()), *args]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+
+
+def _ray_placement(spec: WorkerSpec, device: torch.device) -> tuple[dict, object]:
+    """A rank's actor options (one GPU, or its threads' CPUs) and a placement group with a bundle of them for each
+    of ranks 1..N-1, once this process has joined the cluster."""
+    ray_cluster.connect(spec.parallel.ray_address)
+    options = ray_cluster.resources(device.type == "cuda", spec.model.num_threads)
+    return options, ray_cluster.place([ray_cluster.as_bundle(options)] * (spec.size - 1), SUBSCRIBE_TIMEOUT)
 
 
 # -- the frame: one forward ------------------------------------------------------------------------
@@ -322,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(spec.rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
-    group = TPGroup.over(TPGroup.connect_store(spec.port, spec.size), spec.rank, spec.size, device,
-                         spec.parallel.distributed_timeout)
+    on_ray = spec.parallel.distributed_executor_backend == "ray"
+    group = TPGroup.over(TPGroup.connect_store(spec.host, spec.port, spec.size), spec.rank, spec.size, device,
+                         spec.parallel.distributed_timeout, address_towards(spec.host) if on_ray else None)
     source = open_model(spec.model.model, spec.model.trust_remote_code, spec.model.tokenizer)
     part = placement(spec.parallel, group, source.arch)
     runner = ModelRunner(spec.model, spec.cache, source, spec.limits, parallel=part, pools_on_host=spec.parallel.processes)

@@ -1,0 +1,54 @@
+"""The Ray backends' settings (vLLM's flag names): refused with the install command when Ray is missing, refused by
+name when unknown, and Ray imported only by a process that places something on a cluster."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from banyan.config import ParallelConfig
+from banyan.config_args import config_from_kwargs
+from banyan.registry import UnknownChoiceError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_fresh(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
+@pytest.mark.parametrize("setting", ["data_parallel_backend", "distributed_executor_backend"])
+def test_a_ray_backend_without_ray_names_the_install_command(setting):
+    code = ("import sys; sys.modules['ray'] = None  # as if Ray were not installed\n"
+            "from banyan.config_args import config_from_kwargs\nfrom banyan.errors import InvalidParameterError\n"
+            f"try:\n    config_from_kwargs({{'{setting}': 'ray'}})\n"
+            "except InvalidParameterError as e:\n    print(e)")  # fmt: skip
+    refused = run_fresh(code)
+    assert refused == f"{setting}: 'ray' needs the Ray package, which is not installed: pip install 'banyan[ray]'"
+
+
+def test_the_cli_flags_are_vllms_and_local_processes_stay_the_default():
+    config = config_from_kwargs({"data_parallel_size": 2})
+    assert (config.parallel.data_parallel_backend, config.parallel.distributed_executor_backend) == ("mp", "mp")
+    assert not config.parallel.on_ray
+    code = "from banyan.cli import main\ntry:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass"
+    help_text = run_fresh(code)
+    for flag in ("--data-parallel-backend", "--distributed-executor-backend", "--ray-address"):
+        assert flag in help_text
+
+
+def test_an_unknown_backend_is_refused_by_name():
+    with pytest.raises(UnknownChoiceError, match="distributed_executor_backend: unknown 'slurm'; choose from mp, ray"):
+        ParallelConfig(distributed_executor_backend="slurm")
+
+
+def test_the_server_and_the_engine_client_do_not_import_ray():
+    code = ("import sys, banyan.server, banyan.ipc.client, banyan.ipc.dp_client, banyan.runner.worker\n"
+            "print('ray' in sys.modules)")
+    assert run_fresh(code) == "False"
