@@ -5,12 +5,14 @@
         ...
     await client.shutdown()
 
-One background task reads the core's output socket and routes each delta to its request's queue;
-it also watches the process, so that when the core dies (EngineDead, crash, SIGKILL) every stream
-raises EngineDeadError within ~POLL_MS and the `on_death` hooks run. A stream the consumer leaves
-early (break, aclose, cancelled task: the HTTP client went away) aborts its request in the core.
-Sockets are ipc:// in a private 0700 directory (for a core on a Ray node, --data-parallel-backend ray: TCP on
-this node's address); messages are msgspec structs, never pickle.
+One background task reads the core's output socket and hands each delta to its request's sink in the
+same turn of the loop (`open(request, sink)`): a consumer of many streams (a Generation, an HTTP
+connection) then wakes once per step, not once per token; `generate` is the one-queue-per-request
+form. The task also watches the process, so that when the core dies (EngineDead, crash, SIGKILL)
+every stream raises EngineDeadError within ~POLL_MS and the `on_death` hooks run. A stream the
+consumer leaves early (break, aclose, cancelled task, `close`: the HTTP client went away) aborts its
+request in the core. Sockets are ipc:// in a private 0700 directory (for a core on a Ray node, --data-parallel-backend
+ray: TCP on this node's address, distributed/ray_cluster.py); messages are msgspec structs, never pickle.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ from banyan.request import RequestDelta
 
 logger = logging.getLogger(__name__)
 
+Sink = Callable[[RequestDelta | Exception], None]
+"""Takes one request's deltas, then possibly an exception (RequestError, EngineDeadError) as its last item; called
+by the reader inside the event loop, so it must neither block nor raise."""
+
 POLL_MS = 100  # how often the reader looks at the process between messages
 STDERR_TAIL_LINES = 40
 
@@ -76,7 +82,7 @@ class EngineClient:
         self.info: m.Ready | None = None
         self.stats: m.EngineStats | None = None
         self.on_death: list[Callable[[str], object]] = []  # called once with the reason; may be async
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, Sink] = {}  # request id -> where its deltas go, while it runs
         self._kv_queries: dict[int, asyncio.Future] = {}  # query id -> the KvReport to come
         self._query_ids = itertools.count()
         self._profile_lock = asyncio.Lock()
@@ -94,6 +100,7 @@ class EngineClient:
         config = _joined_to_ray(config)
         on_ray = config.parallel.data_parallel_backend == "ray"
         addresses = [_bind(self._input, ipc_dir, "input", on_ray), _bind(self._output, ipc_dir, "output", on_ray)]
+        self._output_now = zmq.Socket.shadow(self._output.underlying)  # the same socket, read without futures
         self._proc = _spawn(config, *addresses, fault, log_format)
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._stderr_pump = threading.Thread(target=_pump_stderr, args=(self._proc, self._stderr_tail), daemon=True)
@@ -158,17 +165,10 @@ class EngineClient:
 
         Raises RequestError (the core refused it, or it failed on the way) or EngineDeadError. Leaving early aborts it in the core.
         """
-        request_id = request.request_id
-        if self._dead is not None or self._closing:
-            raise EngineDeadError(self._dead or "the engine is shutting down")
-        if request_id in self._streams:
-            raise RequestError(ErrorInfo(f"request {request_id!r} is already running", param="request_id"))
-        if not self._streams:
-            self._progress_at = time.monotonic()  # idle until now: the wedge clock starts here
         queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = queue
+        sink = queue.put_nowait
+        self.open(request, sink)
         try:
-            self._send(request)
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -177,10 +177,28 @@ class EngineClient:
                 if item.finish_reason is not None:
                     return
         finally:
-            if self._streams.get(request_id) is queue:  # still open in the core: the consumer left early
-                del self._streams[request_id]
-                if self.is_alive():
-                    self._send(m.AbortRequests([request_id]))
+            if self._streams.get(request.request_id) is sink:  # still open in the core: the consumer left early
+                self.close([request.request_id])
+
+    def open(self, request: m.AddRequest, sink: Sink) -> None:
+        """Send the request; the reader calls `sink` with each of its deltas until the one with finish_reason, or
+        with the exception that ends it. Raises EngineDeadError, or RequestError for an id already running."""
+        request_id = request.request_id
+        if self._dead is not None or self._closing:
+            raise EngineDeadError(self._dead or "the engine is shutting down")
+        if request_id in self._streams:
+            raise RequestError(ErrorInfo(f"request {request_id!r} is already running", param="request_id"))
+        if not self._streams:
+            self._progress_at = time.monotonic()  # idle until now: the wedge clock starts here
+        self._streams[request_id] = sink
+        self._send(request)
+
+    def close(self, request_ids: list[str]) -> None:
+        """Stop the sinks of the requests still open and abort them in the core (the consumer left early); a
+        no-op for those that ended."""
+        still_open = [request_id for request_id in request_ids if self._streams.pop(request_id, None) is not None]
+        if still_open and self.is_alive():
+            self._send(m.AbortRequests(still_open))
 
     async def abort(self, request_ids: list[str]) -> None:
         """Abort in the core; their streams end with a delta whose finish_reason is "abort"."""
@@ -249,15 +267,25 @@ class EngineClient:
         try:
             while self._proc.poll() is None:
                 if await self._output.poll(POLL_MS):
-                    self._dispatch(await self._output.recv())
-            while await self._output.poll(0):  # what it sent before it went
-                self._dispatch(await self._output.recv())
+                    await self._dispatch_all()
+            await self._dispatch_all()  # what it sent before it went
             self._die(f"the engine core exited with status {self._proc.returncode}")
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a reader that stops silently would hang every stream
             logger.exception("engine output reader failed")
             self._die(f"engine output reader failed: {e}")
+
+    async def _dispatch_all(self) -> None:
+        """Every message waiting on the socket, in order, read without a future each; after each one the consumers it
+        woke run (a step's outputs are taken before the next step's: a backlog is not mistaken for a slow reader)."""
+        while True:
+            try:
+                raw = self._output_now.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._dispatch(raw)
+            await asyncio.sleep(0)
 
     def _dispatch(self, raw: bytes) -> None:
         msg = self._decoder.decode(raw)
@@ -282,12 +310,14 @@ class EngineClient:
             self._die(msg.message)
 
     def _route(self, request_id: str, item: RequestDelta | Exception, last: bool) -> None:
-        queue = self._streams.get(request_id)
-        if queue is None:  # already left by its consumer
+        sink = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+        if sink is None:  # already left by its consumer
             return
-        queue.put_nowait(item)
-        if last:
-            del self._streams[request_id]
+        try:
+            sink(item)
+        except Exception:  # a consumer's bug fails its request, not the reader that every stream needs
+            logger.exception("the consumer of request %s failed", request_id)
+            self.close([request_id])
 
     def _on_stats(self, stats: m.EngineStats) -> None:
         now = time.monotonic()
@@ -318,9 +348,9 @@ class EngineClient:
                 logger.exception("engine death hook failed")
 
     def _fail_all(self, reason: str) -> None:
-        for queue in self._streams.values():
-            queue.put_nowait(EngineDeadError(reason))
-        self._streams.clear()
+        sinks, self._streams = list(self._streams.values()), {}
+        for sink in sinks:
+            sink(EngineDeadError(reason))
         if self._profile_reply is not None and not self._profile_reply.done():
             self._profile_reply.set_exception(EngineDeadError(reason))
         for future in self._kv_queries.values():
