@@ -40,24 +40,41 @@ class SequenceState:
         self.error: ErrorInfo | None = None  # finish_reason "error": why
 
     def apply(self, delta: RequestDelta) -> tuple[str, bool]:
-        """Take one delta; returns (new text, whether a stop string ended the sequence here)."""
-        self.token_ids.extend(delta.new_token_ids)
+        """Take one delta; returns (new text, whether a stop string ended the sequence here).
+
+        A delta of several tokens (accepted drafts, tokens a grammar forced) is read token by token when there are
+        stop strings: the sequence ends at the token that completed one, as it would one token a step."""
         self.cumulative_logprob = delta.cumulative_logprob
-        if self.logprobs is not None and delta.new_logprobs:
-            self.logprobs.extend(to_position_logprobs(lp, self.tokenizer) for lp in delta.new_logprobs)
-        new_text = self.detokenizer.add(delta.new_token_ids)
-        if delta.finish_reason is not None:
+        ids, logprobs = delta.new_token_ids, delta.new_logprobs or []
+        if self.stop is None or len(ids) <= 1:
+            return self._take(ids, logprobs, delta)
+        new_text = ""
+        for i, token_id in enumerate(ids):
+            text, stopped = self._take([token_id], logprobs[i : i + 1], delta if i == len(ids) - 1 else None)
+            new_text += text
+            if stopped:
+                return new_text, True
+        return new_text, False
+
+    def _take(self, ids: Sequence[int], logprobs: Sequence[TokenLogprobs], delta: RequestDelta | None) -> tuple[str, bool]:
+        """Tokens of a delta; `delta` given with its last ones (its finish reason applies after them)."""
+        finishing = delta is not None and delta.finish_reason is not None
+        self.token_ids.extend(ids)
+        if self.logprobs is not None and logprobs:
+            self.logprobs.extend(to_position_logprobs(lp, self.tokenizer) for lp in logprobs)
+        new_text = self.detokenizer.add(ids)
+        if finishing:
             new_text += self.detokenizer.flush()
         stopped_on = None
         if self.stop is not None:
             new_text, stopped_on = self.stop.feed(new_text)
-            if stopped_on is None and delta.finish_reason is not None:
+            if stopped_on is None and finishing:
                 new_text += self.stop.flush()
         self.text += new_text
         if stopped_on is not None:
             self.finish_reason, self.stop_reason = "stop", stopped_on
             return new_text, True
-        if delta.finish_reason is not None:
+        if finishing:
             self.finish_reason, self.stop_reason, self.error = delta.finish_reason, delta.stop_reason, delta.error
         return new_text, False
 

@@ -448,3 +448,29 @@ def test_load_tokenizer_round_trip(byte_bpe, tmp_path):
     assert render_chat_template(loaded, CONVERSATIONS[0]) == render_chat_template(byte_bpe, CONVERSATIONS[0])
     with pytest.raises(ModelLoadError):
         load_tokenizer(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_a_stop_string_inside_a_delta_of_several_tokens_ends_the_sequence_at_its_token(name, request):
+    """Speculation and jump-forward hand over several tokens a step: the sequence keeps the tokens up to the one
+    that completed the stop string, as one token a step would, not the rest of the delta."""
+    from banyan.request import RequestDelta
+    from banyan.sampling_params import SamplingParams
+    from banyan.text.output_processor import SequenceState
+
+    tokenizer = request.getfixturevalue(name)
+    ids = tokenizer.encode("the cat sat on the mat and then the dog", add_special_tokens=False)
+    texts = [tokenizer.decode(ids[: i + 1]) for i in range(len(ids))]
+    stop_at = next(i for i, text in enumerate(texts) if "on the" in text)  # the token completing the stop string
+    outcomes = []
+    for chunk in (1, 3, len(ids)):
+        seq = SequenceState(0, SamplingParams(stop=["on the"], max_tokens=64), tokenizer, [])
+        for start in range(0, len(ids), chunk):
+            piece = ids[start : start + chunk]
+            done = start + chunk >= len(ids)
+            _, stopped = seq.apply(RequestDelta("r", piece, None, 0.0, "length" if done else None, None, 0))
+            if stopped:
+                break
+        outcomes.append((seq.token_ids, seq.text, seq.finish_reason, seq.stop_reason))
+    assert outcomes[0] == (ids[: stop_at + 1], "the cat sat ", "stop", "on the")
+    assert outcomes[1] == outcomes[0] and outcomes[2] == outcomes[0]
