@@ -3,6 +3,10 @@
 A page is free exactly when its count is 0. Each holder (a request, the radix tree) owns one
 reference; the last `decref` puts the page back on the free list. The pool knows nothing about
 tokens or prefixes.
+
+The free list is a stack: the page freed last is handed out first. Its K/V rows are likely still in the
+CPU's caches, and a pool allocated lazily (the runner's CPU pools: memory the OS backs on first write)
+stays backed only as far as the most pages ever in use, instead of growing through every page.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ class BlockPool:
             raise InvalidParameterError("num_pages", f"must be positive, got {num_pages}")
         self.num_pages = num_pages
         self._ref = [0] * num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        self._free: deque[int] = deque(range(num_pages - 1, -1, -1))  # the top (right) end is allocated first
 
     @property
     def num_free(self) -> int:
@@ -43,7 +47,7 @@ class BlockPool:
             raise InvalidParameterError("n", f"cannot allocate {n} pages")
         if n > len(self._free):
             return None
-        pages = [self._free.popleft() for _ in range(n)]
+        pages = [self._free.pop() for _ in range(n)]
         for page in pages:
             self._ref[page] = 1
         return pages
@@ -71,7 +75,7 @@ class BlockPool:
             self._ref[page] -= n
             if self._ref[page] == 0:
                 freed.append(page)
-        self._free.extend(freed)
+        self._free.extend(reversed(freed))  # the first freed on top: a request's pages come back in its order
         return freed
 
     def check_integrity(self) -> None:

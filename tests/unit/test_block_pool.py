@@ -39,11 +39,11 @@ def test_last_decref_frees_the_page():
     pool.check_integrity()
 
 
-def test_freed_pages_are_reused_after_the_untouched_ones():
-    pool = make_pool(3)
-    first = pool.allocate(2)
-    pool.decref(first)
-    assert pool.allocate(3) == [2, 0, 1]
+def test_freed_pages_are_reused_before_the_untouched_ones():
+    pool = make_pool(4)
+    assert pool.allocate(2) == [0, 1]
+    pool.decref([0, 1])
+    assert pool.allocate(3) == [0, 1, 2]  # warm in the caches, and already backed on a lazily allocated pool
 
 
 def test_misuse_raises_typed_errors_and_changes_nothing():
