@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -192,3 +194,15 @@ def profile_cuda_forward(run: Callable[[], object]) -> MemoryProfile:
     non_torch = max(0, total - free - torch.cuda.memory_reserved())
     torch.cuda.empty_cache()
     return MemoryProfile(total=total, weights=weights, activation_peak=peak - weights, non_torch=non_torch)
+
+
+def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros in fresh anonymous memory, which the OS zero-fills page by page on first write: a KV
+    pool of many GiB costs nothing at start-up (torch.zeros writes every byte, 1.3-2 s a GiB on a loaded 2-vCPU VM)
+    and its resident size follows the pages in use (the block pool hands out the page freed last first). The
+    memory is unmapped when the tensor goes (the tensor holds the mapping)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    private = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (not shared with a forked child)
+    return torch.frombuffer(private, dtype=torch.uint8).view(dtype).view(shape)

@@ -30,7 +30,7 @@ from banyan.registry import UnknownChoiceError
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from banyan.runner.drafter import NetworkDrafter
 from banyan.forward_batch import ForwardBatch
-from banyan.runner.memory import (GiB, KVCapacity, cpu_kv_budget, pages_for_budget, profile_batch,
+from banyan.runner.memory import (GiB, KVCapacity, cpu_kv_budget, lazily_zeroed, pages_for_budget, profile_batch,
                                   profile_cuda_forward)
 from banyan.runner.weights import ModelSource
 from banyan.scheduler.batch import Batch, SampledToken, ScheduledRequest, StepResult
@@ -116,6 +116,8 @@ class ModelRunner:
 
     def _kv_pages(self, num_pages: int) -> torch.Tensor:
         shape = (num_pages, self.page_size, self.shard.num_key_value_heads, self.arch.head_dim)
+        if self.device.type == "cpu":
+            return lazily_zeroed(shape, self.kv_dtype)
         return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _kv_capacity(self, cache_config: CacheConfig) -> KVCapacity:

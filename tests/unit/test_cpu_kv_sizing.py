@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from banyan import LLM
 from banyan.config import EngineConfig, ModelConfig, ParallelConfig
@@ -224,3 +226,20 @@ def test_a_server_of_several_models_pins_each_cpu_pool_to_what_its_estimate_coun
     assert asyncio.run(models._accepted(spec)).spec.engine.cache.kv_cache_memory == 256 * MiB
     given = ModelSpec(("b",), engine_from_args(EngineConfig(), str(tiny), {"kv_cache_memory": "32MiB"}))
     assert asyncio.run(models._accepted(given)).spec.engine.cache.kv_cache_memory == 32 * MiB
+
+
+def _rss() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_cpu_pool_is_zeros_backed_by_memory_only_where_written():
+    from banyan.runner.memory import lazily_zeroed
+
+    before = _rss()
+    pool = lazily_zeroed((16384, 16, 4, 64), torch.float32)  # 256 MiB
+    assert pool.shape == (16384, 16, 4, 64) and pool.dtype == torch.float32 and pool.is_contiguous()
+    assert _rss() - before < 16 * MiB  # nothing written, nothing resident: start-up costs no pass over the pool
+    assert not pool[::97].any()  # zeros, as torch.zeros gives
+    pool[:8192] = 1.0
+    assert _rss() - before > 120 * MiB and pool.sum() == 8192 * 16 * 4 * 64
+    assert lazily_zeroed((2, 3), torch.float8_e4m3fn).float().eq(0).all()
