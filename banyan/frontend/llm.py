@@ -36,9 +36,11 @@ class LLM:
         """`settings`: any engine setting by vLLM's name, as `banyan serve --help` lists them (max_model_len=...,
         gpu_memory_utilization=..., scheduling_policy=...; also num_pages and trust_remote_code, which are not
         flags); see banyan/config_args.py. An unknown name is a TypeError naming it."""
-        if settings.get("data_parallel_size", 1) != 1:
-            raise InvalidParameterError("data_parallel_size", "replicas are served by `banyan serve`; LLM runs one "
-                                        "engine (tensor_parallel_size splits it over processes)")
+        for name, alone in (("data_parallel_size", 1), ("data_parallel_backend", "mp")):
+            if settings.get(name, alone) != alone:
+                raise InvalidParameterError(name, "replicas are served by `banyan serve`; LLM runs one engine in this "
+                                            "process (tensor_parallel_size splits it over processes, and "
+                                            "distributed_executor_backend='ray' places those on a Ray cluster)")
         self._start(config_from_kwargs(dict(settings, model=model)))
 
     @classmethod

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from banyan import LLM
 from banyan.config import ParallelConfig
 from banyan.config_args import config_from_kwargs
+from banyan.errors import InvalidParameterError
 from banyan.registry import UnknownChoiceError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +43,11 @@ def test_the_cli_flags_are_vllms_and_local_processes_stay_the_default():
     help_text = run_fresh(code)
     for flag in ("--data-parallel-backend", "--distributed-executor-backend", "--ray-address"):
         assert flag in help_text
+
+
+def test_the_offline_api_refuses_ray_replicas_it_would_not_run():
+    with pytest.raises(InvalidParameterError, match="data_parallel_backend: replicas are served by `banyan serve`"):
+        LLM("unused", data_parallel_backend="ray")
 
 
 def test_an_unknown_backend_is_refused_by_name():
