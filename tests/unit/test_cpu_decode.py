@@ -10,9 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from banyan.kernels import cpu_decode
+from banyan.layers.activation import gated_activation
+from banyan.layers.norm import RMSNorm
 from banyan.layers.attention.base import write_kv_cache
 from banyan.layers.rotary import RotaryEmbedding
-from banyan.layers.attention.torch_backend import paged_attention
+from banyan.layers.attention.torch_backend import KERNEL_QUERY, SHORT_QUERY, TorchAttentionBackend, paged_attention
+from tests.kernels.paged_batches import make_batch
 
 KERNELS = cpu_decode.kernels_for(torch.device("cpu"), torch.float32)
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="needs an x86 CPU with AVX2 and a C compiler")
@@ -164,9 +167,65 @@ def test_a_rows_attention_does_not_depend_on_the_rows_beside_it():
         assert torch.equal(alone[r], every[r])
 
 
+@needs_kernels
+@pytest.mark.parametrize("window", [None, 6])
+def test_torch_backend_sends_decode_and_verify_rows_to_the_kernel(window):
+    """A step of decode rows, verify-sized chunks, a short and a long prefill chunk: rows of requests with at
+    most KERNEL_QUERY new rows go to the kernel, the rest to SDPA, and together they equal SDPA alone."""
+    specs = [(12, 1), (7, KERNEL_QUERY), (30, 3), (0, KERNEL_QUERY + 4), (20, 1), (5, SHORT_QUERY + 6)]
+    batch, q, k, v, k_cache, v_cache = make_batch(specs, page_size=4, num_kv_heads=3, group=3, head_dim=64, seed=2)
+    fused = TorchAttentionBackend()
+    out = fused.forward(q, k, v, k_cache.clone(), v_cache.clone(), batch, 0.125, window)
+    expected = TorchAttentionBackend(fused=False).forward(q, k, v, k_cache, v_cache, batch, 0.125, window)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    starts = [0, *torch.tensor(batch.query_lens).cumsum(0).tolist()]
+    kernel_rows = [r for i, n in enumerate(batch.query_lens) if n <= KERNEL_QUERY for r in range(starts[i], starts[i + 1])]
+    assert fused._plan.paged.rows.tolist() == kernel_rows
+    assert [g.max_query_len for g in fused._plan.groups] == [KERNEL_QUERY + 4, SHORT_QUERY + 6]
+
+
+@needs_kernels
+def test_rope_store_then_backend_equals_rotary_then_backend():
+    """RopeAttention's fused path (rotate_and_store, then attention with kv_stored) against the torch path."""
+    specs = [(9, 1), (0, 5), (17, 1)]
+    batch, _, _, _, k_cache, v_cache = make_batch(specs, page_size=4, num_kv_heads=1, group=3, head_dim=64, seed=4)
+    rotary = RotaryEmbedding(64, 64)
+    qkv, q, k, v = qkv_rows(batch.num_tokens, 3, 1, 64, torch.Generator().manual_seed(4))
+    q_ref, k_ref = rotary(batch.positions, q.clone(), k.clone())
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    expected = TorchAttentionBackend(fused=False).forward(q_ref, k_ref, v, k_expected, v_expected, batch, 0.125)
+    assert rotary.rotate_and_store(batch.positions, q, k, v, k_cache, v_cache, batch.slot_mapping)
+    out = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, batch, 0.125, kv_stored=True)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(k_cache, k_expected)
+    assert not rotary.rotate_and_store(batch.positions, q, k, v, k_cache.to(torch.float16), v_cache, batch.slot_mapping)
+
+
 def test_no_kernels_where_they_do_not_apply(monkeypatch):
     """Off CPU, other dtypes, or switched off: None, and the layers keep their torch ops."""
     assert cpu_decode.kernels_for(torch.device("meta"), torch.float32) is None
     assert cpu_decode.kernels_for(torch.device("cpu"), torch.bfloat16) is None
     monkeypatch.setenv(cpu_decode.DISABLE_ENV, "1")
     assert cpu_decode.kernels_for(torch.device("cpu"), torch.float32) is None
+
+
+@needs_kernels
+def test_layers_equal_their_torch_fallback(monkeypatch):
+    """RMSNorm (with the residual add) and the gated activation, built with and without the fused kernels."""
+    gen = torch.Generator().manual_seed(9)
+    x, residual = torch.randn(2, 3, 576, generator=gen)
+    gate_up = torch.randn(3, 2 * 1536, generator=gen)
+    fused_norm, fused_act = RMSNorm(576, 1e-5), gated_activation("silu", 1536)
+    monkeypatch.setenv(cpu_decode.DISABLE_ENV, "1")
+    plain_norm, plain_act = RMSNorm(576, 1e-5), gated_activation("silu", 1536)
+    assert fused_norm.kernels is not None and plain_norm.kernels is None
+    for norm in (fused_norm, plain_norm):
+        norm.weight.data.copy_(torch.linspace(0.5, 1.5, 576))
+    total, normed = fused_norm.add_forward(x, residual)
+    plain_total, plain_normed = plain_norm.add_forward(x, residual)
+    assert torch.equal(total, plain_total)
+    torch.testing.assert_close(normed, plain_normed)
+    torch.testing.assert_close(fused_norm(x), plain_norm(x))
+    torch.testing.assert_close(fused_act(gate_up), plain_act(gate_up))
+    strided = torch.randn(3, 2 * 576, generator=gen)[:, ::2]  # not contiguous: the torch ops
+    torch.testing.assert_close(fused_norm(strided), plain_norm(strided))
