@@ -51,11 +51,11 @@ def cluster(model_dir):
         ray.shutdown()
         cluster.shutdown()
         del os.environ["RAY_memory_monitor_refresh_ms"]
-        assert not wait_until(lambda: not processes_naming(model_dir), timeout=15), processes_naming(model_dir)
+        assert not times_out(lambda: not processes_naming(model_dir), timeout=15), processes_naming(model_dir)
 
 
-def wait_until(done, timeout: float) -> bool:
-    """False once done() holds, True if it still does not after `timeout` seconds."""
+def times_out(done, timeout: float) -> bool:
+    """Whether done() still does not hold after `timeout` seconds (checked every 0.2 s)."""
     deadline = time.monotonic() + timeout
     while not done():
         if time.monotonic() > deadline:
@@ -181,7 +181,7 @@ def test_banyan_serve_joins_the_cluster_at_ray_address_and_places_its_replicas_t
         assert ray.available_resources().get("CPU", 0) == 0  # each node's CPU is held by its engine core
     finally:
         assert server.stop() == 0
-    assert not wait_until(lambda: ray.available_resources().get("CPU", 0) == 2, timeout=30)  # and given back
+    assert not times_out(lambda: ray.available_resources().get("CPU", 0) == 2, timeout=30)  # and given back
 
 
 @pytest.mark.slow
