@@ -16,6 +16,7 @@ import pytest
 
 from banyan import LLM, SamplingParams
 from banyan.config_args import config_from_kwargs
+from banyan.errors import WorkerError
 from banyan.ipc.client import EngineDeadError
 from banyan.ipc.dp_client import DataParallelClient
 from banyan.ipc.messages import AddRequest
@@ -147,7 +148,7 @@ def test_data_parallel_replicas_run_one_per_node_and_a_killed_one_fails_only_its
 
 
 @pytest.mark.slow
-def test_tensor_parallel_workers_on_another_node_give_the_single_process_tokens(model_dir, cluster):
+def test_tensor_parallel_worker_on_another_node_gives_one_process_tokens_and_losing_it_fails_the_step(model_dir, cluster):
     prompts = ["The quick brown fox", "hello world"]
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
     single = LLM(str(model_dir), **ENGINE)
@@ -161,7 +162,11 @@ def test_tensor_parallel_workers_on_another_node_give_the_single_process_tokens(
         (worker,) = llm.engine.runner.workers.procs
         assert node_resources(cluster)[worker.node_id()] == "node_b"
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == reference
-        llm.engine.runner.close()
+        worker.kill()  # its actor ends, and the worker process with it
+        killed_at = time.monotonic()
+        with pytest.raises(WorkerError, match="tensor-parallel worker"):
+            llm.generate(prompts, params, use_tqdm=False)
+        assert time.monotonic() - killed_at < 20  # the step failed: no collective waited for the dead rank
         assert worker.returncode is not None
     finally:
         ray.cancel(hold, force=True)
