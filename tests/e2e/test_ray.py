@@ -148,7 +148,7 @@ def test_data_parallel_replicas_run_one_per_node_and_a_killed_one_fails_only_its
 
 
 @pytest.mark.slow
-def test_tensor_parallel_worker_on_another_node_gives_one_process_tokens_and_losing_it_fails_the_step(model_dir, cluster):
+def test_tensor_parallel_across_nodes_gives_one_process_tokens_and_a_lost_worker_fails_the_step(model_dir, cluster):
     prompts = ["The quick brown fox", "hello world"]
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
     single = LLM(str(model_dir), **ENGINE)
