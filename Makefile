@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 
-.PHONY: install demo test test-fast ops-deps
+.PHONY: install demo test test-long test-fast ops-deps
 
 # torch first: pinned to the CPU build on CPU machines, or pip would fetch a multi-GB CUDA build.
 install:
@@ -16,6 +16,10 @@ demo: install
 
 test: install
 	bash scripts/run_tests.sh
+
+# The long tier too: tests marked `long` (minutes each; CI skips them).
+test-long: install
+	BANYAN_LONG_TESTS=1 bash scripts/run_tests.sh
 
 test-fast:
 	bash scripts/run_tests.sh -m "not slow"

@@ -148,6 +148,7 @@ def test_data_parallel_replicas_run_one_per_node_and_a_killed_one_fails_only_its
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the DP test above covers placement and a lost replica in CI
 def test_tensor_parallel_across_nodes_gives_one_process_tokens_and_a_lost_worker_fails_the_step(model_dir, cluster):
     prompts = ["The quick brown fox", "hello world"]
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
@@ -173,6 +174,7 @@ def test_tensor_parallel_across_nodes_gives_one_process_tokens_and_a_lost_worker
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the DP test above covers placement and a lost replica in CI
 def test_banyan_serve_joins_the_cluster_at_ray_address_and_places_its_replicas_there(model_dir, cluster):
     server = start_server(model_dir, "--data-parallel-size", "2", "--data-parallel-backend", "ray",
                           "--ray-address", cluster.address, "--kv-cache-memory", "4MiB", ready_timeout=300)
@@ -190,6 +192,7 @@ def test_banyan_serve_joins_the_cluster_at_ray_address_and_places_its_replicas_t
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the DP test above covers placement and a lost replica in CI
 def test_a_node_removed_mid_load_fails_its_replicas_requests_and_the_replica_returns_on_a_new_node(model_dir, cluster):
     async def scenario():
         client = await start_two_replicas(model_dir, cluster)
