@@ -126,7 +126,10 @@ def test_a_stream_means_what_the_answer_says_with_the_same_seed(client, route):
     kw["stop"] = [first[len(first) // 2:][:3]]  # met in the middle of choice 0, maybe in the others
     full = create(**kw)
     chunks = list(create(stream=True, stream_options={"include_usage": True}, **kw))
-    assert _streamed(chunks, route) == _answered(full, route)
+    answered = _answered(full, route)
+    for c in answered.values():  # the same tokens; log-probabilities to float noise (a later run computes more
+        c["logprobs"] = pytest.approx(c["logprobs"], abs=1e-3)  # of the prompt from the prefix cache)
+    assert _streamed(chunks, route) == answered
     assert "stop" in _answered(full, route)[0]["finish_reasons"]
     assert len({(c.id, c.created, c.model, c.object) for c in chunks}) == 1 and chunks[0].model == "tiny"
     if route == "chat":
