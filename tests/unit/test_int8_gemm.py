@@ -45,11 +45,12 @@ def int4_weight(n: int, k: int, group: int, seed: int = 0):
 
 
 def int4_reference(x: torch.Tensor, q, scale, offset, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scaled values times x rounded, plus each group's offset times the exact sum of x over the group (the
-    kernel keeps those sums in float), in float64; and the same sum over the terms' magnitudes."""
+    """The scaled values times x rounded, plus each group's offset times the sum of the rounded x over the group
+    (w x~ for w = s q + o), in float64; and the same sum over the terms' magnitudes."""
     m, k = x.shape
     scaled = (q.double().view(q.shape[0], -1, group) * scale.double()[:, :, None]).view(q.shape[0], k)
-    sums, rounded = x.double().view(m, -1, group).sum(-1), round_x(x).double()
+    rounded = round_x(x).double()
+    sums = rounded.view(m, -1, group).sum(-1)
     want = rounded @ scaled.T + sums @ offset.double().T
     return want, rounded.abs() @ scaled.abs().T + sums.abs() @ offset.double().abs().T
 
