@@ -279,13 +279,15 @@ def run_soak(engine: EngineConfig, config: SoakConfig, server_flags: list[str] |
         results = asyncio.run(_run(base_url, config, probe, on_progress))
     results["exit_status"] = proc.returncode
     if config.faults:
-        from banyan.bench.soak_faults import disk_full, kill_core, terminate, text_pool
+        from banyan.bench.soak_faults import disk_full, kill_core, slow_reader, terminate, text_pool
 
-        on_progress("faults: SIGKILL of the engine core, SIGTERM of the server, the text pool saturated")
+        on_progress("faults: SIGKILL of the engine core, SIGTERM of the server, the text pool saturated, a full disk, "
+                    "clients that never read")
         results["faults"] = {"kill_core": _on_own_server(engine, kill_core),
                              "terminate": _on_own_server(engine, terminate, "--shutdown-timeout", "60"),
                              "text_pool": _on_own_server(engine, text_pool),
-                             "disk_full": _on_own_server(engine, disk_full, output="/dev/full")}
+                             "disk_full": _on_own_server(engine, disk_full, output="/dev/full"),
+                             "slow_reader": _on_own_server(engine, slow_reader)}
     results["goals"] = goals(results)
     return results
 

@@ -8,6 +8,10 @@ them, tests/reliability asserts them.
     disk_full:  the server's stdout and stderr on a full disk (/dev/full: every log line, the audit log's included,
                 fails with ENOSPC): it starts, `streams` streams and plain requests are answered, a bad request gets
                 its 400, /health 200, and SIGTERM still ends it with 0
+    slow_reader: `readers` clients open long streams and never read them (a 4 KiB receive buffer): for `seconds` the
+                server's resident memory stays within its buffer cap (what the kernel's socket buffers do not hold
+                waits in at most --max-buffered-events events a stream, then the stream is aborted), while other
+                clients are answered as usual
     text_pool:  the server's tokenizer/template threads saturated (`big` prompts of 2 MB without a space, each
                 tokenized up to the render time cap): every one answered 200, 400 or 503, /health stays fast (p99 of
                 its latency meanwhile), and a normal request queued behind them is answered, or refused with 503
@@ -119,6 +123,48 @@ async def disk_full(base_url: str, server: subprocess.Popen, streams: int = 8) -
             "plain_statuses": plain, "bad_request_status": bad, "health": health, "exit_status": exit_status[0],
             "ok": finished == ["length"] * streams and plain == [200] * 4 and bad == 400 and health == 200
             and exit_status[0] == 0}
+
+
+SLOW_READER_RSS_GROWTH = 64 << 20
+"""Bytes the server may grow by while its slow readers' streams back up: their buffered events (at most
+--max-buffered-events each, a few hundred bytes an event) and allocator slack; a leak per token grows past it."""
+
+
+async def slow_reader(base_url: str, server: subprocess.Popen, readers: int = 4, seconds: float = 30.0) -> dict:
+    import socket
+
+    import httpx
+
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"prompt": "tell me a long story", "ignore_eos": True, "stream": True}).encode()  # to the context's end
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    sockets = []
+    for _ in range(readers):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: the window stays small
+        s.connect((host, int(port)))
+        s.sendall(head + body)
+        sockets.append(s)
+    before, peak, answered, started = _rss(server.pid), 0, [], time.monotonic()
+    try:
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+            while time.monotonic() - started < seconds:
+                r = await http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+                answered.append(r.status_code)
+                peak = max(peak, _rss(server.pid) - before)
+                await asyncio.sleep(0.5)
+    finally:
+        for s in sockets:
+            s.close()
+    return {"readers": readers, "seconds": seconds, "rss_growth_mib": round(peak / 2**20, 1),
+            "other_requests": {str(c): answered.count(c) for c in set(answered)},
+            "ok": peak <= SLOW_READER_RSS_GROWTH and answered and set(answered) == {200}}
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 async def _exit_status(proc: subprocess.Popen, since: float, timeout: float = EXIT_WITHIN + 5) -> tuple[int | None, float]:

@@ -14,7 +14,7 @@ import pytest
 
 from banyan.bench.launcher import free_port, launched_process
 from banyan.bench.soak import SoakConfig, run_soak
-from banyan.bench.soak_faults import disk_full, kill_core, terminate
+from banyan.bench.soak_faults import disk_full, kill_core, slow_reader, terminate
 from banyan.config import CacheConfig, EngineConfig, ModelConfig
 from tests.factories import write_model_dir
 
@@ -66,4 +66,11 @@ def test_a_full_disk_for_logs_costs_no_request(engine):
     # end the server at start-up)
     with served(engine, output="/dev/full") as (base_url, proc):
         figures = asyncio.run(disk_full(base_url, proc, streams=4))
+    assert figures["ok"], figures
+
+
+@pytest.mark.long
+def test_clients_that_never_read_cost_no_memory_growth(engine):
+    with served(engine) as (base_url, proc):
+        figures = asyncio.run(slow_reader(base_url, proc, readers=4, seconds=30))
     assert figures["ok"], figures
