@@ -159,7 +159,7 @@ async def slow_reader(base_url: str, server: subprocess.Popen, readers: int = 4,
             s.close()
     return {"readers": readers, "seconds": seconds, "rss_growth_mib": round(peak / 2**20, 1),
             "other_requests": {str(c): answered.count(c) for c in set(answered)},
-            "ok": peak <= SLOW_READER_RSS_GROWTH and answered and set(answered) == {200}}
+            "ok": peak <= SLOW_READER_RSS_GROWTH and bool(answered) and set(answered) == {200}}
 
 
 def _rss(pid: int) -> int:
