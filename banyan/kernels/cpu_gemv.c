@@ -225,36 +225,60 @@ void int8_gemv(const float *x, void *scratch, const int8_t *q, const float *scal
 
 /* Float weights, float32 or float16 (widened in registers, F16C), for batch-invariant mode, where every row of
  * every matmul comes here: each output is 8-lane partial sums over k in order and one fixed horizontal sum, the
- * same whichever rows share the call (torch's float GEMMs pick their blocking by the number of rows). */
-static inline __attribute__((always_inline)) void float_row(const void *row, const float *x, float *y, const int R,
-                                                            const int half, int N, int K) {
-    __m256 acc[4];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+ * same whichever rows share the call (torch's float GEMMs pick their blocking by the number of rows).
+ * Register tiles of up to 4 weight rows x 3 rows of x (12 accumulators, 3 x loads and 4 weight loads per 12 FMAs;
+ * one weight row at a time read x once per FMA, which made wide calls load bound); every (weight row, x row) pair
+ * takes the same FMAs in the same order in any tile slot, so the bits are those of a row alone. */
+static inline __attribute__((always_inline)) void float_tile(const void *w, const float *x, float *y, const int RN,
+                                                             const int R, const int half, int N, int K) {
+    __m256 acc[4][3];
+    for (int i = 0; i < RN; i++)
+        for (int r = 0; r < R; r++) acc[i][r] = _mm256_setzero_ps();
     for (int k = 0; k < K; k += 8) {
-        __m256 w = half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + k)))
-                        : _mm256_loadu_ps((const float *)row + k);
-        for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (size_t)r * K + k), acc[r]);
+        __m256 xr[3];
+        for (int r = 0; r < R; r++) xr[r] = _mm256_loadu_ps(x + (size_t)r * K + k);
+        for (int i = 0; i < RN; i++) {
+            __m256 wi = half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + (size_t)i * K + k)))
+                             : _mm256_loadu_ps((const float *)w + (size_t)i * K + k);
+            for (int r = 0; r < R; r++) acc[i][r] = _mm256_fmadd_ps(wi, xr[r], acc[i][r]);
+        }
     }
-    for (int r = 0; r < R; r++) y[(size_t)r * N] = hsum(acc[r]);
+    for (int i = 0; i < RN; i++)
+        for (int r = 0; r < R; r++) y[(size_t)r * N + i] = hsum(acc[i][r]);
 }
 
-#define FLOAT_ROWS(HALF)                                                                  \
-    switch (M - m) {                                                                      \
-        case 1: float_row(row, x + (size_t)m * K, ym, 1, HALF, N, K); break;              \
-        case 2: float_row(row, x + (size_t)m * K, ym, 2, HALF, N, K); break;              \
-        case 3: float_row(row, x + (size_t)m * K, ym, 3, HALF, N, K); break;              \
-        default: float_row(row, x + (size_t)m * K, ym, 4, HALF, N, K); break;             \
+#define FLOAT_TILE(RN, HALF)                                                           \
+    switch (R) {                                                                       \
+        case 1: float_tile(wn, xm, ym, RN, 1, HALF, N, K); break;                      \
+        case 2: float_tile(wn, xm, ym, RN, 2, HALF, N, K); break;                      \
+        default: float_tile(wn, xm, ym, RN, 3, HALF, N, K); break;                     \
     }
+#define FLOAT_TILES(HALF)                                                              \
+    switch (RN) {                                                                      \
+        case 1: FLOAT_TILE(1, HALF) break;                                             \
+        case 2: FLOAT_TILE(2, HALF) break;                                             \
+        case 3: FLOAT_TILE(3, HALF) break;                                             \
+        default: FLOAT_TILE(4, HALF) break;                                            \
+    }
+
+/* Weight rows in blocks of FLOAT_BLOCK (a block stays in L2 while every row of x passes, 3 at a time, over it). */
+#define FLOAT_BLOCK 16
 
 /* y [M, N] = x [M, K] w^T, w [N, K] float32 (half = 0) or float16 (half = 1), K a multiple of 8. */
 void float_gemv(const float *x, const void *w, int half, float *y, int M, int N, int K, int threads) {
     const size_t row_bytes = (size_t)K * (half ? 2 : 4);
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int n = 0; n < N; n++) {
-        const void *row = (const char *)w + (size_t)n * row_bytes;
-        for (int m = 0; m < M; m += 4) {
-            float *ym = y + (size_t)m * N + n;
-            if (half) FLOAT_ROWS(1) else FLOAT_ROWS(0)
+    for (int n0 = 0; n0 < N; n0 += FLOAT_BLOCK) {
+        const int n_end = n0 + FLOAT_BLOCK < N ? n0 + FLOAT_BLOCK : N;
+        for (int m = 0; m < M; m += 3) {
+            const int R = M - m < 3 ? M - m : 3;
+            const float *xm = x + (size_t)m * K;
+            for (int n = n0; n < n_end; n += 4) {
+                const int RN = n_end - n < 4 ? n_end - n : 4;
+                const void *wn = (const char *)w + (size_t)n * row_bytes;
+                float *ym = y + (size_t)m * N + n;
+                if (half) FLOAT_TILES(1) else FLOAT_TILES(0)
+            }
         }
     }
 }
