@@ -83,9 +83,10 @@ static void quantize_rows(const float *x, int8_t *q, float *scale, float *sum, i
 /* RN (1 or 2) weight rows against R (at most 4) rows of x, both constants after inlining: the 2 x 4 accumulators
  * live in registers, each x block loaded serves both weight rows and each unpacked weight block all R rows. Each
  * block is one integer dot product (unsigned 4-bit x signed 8-bit, as llama.cpp does), scaled by the weight's
- * and the activation's block scales. The offsets' part, sum_b o[b] * xsum[r, b], goes eight blocks at a time when
- * every block has its own offset (groups of 32). Every (weight row, x row) pair takes the same instructions in
- * the same order whatever RN, R and the rows around it: a row's result does not depend on the call's other rows. */
+ * and the activation's block scales, group by group (AWQ's and GPTQ's groups of 64 or 128 hold 2 or 4 blocks).
+ * The offsets' part, sum_g o[g] * xsum[r, g] (xsum summed per group: int4_gemv), goes eight groups at a time.
+ * Every (weight row, x row) pair takes the same instructions in the same order whatever RN, R and the rows around
+ * it: a row's result does not depend on the call's other rows. */
 static inline __attribute__((always_inline)) void int4_tile(const uint8_t *row, const float *s, const float *o,
                                                             const int8_t *xq, const float *xscale, const float *xsum,
                                                             float *y, const int RN, const int R, int N, int K, int groups,
@@ -95,24 +96,26 @@ static inline __attribute__((always_inline)) void int4_tile(const uint8_t *row, 
     __m256 acc[2][4];
     for (int i = 0; i < RN; i++)
         for (int r = 0; r < R; r++) acc[i][r] = _mm256_setzero_ps();
-    for (int b = 0; b < blocks; b++) {
-        /* Two tiles ahead (4 rows of K/2 bytes): the two rows' blocks alternate, which hides the stream from the
-         * hardware prefetcher (a 49152 x 576 int8 matrix at one row of x: 3x slower than row by row without this) */
-        _mm_prefetch((const char *)(row + 2 * (size_t)K + 32 * b), _MM_HINT_T0);
-        __m256i w[2];
-        __m256 sb[2];
-        for (int i = 0; i < RN; i++) {
-            __m128i bytes = _mm_loadu_si128((const __m128i *)(row + (size_t)i * (K / 2) + 16 * b));
-            __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-            w[i] = _mm256_set_m128i(hi, lo);  /* q[32b .. 32b + 31] in order */
-            sb[i] = _mm256_set1_ps(s[(size_t)i * groups + b / per_group]);
-        }
-        for (int r = 0; r < R; r++) {
-            __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * K + 32 * b));
-            __m256 xs = _mm256_broadcast_ss(xscale + (size_t)r * blocks + b);
+    for (int g = 0, b = 0; g < groups; g++) {
+        __m256 sg[2];
+        for (int i = 0; i < RN; i++) sg[i] = _mm256_set1_ps(s[(size_t)i * groups + g]);
+        for (int j = 0; j < per_group; j++, b++) {
+            /* Two tiles ahead (4 rows of K/2 bytes): the two rows' blocks alternate, which hides the stream from the
+             * hardware prefetcher (a 49152 x 576 int8 matrix at one row of x: 3x slower than row by row without this) */
+            _mm_prefetch((const char *)(row + 2 * (size_t)K + 32 * b), _MM_HINT_T0);
+            __m256i w[2];
             for (int i = 0; i < RN; i++) {
-                __m256i dot = dot_u8s8(w[i], xb);  /* 8 partial sums, int32 */
-                acc[i][r] = _mm256_fmadd_ps(_mm256_mul_ps(sb[i], xs), _mm256_cvtepi32_ps(dot), acc[i][r]);
+                __m128i bytes = _mm_loadu_si128((const __m128i *)(row + (size_t)i * (K / 2) + 16 * b));
+                __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+                w[i] = _mm256_set_m128i(hi, lo);  /* q[32b .. 32b + 31] in order */
+            }
+            for (int r = 0; r < R; r++) {
+                __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * K + 32 * b));
+                __m256 xs = _mm256_broadcast_ss(xscale + (size_t)r * blocks + b);
+                for (int i = 0; i < RN; i++) {
+                    __m256i dot = dot_u8s8(w[i], xb);  /* 8 partial sums, int32 */
+                    acc[i][r] = _mm256_fmadd_ps(_mm256_mul_ps(sg[i], xs), _mm256_cvtepi32_ps(dot), acc[i][r]);
+                }
             }
         }
     }
@@ -120,28 +123,29 @@ static inline __attribute__((always_inline)) void int4_tile(const uint8_t *row, 
         const float *oi = o + (size_t)i * groups;
         __m256 off[4];
         for (int r = 0; r < R; r++) off[r] = _mm256_setzero_ps();
-        int b = 0;
-        if (per_group == 1) {
-            for (; b + 8 <= blocks; b += 8) {
-                __m256 ob = _mm256_loadu_ps(oi + b);
-                for (int r = 0; r < R; r++) off[r] = _mm256_fmadd_ps(ob, _mm256_loadu_ps(xsum + (size_t)r * blocks + b), off[r]);
-            }
+        int g = 0;
+        for (; g + 8 <= groups; g += 8) {
+            __m256 og = _mm256_loadu_ps(oi + g);
+            for (int r = 0; r < R; r++) off[r] = _mm256_fmadd_ps(og, _mm256_loadu_ps(xsum + (size_t)r * blocks + g), off[r]);
         }
         for (int r = 0; r < R; r++) {
             float tail = 0.0f;
-            for (int t = b; t < blocks; t++) tail += oi[t / per_group] * xsum[(size_t)r * blocks + t];
+            for (int t = g; t < groups; t++) tail += oi[t] * xsum[(size_t)r * blocks + t];
             y[(size_t)r * N + i] = hsum(_mm256_add_ps(acc[i][r], off[r])) + tail;
         }
     }
 }
 
-#define INT4_TILES(RN)                                                                                        \
+#define INT4_TILES_PG(RN, PG)                                                                                 \
     switch (M - m) {                                                                                          \
-        case 1: int4_tile(row, s, o, xm, xs, xt, ym, RN, 1, N, K, groups, per_group); break;                  \
-        case 2: int4_tile(row, s, o, xm, xs, xt, ym, RN, 2, N, K, groups, per_group); break;                  \
-        case 3: int4_tile(row, s, o, xm, xs, xt, ym, RN, 3, N, K, groups, per_group); break;                  \
-        default: int4_tile(row, s, o, xm, xs, xt, ym, RN, 4, N, K, groups, per_group); break;                 \
+        case 1: int4_tile(row, s, o, xm, xs, xt, ym, RN, 1, N, K, groups, PG); break;                         \
+        case 2: int4_tile(row, s, o, xm, xs, xt, ym, RN, 2, N, K, groups, PG); break;                         \
+        case 3: int4_tile(row, s, o, xm, xs, xt, ym, RN, 3, N, K, groups, PG); break;                         \
+        default: int4_tile(row, s, o, xm, xs, xt, ym, RN, 4, N, K, groups, PG); break;                        \
     }
+/* groups of one block (GGUF's Q4, the default) get their own copy with the inner group loop gone */
+#define INT4_TILES(RN)                                                                                        \
+    if (per_group == 1) { INT4_TILES_PG(RN, 1) } else { INT4_TILES_PG(RN, per_group) }
 
 /* 4-bit weights in blocks of 32 along k: w[n, k] = scale[n, g] * q[n, k] + offset[n, g], g = k / group.
  * packed [N, K/2]: block b of row n is bytes 16b..16b+15 of the row, byte j = q[32b + j] | q[32b + 16 + j] << 4.
@@ -154,6 +158,15 @@ void int4_gemv(const float *x, void *scratch, const uint8_t *packed, const float
     float *xscale = (float *)scratch, *xsum = xscale + (size_t)M * blocks;
     int8_t *xq = (int8_t *)(xsum + (size_t)M * blocks);
     quantize_rows(x, xq, xscale, xsum, M, K);
+    if (per_group > 1)  /* each row's block sums -> group sums, in place (row m keeps its stride of `blocks`) */
+        for (int m = 0; m < M; m++) {
+            float *sums = xsum + (size_t)m * blocks;
+            for (int g = 0; g < groups; g++) {
+                float total = 0.0f;
+                for (int j = 0; j < per_group; j++) total += sums[g * per_group + j];
+                sums[g] = total;
+            }
+        }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int n = 0; n < N; n += 2) {
         const uint8_t *row = packed + (size_t)n * (K / 2);
