@@ -5,6 +5,10 @@
     sleep-every-step=SECONDS       every step sleeps first (a slow engine: step times known from below)
     grammar-raise-after-tokens=N   each constrained request's grammar fails once it has N output tokens
     sleep-while-loading=SECONDS    the core sleeps before it loads the model
+    exit-at-start                  the core exits with status 1 as it starts, before importing banyan (a core
+                                   that fails at start-up; handled in ipc/core_launch.py, which imports no banyan)
+    fail-restarts=N                data parallel (ipc/dp_client.py): the first N cores started in place of a dead
+                                   replica get exit-at-start; the first cores start without a fault
 
 A fault is a hook the engine calls before each step (`Engine.before_step`). The grammar fault marks
 the request's matcher failed, as the scheduler's guard does when the grammar library raises
@@ -14,8 +18,10 @@ on. Nothing is patched.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -23,6 +29,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+EXIT_AT_START = "exit-at-start"  # the spelling core_launch.py checks for (it cannot import this module)
 GRAMMAR_FAULT = "the grammar library failed: injected grammar library fault"
 
 
@@ -68,3 +75,12 @@ class Fault:
             time.sleep(self.seconds)
         elif self.kind == "slow" and engine.has_unfinished_requests():
             time.sleep(self.seconds)
+
+
+def replacement_faults(fault: str | None) -> tuple[str | None, Iterator[str | None]]:
+    """A data-parallel server's --fault: (the fault of the first cores, the fault of each core started in place of a
+    dead replica, in order). fail-restarts=N fails the first N replacements; any other fault goes to every core."""
+    name, _, value = (fault or "").partition("=")
+    if name != "fail-restarts":
+        return fault, itertools.repeat(fault)
+    return None, itertools.chain([EXIT_AT_START] * int(value), itertools.repeat(None))

@@ -143,6 +143,12 @@ class EngineClient:
         return self._proc.pid
 
     @property
+    def local_pids(self) -> list[int]:
+        """[its pid] while the core lives on this host, whose /proc shows its memory; [] once it has exited, and for
+        a core Ray placed (--data-parallel-backend ray), which may run on any node."""
+        return [self._proc.pid] if isinstance(self._proc, subprocess.Popen) and self.is_alive() else []
+
+    @property
     def returncode(self) -> int | None:
         """The core's exit status once it has exited (negative: killed by that signal)."""
         return self._proc.poll()

@@ -66,7 +66,11 @@ def main() -> int:
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--input", default="")
     parser.add_argument("--output", default="")
+    parser.add_argument("--fault", default="")
     args, _ = parser.parse_known_args()
+    if args.fault == "exit-at-start":  # tests only (engine/faults.py): a core that fails before it is ready
+        os.write(2, b"engine-core: injected fault: exiting at start-up\n")
+        return 1
     if args.worker:  # the engine core's child: nothing of its own to clean up
         exit_with_parent(args.parent_pid, lambda: None)
         from banyan.runner.worker import main as worker_main

@@ -20,7 +20,6 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-import msgspec
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -34,6 +33,7 @@ from banyan.server.audit import AuditLog
 from banyan.server.auth import ANONYMOUS, AdminAuth, ApiKeyAuth, Tenant
 from banyan.server.errors import APIError, error_body, parse_json_body
 from banyan.server.embeddings import create_embeddings
+from banyan.server.kv_census import kv_census
 from banyan.server.response_store import ResponseStore
 from banyan.server.responses import ResponsesServing
 from banyan.server.metrics import ServerMetrics
@@ -185,16 +185,14 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/admin/kv", **openapi.route_docs(openapi.KvReportResponse, errors=(401, 403, 404, 503), description=(
         "Admin key only. The engine core checks its KV cache's integrity (free + cached + in use == total, ref counts "
-        "agree with their holders) between two steps and counts the pages.")))
+        "agree with their holders) between two steps and counts the pages. With data-parallel replicas: the counts "
+        "summed over the replicas that answered, and each replica's in `replicas`.")))
     async def admin_kv() -> dict:
         try:
-            report = await state.client.kv_report()
+            return await kv_census(state.client)
         except (EngineDeadError, asyncio.TimeoutError):
             raise APIError(503, "the engine core did not answer", type="server_error", code="engine_unavailable",
                            retry_after=5) from None
-        census = msgspec.structs.asdict(report)
-        del census["query_id"]
-        return census | {"integrity": "ok" if report.integrity_error is None else "broken"}
 
     @app.post("/start_profile", **openapi.route_docs(openapi.ProfileResponse, errors=(400, 401, 403, 404, 409, 503),
                                                     description=profiling.START_DOC))

@@ -8,6 +8,7 @@ import enum
 from dataclasses import dataclass, field
 
 from banyan.ipc.client import EngineClient
+from banyan.ipc.dp_client import DataParallelClient
 from banyan.server.metrics import ServerMetrics
 from banyan.server.model_memory import Holding, MemoryEstimate, resident_bytes
 from banyan.server.model_specs import ModelSpec
@@ -46,8 +47,9 @@ class ModelEntry:
 
     @property
     def resident(self) -> int:
-        """What its core holds now (RSS; 0 before it started and after it exited)."""
-        return resident_bytes(self.client.pid) if self.client is not None and self.client.is_alive() else 0
+        """What its cores on this host hold now (RSS, summed over data-parallel replicas; 0 before they started and
+        after they exited)."""
+        return sum(map(resident_bytes, self.client.local_pids)) if self.client is not None else 0
 
     def holding(self) -> Holding:
         return Holding(self.name, self.estimate.total, self.resident)
@@ -65,6 +67,8 @@ class ModelEntry:
         if self.client is not None and self.client.info is not None:
             out |= {"pid": self.client.pid, "max_model_len": self.client.info.max_model_len,
                     "kv_cache_tokens": self.client.info.num_pages * self.client.info.page_size}
+        if isinstance(self.client, DataParallelClient):
+            out["replicas"] = replica_entries(self.client)
         if self.error is not None:
             out["error"] = self.error
         if self.replacement is not None:
@@ -79,3 +83,17 @@ class ModelEntry:
         return ([{"id": name, "root": self.spec.source, "parent": None, **base} for name in self.spec.names]
                 + [{"id": name, "root": name, "parent": self.name, **base, **extra}
                    for name, extra in self.adapters.items()])
+
+
+def replica_entries(client: DataParallelClient) -> list[dict]:
+    """Each data-parallel replica in GET /admin/models' entry: state, restarts, its core's pid, memory and KV cache
+    (memory_bytes: None for a core on another host; 0 while it is down)."""
+    entries = []
+    for index, (replica, health) in enumerate(zip(client.replicas, client.health)):
+        info, pids = replica.info, replica.local_pids
+        entries.append({"replica": index, "state": health.state, "pid": replica.pid,
+                        "memory_bytes": sum(map(resident_bytes, pids)) if pids or health.state != "up" else None,
+                        "kv_cache_tokens": info.num_pages * info.page_size if info is not None else None,
+                        "restarts": health.restarts, "failed_starts": health.failed_starts,
+                        "last_error": health.last_error})
+    return entries

@@ -233,6 +233,23 @@ class ProfileResponse(BaseModel):
     traces: dict[str, str] | None = None
 
 
+class ReplicaKvReport(BaseModel):
+    """One data-parallel replica's KV census (as KvReportResponse's counts), or `error` when it did not answer."""
+
+    replica: int
+    state: Literal["up", "restarting", "down"]
+    num_pages: int | None = None
+    num_free: int | None = None
+    num_in_use: int | None = None
+    num_cached: int | None = None
+    num_locked: int | None = None
+    num_running: int | None = None
+    num_waiting: int | None = None
+    integrity: Literal["ok", "broken"] | None = None
+    integrity_error: str | None = None
+    error: str | None = None
+
+
 class KvReportResponse(BaseModel):
     """The KV cache after its integrity check: num_pages == num_free + num_in_use + num_cached; idle, num_in_use
     is 0 (anything else is a leaked page)."""
@@ -249,6 +266,9 @@ class KvReportResponse(BaseModel):
     num_waiting: int
     integrity: Literal["ok", "broken"]
     integrity_error: str | None
+    replicas: list[ReplicaKvReport] | None = None
+    """With --data-parallel-size N: each replica's census (the counts above are their sum over those that
+    answered)."""
 
 
 # -- per route ---------------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 from the DataParallelClient at scrape time (nothing counted twice):
 
     banyan:dp_replica_up{replica}                       1 while the replica's core lives
+    banyan:dp_replica_restarts_total{replica}           new cores that took the place of a dead one
+    banyan:dp_replica_failed_starts_total{replica}      new cores that failed before they were ready (retried)
     banyan:dp_replica_num_requests_running{replica}     its running / waiting requests, KV usage, prefix cache
     banyan:dp_replica_num_requests_waiting{replica}
     banyan:dp_replica_kv_cache_usage_perc{replica}
@@ -39,10 +41,16 @@ class ReplicaCollector(Collector):
                     for name, kind, doc, _ in PER_REPLICA}
         routed = CounterMetricFamily("banyan:dp_router_requests", "Requests the router sent to this replica.",
                                      labels=labels)
+        restarts = CounterMetricFamily("banyan:dp_replica_restarts", "New cores that took the place of this "
+                                       "replica's dead one.", labels=labels)
+        failed = CounterMetricFamily("banyan:dp_replica_failed_starts", "New cores for this replica that failed "
+                                     "before they were ready.", labels=labels)
         router = self.client.router
         for index, (replica, alive) in enumerate(zip(self.client.replicas, self.client.alive())):
             key = [self.model_name, str(index)]
             up.add_metric(key, 1.0 if alive else 0.0)
+            restarts.add_metric(key, self.client.health[index].restarts)
+            failed.add_metric(key, self.client.health[index].failed_starts)
             routed.add_metric(key, router.stats.per_replica[index])
             if replica.stats is not None:
                 for name, _, _, field in PER_REPLICA:
@@ -51,4 +59,4 @@ class ReplicaCollector(Collector):
                                      f"predicted cached on the chosen replica (policy {router.policy}).",
                                      labels=["model_name"])
         hit_rate.add_metric([self.model_name], router.stats.hit_rate)
-        yield from [up, *families.values(), routed, hit_rate]
+        yield from [up, restarts, failed, *families.values(), routed, hit_rate]

@@ -1,5 +1,6 @@
 """Data parallel: two engine cores behind one client and its router, on a multi-tenant workload (several long
-system prompts, many users each); and a server with two replicas, one of which dies and is restarted."""
+system prompts, many users each); a server with two replicas, reported one by one, one of which dies and is
+restarted after its first new core fails; and a replica whose new cores all fail, left down and routed around."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import httpx
 import pytest
 
 from banyan.config_args import config_from_kwargs
+from banyan.ipc import dp_client
 from banyan.ipc.dp_client import DataParallelClient
 from banyan.ipc.messages import AddRequest
 from banyan.sampling_params import SamplingParams
@@ -83,8 +85,16 @@ def replica_series(base_url: str, name: str) -> list[float]:
     return [float(v) for _, v in sorted(found)]
 
 
-def test_a_server_with_two_replicas_serves_reports_each_and_survives_losing_one(model_dir):
-    server = start_server(model_dir, "--data-parallel-size", "2", "--kv-cache-memory", "4MiB")
+ADMIN = {"Authorization": "Bearer admin-key"}
+
+
+def admin_entry(base_url: str) -> dict:
+    return httpx.get(f"{base_url}/admin/models", headers=ADMIN, timeout=10).json()["data"][0]
+
+
+def test_a_server_reports_each_replica_and_survives_losing_one_whose_first_new_core_fails(model_dir):
+    server = start_server(model_dir, "--data-parallel-size", "2", "--kv-cache-memory", "4MiB",
+                          "--admin-api-key", "admin-key", "--fault", "fail-restarts=1")
     try:
         for i in range(4):
             r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": f"hello {i}", "max_tokens": 3}, timeout=60)
@@ -92,22 +102,61 @@ def test_a_server_with_two_replicas_serves_reports_each_and_survives_losing_one(
         metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
         assert 'banyan:dp_replica_up{model_name="' in metrics and 'replica="1"} 1.0' in metrics
         assert "banyan:dp_router_prefix_hit_rate" in metrics and "banyan:dp_router_requests_total" in metrics
+        kv = httpx.get(f"{server.base_url}/admin/kv", headers=ADMIN, timeout=10).json()
+        assert [r["replica"] for r in kv["replicas"]] == [0, 1] and kv["integrity"] == "ok"
+        for field in ("num_pages", "num_free", "num_cached", "num_in_use"):  # the totals are the replicas' sum
+            assert kv[field] == sum(r[field] for r in kv["replicas"]), field
+        assert all(r["num_pages"] > 0 and r["integrity"] == "ok" for r in kv["replicas"])
+        entry = admin_entry(server.base_url)
         cores = children(server.proc.pid)
-        assert len(cores) == 2
-        os.kill(cores[0], signal.SIGKILL)
+        assert sorted(r["pid"] for r in entry["replicas"]) == sorted(cores)
+        assert all(r["memory_bytes"] > 100 << 20 for r in entry["replicas"])  # each core's RSS: torch and a model
+        assert entry["memory_bytes"] >= sum(r["memory_bytes"] for r in entry["replicas"]) * 0.9  # both, not the first
+        assert entry["kv_cache_tokens"] == sum(r["kv_cache_tokens"] for r in entry["replicas"]) == kv["num_pages"] * 4
+
+        os.kill(entry["replicas"][0]["pid"], signal.SIGKILL)
         answered = [httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "after", "max_tokens": 2},
                                timeout=60).status_code for _ in range(4)]
         assert answered == [200] * 4  # the router stopped sending to the dead replica
         assert server.proc.poll() is None
-        deadline = time.monotonic() + 300  # a new core takes the dead one's place
+        deadline = time.monotonic() + 300  # its first new core fails at start-up; the second, a second later, serves
         while replica_series(server.base_url, "dp_replica_up") != [1.0, 1.0] and time.monotonic() < deadline:
             time.sleep(0.5)
         assert replica_series(server.base_url, "dp_replica_up") == [1.0, 1.0]
+        assert replica_series(server.base_url, "dp_replica_failed_starts_total") == [1.0, 0.0]
+        assert replica_series(server.base_url, "dp_replica_restarts_total") == [1.0, 0.0]
+        replica = admin_entry(server.base_url)["replicas"][0]
+        assert (replica["state"], replica["restarts"], replica["failed_starts"]) == ("up", 1, 1)
+        assert "exited with status 1" in replica["last_error"]
         before = replica_series(server.base_url, "dp_router_requests_total")
         for i in range(4):  # new prompts: the router sends some to the new core (its tree is the smallest)
             assert httpx.post(f"{server.base_url}/v1/completions", json={"prompt": f"back {i} " * 4, "max_tokens": 2},
                               timeout=60).status_code == 200
         assert replica_series(server.base_url, "dp_router_requests_total")[0] > before[0]
-        assert len(children(server.proc.pid)) == 2  # the dead core reaped, its replacement running
+        assert len(children(server.proc.pid)) == 2  # the dead core and the failed one reaped, the new one running
     finally:
         assert server.stop() == 0
+
+
+def test_a_replica_whose_new_cores_all_fail_is_left_down_and_routed_around(model_dir):
+    async def scenario() -> None:
+        config = config_from_kwargs(dict(model=str(model_dir), num_threads=1, block_size=4, num_pages=48,
+                                         data_parallel_size=2))
+        client = await DataParallelClient.start(config, fault="fail-restarts=99", backoff=0.01)
+        try:
+            os.kill(client.replicas[0].pid, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while client.health[0].state != "down" and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            health = client.health[0]
+            assert (health.state, health.restarts, health.failed_starts) == ("down", 0, dp_client.START_ATTEMPTS)
+            assert client.alive() == [False, True] and client.is_alive()
+            for i in range(4):
+                request = AddRequest(f"r{i}", [5, 6, 7, i + 8], SamplingParams(max_tokens=2), time.time())
+                assert [d async for d in client.generate(request)][-1].finish_reason is not None
+            assert client.router.stats.per_replica[0] == 0  # every request went to the live replica
+            assert children(os.getpid()) == [client.replicas[1].pid]  # no failed core left behind
+        finally:
+            await client.shutdown()
+
+    asyncio.run(scenario())

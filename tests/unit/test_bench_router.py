@@ -7,6 +7,7 @@ from prometheus_client.exposition import generate_latest
 
 from banyan.bench.router import markdown, parse_replica_counters
 from banyan.distributed.router import Router
+from banyan.ipc.dp_client import ReplicaHealth
 from banyan.ipc.messages import EngineStats
 from banyan.server.replica_metrics import ReplicaCollector
 
@@ -19,10 +20,11 @@ class FakeReplica:
 
 
 class FakeClient:
-    """The two things ReplicaCollector reads of a DataParallelClient: its replicas and its router."""
+    """What ReplicaCollector reads of a DataParallelClient: its replicas, their health and its router."""
 
     def __init__(self):
         self.replicas = [FakeReplica(40), FakeReplica(60)]
+        self.health = [ReplicaHealth(), ReplicaHealth("restarting", restarts=1, failed_starts=2)]
         self.router = Router("cache_aware", 2, 4, 64)
         self.router.choose(None, list(range(16)), [0, 0], [True, True])
 
