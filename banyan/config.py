@@ -288,6 +288,10 @@ class ParallelConfig:
     ray_address: str | None = None
     """The Ray cluster to join with a ray backend: its GCS address host:port (default: $RAY_ADDRESS, or else a
     one-node Ray started by this process)."""
+    replicas_on_host: int | None = None
+    """Data-parallel replicas sharing one host's memory, for sizing each CPU KV pool (set by the engine client, not
+    a flag): None is all of them (local processes); with --data-parallel-backend ray, as many as Ray's spreading
+    puts on a node (distributed/ray_cluster.replicas_per_node)."""
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -297,6 +301,9 @@ class ParallelConfig:
             raise UnknownChoiceError("router_policy", self.router_policy, list(ROUTER_POLICIES))
         if not self.distributed_timeout > 0:
             raise InvalidParameterError("distributed_timeout", f"must be positive, got {self.distributed_timeout}")
+        if self.replicas_on_host is not None and not 1 <= self.replicas_on_host <= self.data_parallel_size:
+            raise InvalidParameterError("replicas_on_host", f"must be 1..data_parallel_size "
+                                        f"({self.data_parallel_size}), got {self.replicas_on_host}")
         for name in ("data_parallel_backend", "distributed_executor_backend"):
             if getattr(self, name) not in PARALLEL_BACKENDS:
                 raise UnknownChoiceError(name, getattr(self, name), list(PARALLEL_BACKENDS))
@@ -311,8 +318,16 @@ class ParallelConfig:
 
     @property
     def processes(self) -> int:
-        """Engine processes on this machine, each with weights and a KV pool of its own (replicas x ranks)."""
+        """Engine processes in all, each with weights and a KV pool of its own (replicas x ranks)."""
         return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def pools_on_host(self, ranks_here: int | None = None) -> int:
+        """Processes sizing a KV pool from this host's memory at the same time (runner/memory.py): the replicas on
+        this host (replicas_on_host) x each one's ranks on it (ranks_here: counted from a Ray placement group; None:
+        every rank, local processes). A replica or worker that Ray placed on another node sizes from that node's."""
+        replicas = self.data_parallel_size if self.replicas_on_host is None else self.replicas_on_host
+        ranks = self.tensor_parallel_size * self.pipeline_parallel_size if ranks_here is None else ranks_here
+        return replicas * ranks
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from banyan.config import EngineConfig
 from banyan.spec.config import SpeculativeConfig
 
 RENAMED = {"policy": "scheduling_policy"}  # field -> vLLM's name (its flag keeps the field's name too)
-NOT_FLAGS = {"trust_remote_code", "num_pages", "worker_fault"}  # set from Python only
+NOT_FLAGS = {"trust_remote_code", "num_pages", "worker_fault", "replicas_on_host"}  # set from Python only
 SIZES = {"kv_cache_memory", "max_body_bytes", "memory_budget"}  # flags that take 4GiB, 512MB, ...
 SEVERAL = {"lora_modules"}  # repeatable flags that also take several values at once (vLLM's --lora-modules a=x b=y)
 SECTIONS: dict[str, type] = {  # model -> ModelConfig, cache -> ..., ...: a section of fields, each its own setting

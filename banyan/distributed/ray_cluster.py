@@ -198,6 +198,49 @@ def core_options(config: EngineConfig) -> dict:
     return {**resources(on_gpu, config.model.num_threads, ranks), "scheduling_strategy": "SPREAD"}  # one per node
 
 
+def replicas_on_a_node(config: EngineConfig) -> int:
+    """The most engine cores of `config`'s data_parallel_size that Ray may put on one node of the cluster now (what
+    each core's KV pool shares that node's memory with: ParallelConfig.pools_on_host)."""
+    import ray
+
+    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+    return replicas_per_node(config.parallel.data_parallel_size, nodes, as_bundle(core_options(config)))
+
+
+def replicas_per_node(replicas: int, nodes: list[dict], need: dict) -> int:
+    """How many of `replicas` cores, each needing the resources `need`, SPREAD puts on the fullest node: one on each
+    node with room, then again round the nodes with room left (nodes: each node's total resources). Cores beyond
+    what the nodes hold wait for room; counted as on the fullest node too, where they may land. At least 1.
+
+        need {"CPU": 2}, nodes of 8, 2 and 0 CPUs (room for 4, 1, 0), 5 replicas:
+            round 1: 1 1 0   round 2: 2 1 0   round 3: 3 1 0   round 4: 4 1 0   -> 4
+    """
+    room = [min(int(node.get(name, 0) // amount) for name, amount in need.items() if amount) for node in nodes]
+    placed = [0] * len(room)
+    left = replicas
+    while left and any(p < r for p, r in zip(placed, room)):
+        for i in range(len(room)):
+            if left and placed[i] < room[i]:
+                placed[i], left = placed[i] + 1, left - 1
+    return max(1, max(placed, default=0) + left)
+
+
+def ranks_sharing_node(nodes: list[str]) -> list[int]:
+    """For each rank, the ranks on its node, itself included (nodes[r]: rank r's node id)."""
+    counts = collections.Counter(nodes)
+    return [counts[node] for node in nodes]
+
+
+def rank_nodes(group) -> list[str]:
+    """The node of each rank of a tensor/pipeline group: rank 0 is this process, rank r runs in bundle r-1 of the
+    placement group."""
+    import ray
+    from ray.util import placement_group_table
+
+    bundles = placement_group_table(group)["bundles_to_node_id"]
+    return [ray.get_runtime_context().get_node_id()] + [bundles[i] for i in range(len(bundles))]
+
+
 def as_bundle(options: dict) -> dict:
     """The same resources as a placement-group bundle."""
     return {"CPU": options["num_cpus"], **({"GPU": options["num_gpus"]} if options.get("num_gpus") else {})}

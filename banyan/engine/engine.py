@@ -62,8 +62,8 @@ class Engine:
         runner_factory = parallel_runner_factory(config.parallel, runner_factory)  # tensor parallel: workers
         draft = open_draft(config, source)  # speculative draft_model: its K/V count in the pool
         runner_kwargs = ({"lora_config": lora} if lora else {}) | draft_runner_kwargs(config, draft)
-        if config.parallel.processes > 1:  # replicas and ranks size their KV pools at once: each takes its share
-            runner_kwargs["pools_on_host"] = config.parallel.processes
+        if config.parallel.processes > 1:  # replicas and ranks on this host size their pools at once: each its share
+            runner_kwargs["pools_on_host"] = config.parallel.pools_on_host()
         self.runner = runner_factory(config.model, config.cache, source, limits, **runner_kwargs)
         if config.model.max_model_len == "auto":  # sized from the model's limit; now from what the pool holds
             self.max_model_len = fitting_context(self.max_model_len, self.runner.num_pages * config.cache.block_size)

@@ -366,11 +366,14 @@ class EngineClient:
 
 def _joined_to_ray(config: EngineConfig) -> EngineConfig:
     """With a Ray backend: this process joins the cluster, and the config names its address, so that a core started
-    from here (and its workers) join the same one."""
+    from here (and its workers) join the same one; with Ray placing the replicas, it also says how many may share a
+    node (each core sizes its KV pool from its node's memory, shared with only those)."""
     if not config.parallel.on_ray:
         return config
-    address = ray_cluster.connect(config.parallel.ray_address)
-    return config.replace(parallel=dataclasses.replace(config.parallel, ray_address=address))
+    parallel = dataclasses.replace(config.parallel, ray_address=ray_cluster.connect(config.parallel.ray_address))
+    if parallel.data_parallel_backend == "ray" and parallel.replicas_on_host is None:
+        parallel = dataclasses.replace(parallel, replicas_on_host=ray_cluster.replicas_on_a_node(config))
+    return config.replace(parallel=parallel)
 
 
 def _bind(sock: zmq.Socket, ipc_dir: str, name: str, on_ray: bool) -> str:

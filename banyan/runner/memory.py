@@ -15,6 +15,7 @@ On a CPU, without --kv-cache-memory, the pool takes what the host has left (CpuK
       + weights    added back: what the host had for this process
       - reserve    max(1 GiB, 10% of the memory): API process, tokenizers, page cache, other programs
       / pools      data-parallel replicas x tensor/pipeline ranks on this host, sizing theirs at the same time
+                   (ParallelConfig.pools_on_host: those Ray placed on other nodes do not count)
       - weights, - activations (the largest step's tensors, estimated)
       = KV budget, at most what max_num_seqs requests of max_model_len tokens can ever fill
 

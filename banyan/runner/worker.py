@@ -100,6 +100,8 @@ class ParallelRunner(ModelRunner):
         self.workers = Workers(WorkerSpec(0, group_size(parallel), 0, "", model_config, cache_config, limits,
                                           parallel), resolve_device(model_config.device))
         try:
+            if self.workers.ranks_here is not None:  # Ray placed the ranks: only those on this node share it
+                pools_on_host = parallel.pools_on_host(self.workers.ranks_here[0])
             super().__init__(model_config, cache_config, source, limits, pools_on_host=pools_on_host,
                              parallel=placement(parallel, self.workers.group, source.arch))
         except RuntimeError as e:  # a worker failed while loading: the agreement on the KV pool saw it
@@ -141,6 +143,7 @@ class WorkerSpec(msgspec.Struct):
     limits: RunnerLimits
     parallel: ParallelConfig
     host: str = "127.0.0.1"  # rank 0's address (its node's with --distributed-executor-backend ray)
+    ranks_here: int | None = None  # ranks on this rank's node, Ray placing them (None: every rank, local processes)
 
 
 class Workers:
@@ -150,6 +153,8 @@ class Workers:
         self.size, self.timeout = spec.size, spec.parallel.distributed_timeout
         on_ray = spec.parallel.distributed_executor_backend == "ray"
         options, self.ray_group = _ray_placement(spec, device) if on_ray else (None, None)
+        # Ray may put ranks on other nodes: each rank's KV pool shares its node with the ranks there only
+        self.ranks_here = ray_cluster.ranks_sharing_node(ray_cluster.rank_nodes(self.ray_group)) if on_ray else None
         self.dir = tempfile.mkdtemp(prefix="banyan-tp-")  # mode 0700
         self.context = zmq.Context()
         self.pub = self.context.socket(zmq.XPUB)
@@ -160,7 +165,8 @@ class Workers:
         store = TPGroup.host_store(spec.size)
         spec = msgspec.structs.replace(spec, host=host, port=store.port,
                                        steps=self.pub.getsockopt(zmq.LAST_ENDPOINT).decode())
-        self.procs = [_spawn(msgspec.structs.replace(spec, rank=rank), self.ray_group, options)
+        here = self.ranks_here or [None] * spec.size
+        self.procs = [_spawn(msgspec.structs.replace(spec, rank=rank, ranks_here=here[rank]), self.ray_group, options)
                       for rank in range(1, spec.size)]
         self._finalizer = weakref.finalize(self, _reap, self.procs, self.pub, self.context, self.dir, self.ray_group)
         try:
@@ -349,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
                          spec.parallel.distributed_timeout, address_towards(spec.host) if on_ray else None)
     source = open_model(spec.model.model, spec.model.trust_remote_code, spec.model.tokenizer)
     part = placement(spec.parallel, group, source.arch)
-    runner = ModelRunner(spec.model, spec.cache, source, spec.limits, parallel=part, pools_on_host=spec.parallel.processes)
+    runner = ModelRunner(spec.model, spec.cache, source, spec.limits, parallel=part,
+                         pools_on_host=spec.parallel.pools_on_host(spec.ranks_here))
     fault = WorkerFault(spec.parallel.worker_fault) if spec.parallel.worker_fault and spec.rank == 1 else None
     serve(runner, steps, fault)
     steps.close(linger=0)

@@ -16,6 +16,8 @@ import torch
 
 from banyan import LLM
 from banyan.config import EngineConfig, ModelConfig, ParallelConfig
+from banyan.distributed import ray_cluster
+from banyan.errors import InvalidParameterError
 from banyan.engine.engine import Engine
 from banyan.host_memory import CPU_KV_ENV, V1_UNLIMITED, HostMemory, read_host_memory
 from banyan.runner import model_runner
@@ -198,11 +200,59 @@ def test_replicas_and_ranks_each_size_their_share(tiny):
         seen.update(kwargs)
         raise Stop
 
-    config = EngineConfig(model=ModelConfig(model=str(tiny), device="cpu"), parallel=ParallelConfig(data_parallel_size=3))
-    with pytest.raises(Stop):
-        Engine(config, runner_factory=runner)
-    assert seen["pools_on_host"] == 3
+    for parallel, pools in [(ParallelConfig(data_parallel_size=3), 3),
+                            (ParallelConfig(data_parallel_size=3, replicas_on_host=2), 2)]:  # one on another node
+        config = EngineConfig(model=ModelConfig(model=str(tiny), device="cpu"), parallel=parallel)
+        with pytest.raises(Stop):
+            Engine(config, runner_factory=runner)
+        assert seen["pools_on_host"] == pools
     assert ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2).processes == 8
+
+
+# -- which processes share this host ------------------------------------------------------------------------
+def test_local_processes_all_share_the_host():
+    parallel = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2)
+    assert parallel.pools_on_host() == 8
+
+
+def test_only_the_replicas_and_ranks_ray_put_on_this_node_count():
+    spread = ParallelConfig(tensor_parallel_size=2, data_parallel_size=4, replicas_on_host=1)  # one replica a node
+    assert spread.pools_on_host() == 2  # its own two ranks: not the 8 processes of the four replicas
+    assert spread.pools_on_host(ranks_here=1) == 1  # and Ray put its worker on another node
+    assert ParallelConfig(tensor_parallel_size=4, data_parallel_size=2).pools_on_host(ranks_here=3) == 6
+    with pytest.raises(InvalidParameterError, match="replicas_on_host"):
+        ParallelConfig(data_parallel_size=2, replicas_on_host=3)
+
+
+@pytest.mark.parametrize("replicas, nodes, need, most", [
+    (2, [{"CPU": 4}, {"CPU": 4}], {"CPU": 1}, 1),  # SPREAD: one per node
+    (3, [{"CPU": 4}, {"CPU": 4}], {"CPU": 1}, 2),  # then round again
+    (5, [{"CPU": 8}, {"CPU": 2}, {"CPU": 0}], {"CPU": 2}, 4),  # the head node holds none, the small one one
+    (2, [{"CPU": 8}, {"CPU": 8, "GPU": 1}], {"CPU": 1, "GPU": 1}, 2),  # only one node has a GPU
+    (3, [{"CPU": 1}], {"CPU": 2}, 3),  # no room anywhere yet: they may all land on the node that frees up
+    (1, [], {"CPU": 1}, 1),
+])
+def test_ray_spreads_replicas_and_the_fullest_node_counts(replicas, nodes, need, most):
+    assert ray_cluster.replicas_per_node(replicas, nodes, need) == most
+
+
+def test_ranks_count_the_ranks_on_their_own_node():
+    assert ray_cluster.ranks_sharing_node(["a", "a", "b", "a"]) == [3, 3, 1, 3]
+    assert ray_cluster.ranks_sharing_node(["a"]) == [1]
+
+
+def test_pools_sized_on_two_nodes_fill_each_nodes_memory_not_half_of_it():
+    """Four ranks, two on each node: each sizes a quarter of its node's memory when it counts every rank (before), a
+    half when it counts its node's ranks: the pools then use both nodes' memory and stay within it."""
+    node_free, weights = 40 * GiB, 2 * GiB
+    reserve = HostMemory(0, node_free, "").reserve
+    nodes = ["a", "a", "b", "b"]
+    for counted, filled in ((ray_cluster.ranks_sharing_node(nodes), 1.0), ([len(nodes)] * len(nodes), 0.5)):
+        budgets = [CpuKVSizing(HostMemory(node_free - weights, node_free, "MemAvailable"), weights, 0, pools,
+                               useful=1 << 50).budget for pools in counted]
+        per_node = {n: sum(b + weights for b, m in zip(budgets, nodes) if m == n) for n in "ab"}
+        assert all(used <= node_free - reserve for used in per_node.values())
+        assert min(per_node.values()) / (node_free - reserve) == pytest.approx(filled, abs=0.01)
 
 
 # -- the server ---------------------------------------------------------------------------------------------
