@@ -256,6 +256,11 @@ class LoRAConfig:
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "least_load")
 PARALLEL_BACKENDS = ("mp", "ray")  # vLLM's names: local processes, or Ray actors (banyan/distributed/ray_cluster.py)
+RAY_CLIENT_REFUSED = (
+    "ray:// (Ray Client) addresses are not supported: the engine cores Ray places connect back to sockets the server "
+    "binds on its own node's address, so banyan must run on a node of the cluster; start it there and give the "
+    "cluster's GCS address host:port (`ray start --head --port 6379` prints it), or leave it unset on a node that "
+    "ran `ray start`")
 
 
 @dataclass(frozen=True)
@@ -301,6 +306,8 @@ class ParallelConfig:
             raise UnknownChoiceError("router_policy", self.router_policy, list(ROUTER_POLICIES))
         if not self.distributed_timeout > 0:
             raise InvalidParameterError("distributed_timeout", f"must be positive, got {self.distributed_timeout}")
+        if self.ray_address is not None and self.ray_address.startswith("ray://"):
+            raise InvalidParameterError("ray_address", RAY_CLIENT_REFUSED)
         if self.replicas_on_host is not None and not 1 <= self.replicas_on_host <= self.data_parallel_size:
             raise InvalidParameterError("replicas_on_host", f"must be 1..data_parallel_size "
                                         f"({self.data_parallel_size}), got {self.replicas_on_host}")

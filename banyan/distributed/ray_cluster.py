@@ -26,8 +26,8 @@ import sys
 import threading
 from pathlib import Path
 
-from banyan.config import EngineConfig
-from banyan.errors import WorkerError
+from banyan.config import RAY_CLIENT_REFUSED, EngineConfig
+from banyan.errors import InvalidParameterError, WorkerError
 
 CORE_LAUNCH = Path(__file__).resolve().parents[1] / "ipc" / "core_launch.py"  # by path: distributed never imports ipc
 logger = logging.getLogger(__name__)
@@ -39,7 +39,10 @@ PLACEMENTS = 3  # tries to place a process whose actor is lost before it started
 
 def connect(address: str | None = None) -> str:
     """Join the Ray cluster whose GCS is at `address` (host:port; None: $RAY_ADDRESS, or else a one-node Ray started
-    here), once per process. Returns the cluster's GCS address, for the processes started from here to join."""
+    here), once per process. Returns the cluster's GCS address, for the processes started from here to join.
+    InvalidParameterError for a ray:// (Ray Client) address, from the setting or $RAY_ADDRESS (RAY_CLIENT_REFUSED)."""
+    if (address or os.environ.get("RAY_ADDRESS", "")).startswith("ray://"):
+        raise InvalidParameterError("ray_address" if address else "RAY_ADDRESS", RAY_CLIENT_REFUSED)
     import ray
 
     if not ray.is_initialized():

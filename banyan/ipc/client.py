@@ -94,10 +94,10 @@ class EngineClient:
         self._encoder = m.encoder()
         self._decoder = m.client_decoder()
 
+        config = _joined_to_ray(config)  # first: a refused Ray address leaves no sockets behind
         self._ctx = zmq.asyncio.Context()
         self._input = self._ctx.socket(zmq.PUSH)
         self._output = self._ctx.socket(zmq.PULL)
-        config = _joined_to_ray(config)
         on_ray = config.parallel.data_parallel_backend == "ray"
         addresses = [_bind(self._input, ipc_dir, "input", on_ray), _bind(self._output, ipc_dir, "output", on_ray)]
         self._output_now = zmq.Socket.shadow(self._output.underlying)  # the same socket, read without futures
@@ -114,7 +114,12 @@ class EngineClient:
                     log_format: str = "text") -> EngineClient:
         """Spawn the core and wait for Ready; EngineDeadError (with the core's stderr tail) if it fails first.
         log_format: the core's log lines, text or json (banyan.logs)."""
-        client = cls(config, tempfile.mkdtemp(prefix="banyan-"), fault, log_format)  # mkdtemp: mode 0700
+        ipc_dir = tempfile.mkdtemp(prefix="banyan-")  # mode 0700
+        try:
+            client = cls(config, ipc_dir, fault, log_format)
+        except BaseException:  # nothing started (a refused Ray address, a process that could not be spawned)
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+            raise
         try:
             client.info = await asyncio.wait_for(asyncio.shield(client._ready), ready_timeout)
         except BaseException as e:

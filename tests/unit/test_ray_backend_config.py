@@ -12,6 +12,7 @@ import pytest
 from banyan import LLM
 from banyan.config import ParallelConfig
 from banyan.config_args import config_from_kwargs
+from banyan.distributed import ray_cluster
 from banyan.errors import InvalidParameterError
 from banyan.registry import UnknownChoiceError
 
@@ -59,3 +60,15 @@ def test_the_server_and_the_engine_client_do_not_import_ray():
     code = ("import sys, banyan.server, banyan.ipc.client, banyan.ipc.dp_client, banyan.runner.worker\n"
             "print('ray' in sys.modules)")
     assert run_fresh(code) == "False"
+
+
+def test_a_ray_client_address_is_refused_with_the_reason_before_ray_is_joined(monkeypatch):
+    """ray:// (Ray Client) runs the driver off the cluster; the cores banyan places connect back to the server's node."""
+    with pytest.raises(InvalidParameterError, match=r"ray_address: ray:// \(Ray Client\) addresses are not supported"):
+        config_from_kwargs({"data_parallel_backend": "ray", "ray_address": "ray://head:10001"})
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")  # from the environment: refused where it is read
+    with pytest.raises(InvalidParameterError, match="RAY_ADDRESS: .* give the cluster's GCS address host:port"):
+        ray_cluster.connect(None)
+    assert run_fresh("import banyan.distributed.ray_cluster as r, sys, os\nos.environ['RAY_ADDRESS'] = 'ray://h:1'\n"
+                     "try:\n    r.connect(None)\nexcept Exception as e:\n    print(type(e).__name__, 'ray' in sys.modules)"
+                     ) == "InvalidParameterError False"  # refused before Ray is imported, let alone joined
