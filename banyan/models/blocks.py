@@ -80,6 +80,7 @@ class GatedMLP(nn.Module):
             hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=bias
         )
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.hidden_act = hidden_act
         self.act_mul = gated_activation(hidden_act, intermediate_size)  # [n, 2 inter] -> act(gate) * up [n, inter]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

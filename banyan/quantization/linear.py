@@ -139,6 +139,17 @@ class QuantizedLinear(nn.Module):
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def narrow_operands(self) -> tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """(kind, weight, scale, offset) as the narrow kernel reads them, where it serves up to max_rows rows of x
+        and the inputs keep their order (callers running the kernel themselves, banyan/runner/cpu_step.py); else
+        None. int4: packed blocks, scale and offset per group; int8: values and row scales; fp16: the values."""
+        if self.gemv is None or self.input_order is not None:
+            return None
+        kind, w = self.fmt.kind, self.weight
+        if kind == "int4":
+            return kind, self.packed, w.scale, self.offset
+        return kind, w.q, w.scale if kind == "int8" else None, None
+
     def quantized_bytes(self) -> int:
         held = [self.packed, self.scale_zeros, self.offset, *(vars(self.weight).values() if self.weight is not None else ())]
         return self.packed_bytes + sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))

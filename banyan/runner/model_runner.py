@@ -27,6 +27,7 @@ from banyan.quantization.formats import FP16
 from banyan.quantization import (FILE_METHODS, default_method, finish_loading, model_weight_bytes, plan_formats,
                                  quantize_linears, use_fixed_order)
 from banyan.registry import UnknownChoiceError
+from banyan.runner.cpu_step import CpuDecodeStep
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from banyan.runner.drafter import NetworkDrafter
 from banyan.forward_batch import ForwardBatch
@@ -83,6 +84,7 @@ class ModelRunner:
         self.kv_caches = [(self._kv_pages(self.num_pages + 1), self._kv_pages(self.num_pages + 1))
                           for _ in range(self.shard.num_hidden_layers)]
         self.decode_graphs: DecodeGraphs | None = None
+        self.cpu_step = None if lora_config or parallel else CpuDecodeStep.build(self.model, self.attn, self.kv_caches)
         if self.device.type == "cuda" and not model_config.enforce_eager and parallel is None:
             self.start_decode_graphs(capture=True)
         self.sampler = Sampler(self.arch.vocab_size, default_seed=model_config.seed)
@@ -250,8 +252,9 @@ class ModelRunner:
         if lora is not None:
             with self.lora.bound(lora):
                 return self.model(fb, self.kv_caches)
-        if self.decode_graphs is not None and self.decode_graphs.fits(fb):
-            return self.decode_graphs.run(fb)
+        for fast in (self.decode_graphs, self.cpu_step):  # CUDA graphs; on a CPU, a few rows' layers in one C call
+            if fast is not None and fast.fits(fb):
+                return fast.run(fb)
         return self.model(fb, self.kv_caches)
 
     def _grammar_masks(self, plan: _LogitsPlan) -> tuple[torch.Tensor, list[int]] | None:

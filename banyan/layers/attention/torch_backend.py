@@ -122,7 +122,7 @@ def make_plan(batch: ForwardBatch, sliding_window: int | None, page_size: int, k
     chunks in one padded group, each longer prefill chunk in its own."""
     device = batch.block_tables.device
     starts = [0, *itertools.accumulate(batch.query_lens)]
-    paged = _paged_rows(batch, starts, kernel_query) if kernel_query else None
+    paged = paged_rows(batch, starts, kernel_query) if kernel_query else None
     decode = [i for i, n in enumerate(batch.query_lens) if n == 1 and not kernel_query]
     groups = []
     if decode:
@@ -143,7 +143,7 @@ def make_plan(batch: ForwardBatch, sliding_window: int | None, page_size: int, k
     return _Plan(batch, sliding_window, list(batch.context_lens), list(batch.query_lens), groups, paged)
 
 
-def _paged_rows(batch: ForwardBatch, starts: list[int], kernel_query: int) -> cpu_decode.PagedRows | None:
+def paged_rows(batch: ForwardBatch, starts: list[int], kernel_query: int) -> cpu_decode.PagedRows | None:
     """The rows of requests with at most kernel_query new rows; request i's j-th new row is at position
     context_lens[i] - query_lens[i] + j."""
     rows, seqs, positions = [], [], []

@@ -1,0 +1,75 @@
+"""Steps of a few rows with every decoder layer in one C call (banyan/runner/cpu_step.py) give the module path's
+bits: the same greedy tokens and the same logprobs, on tiny models written to disk and loaded for real; where it
+does not apply the runner keeps the module path (cpu_step is None)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from banyan import LLM, SamplingParams
+from banyan.config import CacheConfig, EngineConfig, ModelConfig
+from banyan.kernels import cpu_decode_layers
+from tests.factories import write_model_dir
+
+needs_kernels = pytest.mark.skipif(cpu_decode_layers.load() is None, reason="needs an x86 CPU with AVX2 and a C compiler")
+
+MAX_NEW = 10
+
+
+def make_llm(path, quantization, **model):
+    config = EngineConfig(model=ModelConfig(str(path), num_threads=1, quantization=quantization, **model),
+                          cache=CacheConfig(block_size=4, enable_prefix_caching=False))
+    return LLM.from_config(config)
+
+
+def outputs(llm, prompts):
+    """Each prompt's greedy tokens and top-3 logprobs: the prompts together (decode steps of several rows; the short
+    prompts' prefills fit in a step too), then each alone (batch 1)."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
+    together = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    alone = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in [*together, *alone]]
+
+
+def prompts_for(vocab_size: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in (2, 5, 8, 19, 37)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch, quantization, overrides, model", [
+    ("llama", "int4", {"tie_word_embeddings": True}, {}),
+    ("llama", "int8", {}, {}),
+    ("mistral", "int8", {"sliding_window": 6}, {}),  # the window, in every layer
+    ("qwen2", "int4", {}, {}),  # q/k/v biases
+    ("llama", "fp16", {}, {"batch_invariant": True}),  # every row of every matmul through banyan's kernels
+])
+def test_one_call_gives_the_module_paths_bits(tmp_path, arch, quantization, overrides, model):
+    hf = write_model_dir(tmp_path, arch, seed=3, **overrides)
+    llm = make_llm(tmp_path, quantization, **model)
+    runner = llm.engine.runner
+    assert runner.cpu_step is not None
+    prompts = prompts_for(hf.config.vocab_size)
+    fused = outputs(llm, prompts)
+    step, runner.cpu_step = runner.cpu_step, None
+    assert outputs(llm, prompts) == fused
+    runner.cpu_step = step
+
+
+@pytest.mark.parametrize("arch, quantization, why", [
+    ("llama", "none", "float32 linear layers run torch's GEMM, not a narrow kernel"),
+    ("qwen3", "int8", "q/k norms"),
+])
+def test_other_models_keep_the_module_path(tmp_path, arch, quantization, why):
+    write_model_dir(tmp_path, arch, seed=3, qwen3=arch == "qwen3")
+    assert make_llm(tmp_path, quantization).engine.runner.cpu_step is None, why
+
+
+def test_fused_decode_turned_off_keeps_the_module_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("BANYAN_DISABLE_FUSED_DECODE", "1")
+    hf = write_model_dir(tmp_path, "llama", seed=3)
+    llm = make_llm(tmp_path, "int8")
+    assert llm.engine.runner.cpu_step is None
+    assert all(len(tokens) == MAX_NEW for tokens, _ in outputs(llm, prompts_for(hf.config.vocab_size)[:2]))
