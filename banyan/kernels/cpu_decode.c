@@ -194,7 +194,10 @@ void paged_attention(const float *q, int q_stride, const float *k_cache, const f
             float *p = scratch + (size_t)omp_get_thread_num() * (group + 1) * max_keys;
             float *o = out + ((size_t)rows[i] * H + (size_t)kh * group) * D;
             uint32_t *slot = (uint32_t *)(p + (size_t)group * max_keys);
-            for (int j = 0; j < keys; j++) slot[j] = (uint32_t)table[(first + j) / P] * P + (first + j) % P;
+            for (int j = 0, page = first / P, at = first % P; j < keys; j++) {  /* one division, not one a key */
+                slot[j] = (uint32_t)table[page] * P + at;
+                if (++at == P) at = 0, page++;
+            }
             for (int j = 0; j < keys; j += 8) {
                 const int m = keys - j < 8 ? keys - j : 8;
                 const float *kr[8];
