@@ -7,9 +7,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from banyan import LLM, SamplingParams
 from banyan.config import CacheConfig, EngineConfig, ModelConfig
+from banyan.forward_batch import ForwardBatch
 from banyan.kernels import cpu_decode_layers
 from tests.factories import write_model_dir
 
@@ -73,3 +75,42 @@ def test_fused_decode_turned_off_keeps_the_module_path(tmp_path, monkeypatch):
     llm = make_llm(tmp_path, "int8")
     assert llm.engine.runner.cpu_step is None
     assert all(len(tokens) == MAX_NEW for tokens, _ in outputs(llm, prompts_for(hf.config.vocab_size)[:2]))
+
+
+def decode_batch(tables: list[list[int]], positions: list[int], page_size: int) -> ForwardBatch:
+    """One decode row per request, at `positions` (its context: that many tokens before it), its K/V stored there."""
+    width = max(len(t) for t in tables)
+    slots = [t[p // page_size] * page_size + p % page_size for t, p in zip(tables, positions)]
+    n = len(positions)
+    return ForwardBatch(input_ids=torch.arange(5, 5 + n), positions=torch.tensor(positions),
+                        slot_mapping=torch.tensor(slots), query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+                        seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32),
+                        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+                        logits_indices=torch.arange(n), query_lens=[1] * n, context_lens=[p + 1 for p in positions],
+                        page_size=page_size)
+
+
+@needs_kernels
+def test_a_step_leaves_the_same_hidden_states_and_cache_as_the_modules(tmp_path):
+    write_model_dir(tmp_path, "llama", seed=3)
+    runner = make_llm(tmp_path, "int4").engine.runner
+    fb = decode_batch([[3, 7], [1], [9, 2, 4]], [5, 1, 10], runner.page_size)  # pages 4 tokens: page edges crossed
+    caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    with torch.inference_mode():
+        hidden = runner.cpu_step.run(fb)
+        want = runner.model(fb, caches)
+    assert torch.equal(hidden, want)
+    assert all(torch.equal(a, b) for pair, other in zip(runner.kv_caches, caches) for a, b in zip(pair, other))
+
+
+@needs_kernels
+def test_a_position_past_the_rotary_table_is_a_value_error_as_in_the_modules(tmp_path):
+    write_model_dir(tmp_path, "llama", seed=3)
+    runner = make_llm(tmp_path, "int8").engine.runner
+    past = runner.model.model.layers[0].self_attn.rotary_emb.cos.shape[0] + 3
+    fb = decode_batch([[1] * (past // runner.page_size + 1)], [past], runner.page_size)
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="rotary table"):
+            runner.cpu_step.run(fb)
+        with pytest.raises(ValueError, match="rotary table"):
+            runner.model(fb, runner.kv_caches)
