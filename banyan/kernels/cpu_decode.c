@@ -120,6 +120,18 @@ int rope_store_kv(float *q, int q_stride, float *k, int k_stride, const float *v
     return bad;
 }
 
+/* The largest of p[0, n): eight lanes at a time (a maximum is exact in any order; libm's fmaxf was a call a key). */
+static inline float max_of(const float *p, int n) {
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(p + j));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    float top = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    for (; j < n; j++) top = p[j] > top ? p[j] : top;
+    return top;
+}
+
 /* Eight lanes' sums of eight vectors at once: out[u] = the sum of a[u]'s lanes, each added up in the same tree
  * ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) whichever u it is. */
 static inline __m256 hsum8x8(const __m256 a[8]) {
@@ -205,9 +217,8 @@ void paged_attention(const float *q, int q_stride, const float *k_cache, const f
                 for (int g = 0; g < group; g++) score8(qr + (size_t)g * D, kr, m, D, scale, p + (size_t)g * max_keys + j);
             }
             for (int g = 0; g < group; g++) {
-                float *pg = p + (size_t)g * max_keys, top = -INFINITY;
-                for (int j = 0; j < keys; j++) top = fmaxf(top, pg[j]);
-                exp_shifted(pg, keys, top);
+                float *pg = p + (size_t)g * max_keys;
+                exp_shifted(pg, keys, max_of(pg, keys));
             }
             for (int d = 0; d < group * D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
             for (int c = 0; c < D; c += 64)
