@@ -9,6 +9,13 @@ engine on its own thread; `submit` may be called from any thread and returns a h
     thread B: loop.submit(ids, params) --inbox-/                 (A and B share every step)
 
 While a loop runs, the LLM's own generate/chat/stream must not be used: the engine is not thread-safe.
+
+Callers that submit together (the programs of a run_batch) register with `add_callers`. When the engine is
+idle and a request arrives, the loop waits for every registered caller's request before the first step
+(or until no request arrived for `gather_quiet_s`: a caller busy with something else), so calls made
+together share their steps from the first. Without it the first arrival would step alone while the
+others are still writing their prompts, and every round of calls that finish together would begin with
+such a lone step. A running engine never waits: a late call joins the next step.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from banyan.errors import BanyanError
@@ -58,15 +66,21 @@ class Submission:
         self._done.set()
 
 
+GATHER_QUIET_S = 0.02  # a few prompts' Python (chat, tokenize) under the GIL; short next to any step
+
+
 class EngineLoop:
-    def __init__(self, llm):
+    def __init__(self, llm, gather_quiet_s: float = GATHER_QUIET_S):
         self.engine = llm.engine
+        self.gather_quiet_s = gather_quiet_s
         self.tokenizer = llm.tokenizer
         self._processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._inbox: list[tuple[Submission, list[int], SamplingParams]] = []
         self._running: dict[str, Submission] = {}  # prompt key -> its submission
         self._wake = threading.Condition()
+        self._callers = 0  # registered callers (add_callers)
+        self._last_change = 0.0  # monotonic time of the latest submission or caller leaving
         self._closed: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="banyan-engine-loop", daemon=True)
         self._thread.start()
@@ -78,8 +92,17 @@ class EngineLoop:
             if self._closed is not None:
                 raise EngineLoopClosedError(f"the engine loop is closed: {self._closed}")
             self._inbox.append((submission, list(prompt_token_ids), params))
+            self._last_change = time.monotonic()
             self._wake.notify()
         return submission
+
+    def add_callers(self, count: int) -> None:
+        """Register `count` callers that submit together (negative: unregister): while they run, an idle engine
+        waits for each one's next request before stepping (see the module docstring)."""
+        with self._wake:
+            self._callers = max(0, self._callers + count)
+            self._last_change = time.monotonic()
+            self._wake.notify()
 
     def close(self) -> None:
         """Stop the loop; requests still running end with EngineLoopClosedError. Idempotent."""
@@ -107,10 +130,21 @@ class EngineLoop:
                 self._wake.wait()
             if self._closed is not None:
                 return False
+            if not self.engine.has_unfinished_requests():
+                self._gather_callers()
             inbox, self._inbox = self._inbox, []
         for submission, ids, params in inbox:
             self._add(submission, ids, params)
         return True
+
+    def _gather_callers(self) -> None:
+        """(Holding _wake, engine idle.) Wait until each registered caller's request is in, or no request came
+        for gather_quiet_s. A caller that submits several (a select's options, a fork's branches) ends it early."""
+        while len(self._inbox) < self._callers and self._closed is None:
+            quiet_left = self._last_change + self.gather_quiet_s - time.monotonic()
+            if quiet_left <= 0:
+                return
+            self._wake.wait(quiet_left)
 
     def _add(self, submission: Submission, ids: list[int], params: SamplingParams) -> None:
         key = f"lang-{next(self._ids)}"

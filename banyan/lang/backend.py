@@ -88,6 +88,10 @@ class Backend:
     def cache_prefix(self, prompt: str) -> None:
         raise NotImplementedError
 
+    def add_callers(self, count: int) -> None:
+        """`count` more programs now run together (negative: fewer), so a backend that batches can wait for
+        each one's call before it starts a batch. The HTTP backends leave batching to the server."""
+
     def close(self) -> None:
         """Release what the backend holds (an engine, connections). Idempotent."""
 

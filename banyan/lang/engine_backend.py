@@ -85,6 +85,9 @@ class Engine(Backend):
 
         self._run("fork", self.tokenizer.encode(prompt), SamplingParams(max_tokens=1, temperature=0.0), None)
 
+    def add_callers(self, count: int) -> None:
+        self.loop.add_callers(count)
+
     def close(self) -> None:
         self.loop.close()
         self.llm.engine.close()

@@ -88,9 +88,17 @@ class Program:
             return []
         from tqdm import tqdm
 
-        with ThreadPoolExecutor(num_threads, thread_name_prefix="banyan-lang-batch") as pool, \
+        running = _RunningPrograms(backend, min(num_threads, len(batch_kwargs)), len(batch_kwargs))
+
+        def run_one(kwargs: dict[str, Any]) -> ProgramState:
+            try:
+                return self.run(backend=backend, **sampling, **kwargs)
+            finally:
+                running.program_ended()
+
+        with running, ThreadPoolExecutor(num_threads, thread_name_prefix="banyan-lang-batch") as pool, \
                 tqdm(total=len(batch_kwargs), disable=not progress_bar, desc="Programs") as bar:
-            futures = [pool.submit(self.run, backend=backend, **sampling, **kwargs) for kwargs in batch_kwargs]
+            futures = [pool.submit(run_one, kwargs) for kwargs in batch_kwargs]
             for future in futures:
                 future.add_done_callback(lambda _: bar.update(1))
             return [future.result() for future in futures]
@@ -106,6 +114,31 @@ class Program:
         finally:
             state.end_stream()
             state.close()
+
+
+class _RunningPrograms:
+    """Keeps the backend told how many of a batch's programs run at once: min(num_threads, those not finished),
+    so that the engine starts a batch with every running program's call in it (Backend.add_callers)."""
+
+    def __init__(self, backend: Backend, num_threads: int, total: int):
+        self.backend, self.unfinished, self.running = backend, total, num_threads
+        self.lock = threading.Lock()
+
+    def __enter__(self) -> _RunningPrograms:
+        self.backend.add_callers(self.running)
+        return self
+
+    def program_ended(self) -> None:
+        with self.lock:
+            self.unfinished -= 1
+            if self.running > self.unfinished:  # no program left to take the ended one's thread
+                self.running -= 1
+                self.backend.add_callers(-1)
+
+    def __exit__(self, *_exc) -> None:
+        with self.lock:
+            self.backend.add_callers(-self.running)
+            self.running = 0
 
 
 def function(fn: Callable[..., Any] | None = None, **_options: Any) -> Program | Callable[[Callable], Program]:
