@@ -60,6 +60,9 @@ def add_bench_parser(commands) -> None:
     spec.add_argument("--draft-model", default=None, help="draft_model: the draft's checkpoint")
     spec.add_argument("--policies", default="adaptive,fixed", help="comma-separated controller policies")
     spec.add_argument("--num-speculative-tokens", type=int, default=5)
+    spec.add_argument("--request-rate", type=float, default=float("inf"),
+                      help="Poisson arrivals per second, seeded by --workload-seed (inf: every prompt at once); "
+                           "adds TTFT / TPOT / E2E latency per configuration")
     spec.set_defaults(temperature=None, func=_tabled("speculative"))  # None: greedy for copy, 1.0 for random
 
     lora = add("lora", "output tok/s of a batch mixing LoRA adapters vs the base model alone, side by side", None)

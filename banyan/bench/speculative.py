@@ -8,6 +8,9 @@ a shared machine falls on all of them alike:
     round 1:  ngram  suffix off
     round 2:  suffix off    ngram
 Output tok/s sums tokens and seconds over the rounds; `ratio` is that over the `off` configuration's.
+With --request-rate, each run replays the same seeded Poisson arrivals instead (banyan.bench.arrivals), and each
+configuration also reports TTFT / TPOT / end-to-end latency over all its rounds' requests, `e2el_ratio` being its
+mean end-to-end latency over off's (below 1: faster).
 Acceptance comes from the engine's Speculator counters (SpecStats), read after the warm-up and at the end:
     acceptance_per_pos[j] = accepted_per_pos[j] / num_drafts    (P(draft j+1 accepted), per verification)
     mean_accepted_len     = 1 + num_accepted_tokens / num_drafts (tokens a verifying step emits)
@@ -17,9 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
 import time
 
+from banyan.bench.arrivals import poisson_offsets, run_arrivals
+from banyan.bench.metrics import summarize
 from banyan.bench.offline import generate_all
 from banyan.bench.workloads import BenchPrompt, random_prompts
 from banyan.config import EngineConfig
@@ -80,31 +86,33 @@ def run_speculative(config: EngineConfig, args) -> tuple[dict, dict]:
     llms = {label: LLM.from_config(_with(config, spec, args.batch_size)) for label, spec in configs.items()}
     try:
         prompts = _workload(next(iter(llms.values())), args)
-        results = side_by_side(llms, prompts, args.rounds, args.temperature)
+        rate = getattr(args, "request_rate", math.inf)
+        if math.isinf(rate):
+            results = side_by_side(llms, prompts, args.rounds, args.temperature)
+        else:
+            offsets = poisson_offsets(len(prompts), rate, seed=args.workload_seed)
+            results = side_by_side_arrivals(llms, prompts, offsets, args.rounds, args.temperature)
     finally:
         for llm in llms.values():
             llm.engine.close()
     bench = {k: getattr(args, k, None) for k in ("workload", "num_prompts", "copy_sentences", "input_len", "output_len",
                                                  "batch_size", "rounds", "methods", "policies", "num_speculative_tokens",
                                                  "draft_model", "temperature", "workload_seed")}
+    bench["request_rate"] = str(getattr(args, "request_rate", math.inf))  # inf is not JSON
     return {"engine": dataclasses.asdict(config), "bench": bench}, results
 
 
 def side_by_side(llms: dict[str, LLM], prompts: list[BenchPrompt], rounds: int, temperature: float) -> dict:
     """Warm each LLM up on the prompts, then time `rounds` rotations over them (the module docstring)."""
-    for llm in llms.values():
-        generate_all(llm, prompts, temperature, use_tqdm=False)
-    before = {label: _counters(llm) for label, llm in llms.items()}
+    before = _warm_up(llms, prompts, temperature)
     tokens = dict.fromkeys(llms, 0)
     seconds = dict.fromkeys(llms, 0.0)
-    labels = list(llms)
-    for r in range(rounds):
-        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
-            start = time.perf_counter()
-            run = generate_all(llms[label], prompts, temperature, use_tqdm=False)
-            seconds[label] += time.perf_counter() - start
-            tokens[label] += run["total_output_tokens"]
-    base = tokens[labels[0]] / seconds[labels[0]]
+    for _, label in _rotations(list(llms), rounds):
+        start = time.perf_counter()
+        run = generate_all(llms[label], prompts, temperature, use_tqdm=False)
+        seconds[label] += time.perf_counter() - start
+        tokens[label] += run["total_output_tokens"]
+    base = next(iter(tokens.values())) / next(iter(seconds.values()))
     results = {}
     for label, llm in llms.items():
         rate = tokens[label] / seconds[label]
@@ -113,8 +121,31 @@ def side_by_side(llms: dict[str, LLM], prompts: list[BenchPrompt], rounds: int, 
     return results
 
 
+def side_by_side_arrivals(llms: dict[str, LLM], prompts: list[BenchPrompt], offsets: list[float], rounds: int,
+                          temperature: float) -> dict:
+    """As side_by_side, each run the arrival schedule `offsets` (banyan.bench.arrivals) instead of one batch."""
+    before = _warm_up(llms, prompts, temperature)
+    timings = {label: [] for label in llms}
+    seconds = dict.fromkeys(llms, 0.0)
+    for r, label in _rotations(list(llms), rounds):
+        run, elapsed = run_arrivals(llms[label].engine, prompts, offsets, temperature, tag=f"round{r}")
+        timings[label] += run
+        seconds[label] += elapsed
+    summaries = {label: summarize(timings[label], seconds[label]) for label in llms}
+    base = next(iter(summaries.values()))
+    results = {}
+    for label, llm in llms.items():
+        summary = summaries[label]
+        results[label] = {**summary, "ratio": summary["output_throughput"] / base["output_throughput"],
+                          "e2el_ratio": summary["e2el_ms"]["mean"] / base["e2el_ms"]["mean"],
+                          "elapsed_s": seconds[label], **_acceptance(before[label], _counters(llm))}
+    return results
+
+
 def markdown(results: dict) -> str:
     """One row per configuration: tok/s, ratio, mean accepted length, acceptance per position."""
+    if "e2el_ms" in next(iter(results.values()), {}):
+        return _latency_markdown(results)
     rows = ["| configuration | output tok/s | vs off | mean accepted length | acceptance per position |",
             "|---|---|---|---|---|"]
     for label, r in results.items():
@@ -122,6 +153,36 @@ def markdown(results: dict) -> str:
         length = f"{r['mean_accepted_len']:.2f}" if "mean_accepted_len" in r else "-"
         rows.append(f"| {label} | {r['output_throughput']:.1f} | {r['ratio']:.2f}x | {length} | {accept} |")
     return "\n".join(rows)
+
+
+def _latency_markdown(results: dict) -> str:
+    """With arrivals: tok/s and latency (mean / p50 / p99 in ms) beside acceptance."""
+    rows = ["| configuration | output tok/s | vs off | E2E mean / p50 / p99 | E2E vs off | TPOT mean / p50 / p99 "
+            "| TTFT mean | mean accepted length | acceptance per position |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for label, r in results.items():
+        accept = " / ".join(f"{a:.2f}" for a in r.get("acceptance_per_pos", [])) or "-"
+        length = f"{r['mean_accepted_len']:.2f}" if "mean_accepted_len" in r else "-"
+        e2el, tpot = r["e2el_ms"], r["tpot_ms"]
+        rows.append(f"| {label} | {r['output_throughput']:.1f} | {r['ratio']:.2f}x "
+                    f"| {e2el['mean']:.0f} / {e2el['median']:.0f} / {e2el['p99']:.0f} | {r['e2el_ratio']:.2f}x "
+                    f"| {tpot['mean']:.1f} / {tpot['median']:.1f} / {tpot['p99']:.1f} | {r['ttft_ms']['mean']:.0f} "
+                    f"| {length} | {accept} |")
+    return "\n".join(rows)
+
+
+def _warm_up(llms: dict[str, LLM], prompts: list[BenchPrompt], temperature: float) -> dict[str, SpecStats | None]:
+    """One untimed batch of the prompts on each LLM; the speculation counters after it."""
+    for llm in llms.values():
+        generate_all(llm, prompts, temperature, use_tqdm=False)
+    return {label: _counters(llm) for label, llm in llms.items()}
+
+
+def _rotations(labels: list[str], rounds: int):
+    """(round, label) in run order: every label once a round, each round starting one label further along."""
+    for r in range(rounds):
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            yield r, label
 
 
 def _acceptance(before: SpecStats | None, after: SpecStats | None) -> dict:
