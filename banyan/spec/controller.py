@@ -53,15 +53,20 @@ from banyan.spec.config import SpeculativeConfig
 class AcceptanceStats:
     """Per-position conditional acceptance alpha[j] = P(draft j+1 accepted | drafts 1..j accepted), as EWMAs."""
 
-    def __init__(self, alphas: Sequence[float], rate: float, relax_to: Sequence[float] = (), relax_rate: float = 0.0):
+    def __init__(self, alphas: Sequence[float], rate: float, relax_to: Sequence[float] = (), relax_rate: float = 0.0,
+                 follow_unseen: bool = False, seen: Sequence[bool] = ()):
         """alphas: the starting estimates (one per position); rate: the EWMA weight of each new observation;
-        relax_to / relax_rate: where each `idle` step (nothing drafted, nothing observed) moves the estimates."""
+        relax_to / relax_rate: where each `idle` step (nothing drafted, nothing observed) moves the estimates;
+        follow_unseen: a position never observed takes the estimate of the one before it, once one is observed;
+        seen: the positions that count as observed already (those the estimates were seeded from had seen)."""
         if not 0.0 < rate <= 1.0:
             raise ValueError(f"rate must be in (0, 1], got {rate}")
         self._alphas = [min(1.0, max(0.0, float(a))) for a in alphas]
         self.rate = rate
         self.relax_to = list(relax_to) if relax_to else list(self._alphas)
         self.relax_rate = relax_rate
+        self.follow_unseen = follow_unseen
+        self._seen = [bool(seen[j]) if j < len(seen) else False for j in range(len(self._alphas))]
         self._idle_steps = 0
 
     @property
@@ -86,6 +91,25 @@ class AcceptanceStats:
         for j in range(min(accepted + 1, drafted)):
             passed = 1.0 if j < accepted else 0.0
             alphas[j] += self.rate * (passed - alphas[j])
+            self._seen[j] = True
+        if self.follow_unseen:
+            self._extend_to_unseen(alphas)
+
+    def _extend_to_unseen(self, alphas: list[float]) -> None:
+        """Positions never observed, past one that was, take its estimate: a proposer's declared prior falls with
+        depth, but for a given kind of draft (a copy, a chance match) the conditional acceptance hardly does. A
+        deep position left at a low declared value would never pay, so never be drafted, so never learn: copying
+        requests whose first drafts pass at 0.95 would stay at k = 1 whenever a step's drafts are not nearly free."""
+        past_seen = False
+        for j, seen in enumerate(self._seen):
+            if past_seen and not seen:
+                alphas[j] = alphas[j - 1]
+            past_seen = past_seen or seen
+
+    @property
+    def seen(self) -> list[bool]:
+        """seen[j]: whether position j + 1 was ever observed (here or where the estimates were seeded from)."""
+        return list(self._seen)
 
     def idle(self) -> None:
         """A step where the request could have drafted but did not: how an unobserved request gets probed again."""
@@ -273,6 +297,8 @@ class SpecController:
     its copying requests out of drafting (they are seeded low, never drafted, so never learn otherwise); per
     bucket, each learns from its own kind. A request whose evidence moves to another bucket is seeded again from
     that bucket's prior (the population at that evidence predicts better than this request's past at another).
+    A draft position nobody has observed yet follows the deepest observed one before it (`follow_unseen`), so a
+    kind of draft that passes at the first position is tried at the next, instead of staying at the declared prior.
 
     A request that has a proposal but gets k = 0 is not observed, so its estimates relax toward its bucket's prior
     at `probe_rate` per such step: after a run of rejections it is tried again, once its recovered estimate pays,
@@ -347,7 +373,8 @@ class SpecController:
         """The learned prior of an evidence bucket, starting from the proposer's declared one."""
         stats = self.priors.get(bucket)
         if stats is None:
-            stats = self.priors[bucket] = AcceptanceStats(self.seed, self.global_rate, self.seed, self.global_probe_rate)
+            stats = self.priors[bucket] = AcceptanceStats(self.seed, self.global_rate, self.seed, self.global_probe_rate,
+                                                          follow_unseen=True)
         return stats
 
     def prior_of(self, request_id: str) -> AcceptanceStats:
@@ -370,8 +397,9 @@ class SpecController:
         """The request's estimates, seeded from its bucket's prior the first time it is asked for."""
         stats = self.stats.get(request_id)
         if stats is None:
-            prior = self.prior_of(request_id).alphas
-            stats = self.stats[request_id] = AcceptanceStats(prior, self.request_rate, prior, self.probe_rate)
+            prior = self.prior_of(request_id)
+            stats = self.stats[request_id] = AcceptanceStats(prior.alphas, self.request_rate, prior.alphas,
+                                                             self.probe_rate, follow_unseen=True, seen=prior.seen)
         return stats
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:

@@ -30,8 +30,11 @@ NETWORK_METHODS = ("layer_skip", "draft_model")
 """Methods whose drafts a network makes in the runner's step (the proposer offers placeholders)."""
 STEP_TIME_SHAPE = ((1, 1.0), (8, 1.05), (32, 1.3), (256, 4.0), (2048, 30.0))
 """(tokens, relative seconds) of one forward when nothing could be measured at start-up."""
-CALIBRATION_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
-"""Token counts whose forward `calibrate` times, smallest first: dense where k+1-row verify passes fall."""
+CALIBRATION_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 3, 5, 6, 12, 24, 48, 96, 192, 384, 768)
+"""Token counts whose forward `calibrate` times, in this order: powers of two first, so that a time budget spent
+early (a loaded machine) still spans the steps a batch verifies (beyond the last point the fit only extrapolates:
+on a 2-vCPU EPYC at load 10 the old smallest-first ladder stopped at 4 tokens, and its slope overestimated
+24-token steps by 10-30%), then the counts between them."""
 DRAFT_COST_RATE = 0.1
 """EWMA weight of each step's measured cost per network draft."""
 STEP_TIME_RATES = (0.1, 0.02)
@@ -117,8 +120,8 @@ class Speculator:
         """Measure the step-time model: time_forward(n) is the seconds of one forward over n tokens (the runner's);
         time_draft() the seconds of one draft token of a network proposer (the controller's draft cost).
 
-        Times each of CALIBRATION_TOKENS up to max_tokens (after one warm-up forward) until the time spent passes
-        budget_seconds, so a slow model stops early and the model extrapolates past its last point."""
+        Times each of CALIBRATION_TOKENS up to max_tokens, in its order (after one warm-up forward), until the time
+        spent passes budget_seconds, so a slow model stops early and the model extrapolates past its last point."""
         if time_draft is not None:
             time_draft()  # warm-up
             self.controller.draft_seconds = min(time_draft() for _ in range(CALIBRATION_REPEATS))

@@ -265,6 +265,39 @@ def test_copying_requests_keep_drafting_beside_fresh_text_that_always_fails():
     assert c.prior(evidence_bucket(2)).alphas[0] < 0.8 < 0.99 < c.prior(evidence_bucket(40)).alphas[0]
 
 
+def test_unobserved_positions_follow_the_deepest_observed_one():
+    s = AcceptanceStats([0.7, 0.6, 0.5, 0.5], rate=0.5, follow_unseen=True)
+    assert s.alphas == [0.7, 0.6, 0.5, 0.5]  # nothing observed: the declared prior
+    s.update(drafted=1, accepted=1)
+    assert s.alphas == [0.85] * 4 and s.seen == [True, False, False, False]
+    s.update(drafted=2, accepted=1)  # position 2 now observed (rejected); 3 and 4 follow it
+    assert s.alphas == pytest.approx([0.925, 0.425, 0.425, 0.425])
+    seeded = AcceptanceStats(s.alphas, rate=0.5, follow_unseen=True, seen=s.seen)
+    seeded.update(drafted=1, accepted=1)  # position 2 was observed where the seed came from: it keeps its value
+    assert seeded.alphas == pytest.approx([0.9625, 0.425, 0.425, 0.425])
+
+
+def test_copying_requests_draft_deeper_than_the_declared_prior_once_their_first_drafts_pass():
+    """The mixed serving run's failure: 8 requests decode at once and each draft token adds 8% to the step, so a
+    draft pays when it passes with P > ~0.75. Copying requests' first drafts pass at ~0.95, but positions 2..5 sat at
+    the declared prior (0.6, 0.5, ...), never paid, were never drafted, never learned: k stayed 1 for good. With
+    unobserved positions following the observed ones, k climbs to where the drafts really stop paying."""
+    curve = lambda n: 0.100 + 0.008 * n  # noqa: E731
+    c = make_controller(k=5, prior=(0.7, 0.6, 0.5), time_model=make_time_model(curve))
+    ids = [f"copy{i}" for i in range(4)] + [f"fresh{i}" for i in range(4)]
+    history = []
+    for step in range(60):
+        ks = c.choose(ids, [5] * 8, evidence=[40] * 4 + [0] * 4)
+        for rid, k in zip(ids, ks):
+            if k:
+                c.observe(rid, k, k if rid.startswith("copy") else 0)  # copies always pass, fresh text never
+        history.append(ks)
+    assert history[0][:4] == [1] * 4  # the declared prior: only the first position pays
+    assert history[-1] == [5] * 4 + [0] * 4
+    gains = [c.request_stats(rid).gains(5) for rid in ids]
+    assert rate_of(history[-1], gains, curve) == pytest.approx(brute_force(gains, curve))
+
+
 def test_a_request_whose_evidence_changes_is_seeded_from_its_new_bucket():
     c = make_controller(k=2, prior=(0.5,), global_rate=0.5)
     c.choose(["a"], [2], evidence=[2])

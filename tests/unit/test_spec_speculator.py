@@ -46,8 +46,14 @@ def test_calibration_stops_at_its_time_budget_and_extrapolates():
     spec, forward = make_speculator(), FakeForward(lambda n: 0.1 * n)
     spec.calibrate(forward, max_tokens=1024, budget_seconds=2.0)
     model = spec.controller.step_time
-    assert model.tokens[-1] < 16  # a slow model is not timed at every count
+    assert model.tokens == [1, 2, 4]  # a slow model is not timed at every count; the span comes first
     assert model.predict(100) == pytest.approx(10.0)  # the last slope goes on
+
+
+def test_a_spent_budget_still_spans_a_batch_of_verify_passes():
+    spec, forward = make_speculator(), FakeForward(lambda n: 0.05 + 0.002 * n)
+    spec.calibrate(forward, max_tokens=1024, budget_seconds=1.5)
+    assert spec.controller.step_time.tokens == [1, 2, 4, 8, 16, 32, 64]  # not 1..8, dense and short
 
 
 def test_a_failed_measurement_keeps_the_assumed_shape_for_the_first_step_to_scale():
