@@ -10,7 +10,9 @@ a shared machine falls on all of them alike:
 Output tok/s sums tokens and seconds over the rounds; `ratio` is that over the `off` configuration's.
 With --request-rate, each run replays the same seeded Poisson arrivals instead (banyan.bench.arrivals), and each
 configuration also reports TTFT / TPOT / end-to-end latency over all its rounds' requests, `e2el_ratio` being its
-mean end-to-end latency over off's (below 1: faster).
+mean end-to-end latency over off's (below 1: faster), and `cpu_ratio`, its output tokens per second of this
+process's CPU time over off's: on a machine shared with other work a run descheduled for a while loses wall time
+but not CPU time, so that ratio is the steadier measure of what speculation saves.
 Acceptance comes from the engine's Speculator counters (SpecStats), read after the warm-up and at the end:
     acceptance_per_pos[j] = accepted_per_pos[j] / num_drafts    (P(draft j+1 accepted), per verification)
     mean_accepted_len     = 1 + num_accepted_tokens / num_drafts (tokens a verifying step emits)
@@ -126,19 +128,24 @@ def side_by_side_arrivals(llms: dict[str, LLM], prompts: list[BenchPrompt], offs
     """As side_by_side, each run the arrival schedule `offsets` (banyan.bench.arrivals) instead of one batch."""
     before = _warm_up(llms, prompts, temperature)
     timings = {label: [] for label in llms}
-    seconds = dict.fromkeys(llms, 0.0)
+    seconds, cpu_seconds = dict.fromkeys(llms, 0.0), dict.fromkeys(llms, 0.0)
     for r, label in _rotations(list(llms), rounds):
+        cpu_start = time.process_time()
         run, elapsed = run_arrivals(llms[label].engine, prompts, offsets, temperature, tag=f"round{r}")
+        cpu_seconds[label] += time.process_time() - cpu_start
         timings[label] += run
         seconds[label] += elapsed
     summaries = {label: summarize(timings[label], seconds[label]) for label in llms}
     base = next(iter(summaries.values()))
+    base_per_cpu = base["total_output_tokens"] / next(iter(cpu_seconds.values()))
     results = {}
     for label, llm in llms.items():
         summary = summaries[label]
+        per_cpu = summary["total_output_tokens"] / cpu_seconds[label]
         results[label] = {**summary, "ratio": summary["output_throughput"] / base["output_throughput"],
                           "e2el_ratio": summary["e2el_ms"]["mean"] / base["e2el_ms"]["mean"],
-                          "elapsed_s": seconds[label], **_acceptance(before[label], _counters(llm))}
+                          "elapsed_s": seconds[label], "cpu_s": cpu_seconds[label], "output_per_cpu_s": per_cpu,
+                          "cpu_ratio": per_cpu / base_per_cpu, **_acceptance(before[label], _counters(llm))}
     return results
 
 
@@ -157,14 +164,14 @@ def markdown(results: dict) -> str:
 
 def _latency_markdown(results: dict) -> str:
     """With arrivals: tok/s and latency (mean / p50 / p99 in ms) beside acceptance."""
-    rows = ["| configuration | output tok/s | vs off | E2E mean / p50 / p99 | E2E vs off | TPOT mean / p50 / p99 "
-            "| TTFT mean | mean accepted length | acceptance per position |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| configuration | output tok/s | vs off | tok per CPU-s vs off | E2E mean / p50 / p99 | E2E vs off "
+            "| TPOT mean / p50 / p99 | TTFT mean | mean accepted length | acceptance per position |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for label, r in results.items():
         accept = " / ".join(f"{a:.2f}" for a in r.get("acceptance_per_pos", [])) or "-"
         length = f"{r['mean_accepted_len']:.2f}" if "mean_accepted_len" in r else "-"
         e2el, tpot = r["e2el_ms"], r["tpot_ms"]
-        rows.append(f"| {label} | {r['output_throughput']:.1f} | {r['ratio']:.2f}x "
+        rows.append(f"| {label} | {r['output_throughput']:.1f} | {r['ratio']:.2f}x | {r['cpu_ratio']:.2f}x "
                     f"| {e2el['mean']:.0f} / {e2el['median']:.0f} / {e2el['p99']:.0f} | {r['e2el_ratio']:.2f}x "
                     f"| {tpot['mean']:.1f} / {tpot['median']:.1f} / {tpot['p99']:.1f} | {r['ttft_ms']['mean']:.0f} "
                     f"| {length} | {accept} |")

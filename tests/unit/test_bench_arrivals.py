@@ -62,7 +62,8 @@ def test_speculative_cli_with_arrivals_reports_latency_beside_throughput(model_d
     results = report["results"]
     assert list(results) == ["off", "ngram-adaptive", "ngram-fixed"]
     assert report["config"]["bench"]["request_rate"] == "50.0"
-    assert results["off"]["ratio"] == results["off"]["e2el_ratio"] == 1.0
+    assert results["off"]["ratio"] == results["off"]["e2el_ratio"] == results["off"]["cpu_ratio"] == 1.0
     for label, r in results.items():
         assert r["completed"] == 4 and r["failed"] == 0 and r["total_output_tokens"] == 4 * 6, label
         assert r["e2el_ms"]["p99"] >= r["e2el_ms"]["median"] > 0 and r["tpot_ms"]["mean"] > 0, label
+        assert 0 < r["cpu_s"] and r["output_per_cpu_s"] > 0, label
