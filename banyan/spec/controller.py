@@ -128,6 +128,9 @@ class AcceptanceStats:
         return 1.0 + sum(self.gains(k))
 
 
+NEW_BUCKET_FACTOR = 2
+"""A step of at least this many times the last bucket's tokens opens a bucket of its own (StepTimeModel._add_bucket):
+buckets stay about a power of two apart."""
 MAX_RISE = 2.0
 """One observation counts as at most this many times the fit's prediction: a lasting rise is still learned, a step
 at a time, but one stalled step cannot move the fit far."""
@@ -137,8 +140,9 @@ class StepTimeModel:
     """Seconds of one forward as a function of the tokens in it: piecewise linear through measured buckets.
 
     Seeded from a start-up measurement [(tokens, seconds), ...]; each bucket then holds an EWMA refreshed by
-    `observe`. Predictions are made non-decreasing in tokens (a running max over buckets) so that noise never
-    makes extra tokens look free; below the first bucket the time is flat, above the last the last slope goes on.
+    `observe`, and a step far past the last bucket opens a new one. Predictions are made non-decreasing in tokens
+    (a running max over buckets) so that noise never makes extra tokens look free; below the first bucket the time
+    is flat, above the last the last slope goes on.
 
         seconds
           |                    ,*   <- extrapolated with the last segment's slope
@@ -187,6 +191,8 @@ class StepTimeModel:
         if not seconds > 0:
             return
         seconds = min(seconds, MAX_RISE * self.predict(num_tokens))  # a stall (descheduled, paused) is not a cost
+        if num_tokens >= NEW_BUCKET_FACTOR * self.tokens[-1]:
+            self._add_bucket(num_tokens)
         last = len(self.tokens) - 1
         if num_tokens <= self.tokens[0] or num_tokens >= self.tokens[last]:
             edge = 0 if num_tokens <= self.tokens[0] else last
@@ -202,6 +208,14 @@ class StepTimeModel:
             # divisor above): one observation at most halves a bucket, so every time stays positive
             self.seconds[a] = max(self.seconds[a] + rate * (1 - w) * error, self.seconds[a] / 2)
             self.seconds[a + 1] = max(self.seconds[a + 1] + rate * w * error, self.seconds[a + 1] / 2)
+        self._refresh()
+
+    def _add_bucket(self, num_tokens: int) -> None:
+        """A bucket at `num_tokens`, past the last one, seeded with the extrapolation: from here on the slope
+        beyond the measured range is learned, not assumed (a start-up measurement cut short by its time budget
+        ends at a few tokens, where the slope is often the steepest)."""
+        self.seconds.append(self.predict(num_tokens))
+        self.tokens.append(num_tokens)
         self._refresh()
 
     def _rate(self, error: float) -> float:

@@ -322,6 +322,19 @@ def test_step_time_interpolates_and_extrapolates():
     assert m.predict(32) == pytest.approx(0.040)  # the last slope goes on
 
 
+def test_steps_past_the_measured_range_learn_the_slope_there():
+    """A start-up measurement cut short at 8 tokens, steep at its end (8 -> 0.45 s, 60 ms a token beyond); steps of
+    16 and 24 tokens really cost 0.50 and 0.55 s. Extrapolating would keep overestimating them by 40-60%."""
+    m = StepTimeModel([(1, 0.12), (4, 0.21), (8, 0.45)], rate=0.1, up_rate=0.02)
+    assert m.predict(24) == pytest.approx(1.41)
+    for _ in range(100):
+        m.observe(16, 0.50)
+        m.observe(24, 0.55)
+    assert m.tokens == [1, 4, 8, 16]  # 24 < 2 x 16: no bucket of its own
+    assert m.predict(16) == pytest.approx(0.50, rel=0.05) and m.predict(24) == pytest.approx(0.55, rel=0.1)
+    assert m.predict(8) == pytest.approx(0.45, rel=0.05)
+
+
 def test_step_time_is_refreshed_online_and_stays_monotone():
     m = StepTimeModel([(1, 0.010), (8, 0.020), (16, 0.030)], rate=0.5)
     m.observe(8, 0.040)  # on a bucket: that bucket's EWMA
