@@ -21,12 +21,18 @@ step time counts (a request that cannot have its first token within 1.5 steps). 
 k-th waiting request (k = 0, 1, ... in deadline order) is ordered as if its deadline were k + s service slots later,
 s = the tenant's admissions of the last seconds (each decaying e^(-age / FAIRNESS_WINDOW)) and one slot = the
 measured seconds per admission, so one key flooding the queue delays its own requests first.
+
+A refusal is the key's own doing when its tenant holds more than an equal share of the requests in flight (running
+and waiting) among the tenants that have some: 429 (rate_limit_error, still code slo_unattainable, the share named
+in the message) instead of the server-wide 503. A tenant alone holds exactly its share: that is the server overloaded.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -41,7 +47,8 @@ if TYPE_CHECKING:
 
 POLICIES: Registry[Callable[[Request], tuple]] = Registry("policy")  # name -> sort key: smaller is served first
 EWMA_RATE = 0.05
-"""Weight of one backlogged step in the measured rates (about the last 20 steps count)."""
+"""Weight of one backlogged step in the measured rates (about the last 20 steps count; the first 20 steps of a
+queue as a plain mean, so that the first step's 0 or 1 admission does not stand for the pace for long)."""
 FIRST_TOKEN_STEPS = 1.5
 """Steps a request at the head of the queue waits for its first token: the rest of the step running (half, on
 average), then its own."""
@@ -59,6 +66,33 @@ class SloUnattainableError(BanyanError):
     def __init__(self, message: str, retry_after: float):
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class KeyShareExceededError(SloUnattainableError):
+    """The request cannot meet its latency target and its API key holds more than its share of the requests in
+    flight: the key's own backlog makes it late, not the server's load."""
+
+    status = 429
+    type = "rate_limit_error"
+
+
+def blame(error: SloUnattainableError, own: int, total: int, tenants: int) -> SloUnattainableError:
+    """The refusal as the key reads it: 429 when its tenant holds `own` of the `total` requests in flight, more than
+    an equal share among the `tenants` that have some; the server-wide 503 otherwise (a tenant alone included)."""
+    if tenants < 2 or own * tenants <= total:
+        return error
+    return KeyShareExceededError(f"this API key has {own} of the {total} requests in flight, more than its share "
+                                 f"(1/{tenants} of them): {error}", retry_after=error.retry_after)
+
+
+def fair_ahead(own: int, others: Iterable[int]) -> int:
+    """Requests served before a tenant's next one when tenants take turns (what fair_order comes to when deadlines
+    are alike): its own `own`, and of each other tenant's count in `others` at most own + 1."""
+    return own + sum(min(n, own + 1) for n in others)
+
+
+def tenant_of(request: Request) -> str | None:
+    return request.slo.tenant if request.slo is not None else None
 
 
 def ttft_deadline(request: Request) -> float:
@@ -111,7 +145,7 @@ class Deadlines:
         self.admitted_per_step = 0.0
         self._last: tuple | None = None  # the previous schedule: time, prefill, admitted, busy, backlogged
         self._admitted_total = self._admitted_before = 0
-        self._paced = False  # the queue's pace measured at least once
+        self._paced_steps = 0  # backlogged steps in the paces: a running mean until 1 / EWMA_RATE of them
         self._served: dict[str | None, tuple[float, float]] = {}  # tenant -> (admissions, decayed to this time)
 
     # -- measuring --------------------------------------------------------------------------------
@@ -119,7 +153,7 @@ class Deadlines:
         """The scheduler admitted the request (first admission or readmission): counted for the pace, and against
         its tenant's fair share."""
         self._admitted_total += 1
-        tenant = request.slo.tenant if request.slo is not None else None
+        tenant = tenant_of(request)
         self._served[tenant] = (self._served_by(tenant, self.clock()) + 1.0, self.clock())
 
     def observe_schedule(self, scheduled: Sequence[ScheduledRequest], backlogged: bool) -> None:
@@ -133,12 +167,21 @@ class Deadlines:
                 self._last_step = now - then
                 self._step_average = _ewma(self._step_average, self._last_step)
             if was_backlogged and now > then:
-                self.prefill_per_step = _ewma(self.prefill_per_step, prefill, seeded=self._paced)
-                self.admitted_per_step = _ewma(self.admitted_per_step, admitted, seeded=self._paced)
-                self._paced = True
+                self._paced_steps += 1
+                weight = max(EWMA_RATE, 1.0 / self._paced_steps)  # one step's 0 or 1 admission is no pace yet
+                self.prefill_per_step += weight * (prefill - self.prefill_per_step)
+                self.admitted_per_step += weight * (admitted - self.admitted_per_step)
         prefill = sum(max(0, min(s.end, s.request.num_prompt_tokens) - s.start) for s in scheduled)
         self._last = (now, prefill, self._admitted_total - self._admitted_before, bool(scheduled), backlogged)
         self._admitted_before = self._admitted_total
+
+    def forget_pace_if_idle(self, running: Sequence[Request], waiting: Sequence[Request]) -> None:
+        """With nothing running or waiting, the queue's pace is forgotten (the next queue's is measured afresh):
+        kept, a slow pace measured on a burst the core then refused had the server refuse every request from then
+        on, leaving the core idle and nothing to measure it again."""
+        if not running and not waiting:
+            self.prefill_per_step = self.admitted_per_step = 0.0
+            self._paced_steps = 0
 
     @property
     def measured(self) -> bool:
@@ -156,10 +199,11 @@ class Deadlines:
         return expected_wait(self.step_seconds, self.prefill_per_step, self.admitted_per_step, tokens_ahead,
                              requests_ahead)
 
-    def snapshot(self, running: Iterable[Request], waiting: Sequence[Request]) -> dict[str, float]:
+    def snapshot(self, running: Sequence[Request], waiting: Sequence[Request]) -> dict[str, float]:
         """EngineSnapshot's slo_* fields: the measurements and the queue, from which the server's admission check
         computes a new request's wait as the core would (expected_wait), its own prompt and requests sent since
-        added."""
+        added. An idle core's pace is forgotten first."""
+        self.forget_pace_if_idle(running, waiting)
         return {"slo_step_seconds": self.step_seconds, "slo_prefill_per_step": self.prefill_per_step,
                 "slo_admitted_per_step": self.admitted_per_step,
                 "slo_queue_tokens": _prefill_left(running) + _prefill_left(waiting), "slo_queue_requests": len(waiting)}
@@ -173,10 +217,10 @@ class Deadlines:
             return list(waiting)
         now, rank, keyed = self.clock(), {}, []
         for request in waiting:  # already in deadline order, so each tenant's ranks follow its deadlines
-            tenant = request.slo.tenant if request.slo is not None else None
+            tenant = tenant_of(request)
             k = rank[tenant] = rank.get(tenant, self._served_by(tenant, now) - 1.0) + 1.0
-            keyed.append((ttft_deadline(request) + k * slot, request.seq_no, request))
-        return [request for *_, request in sorted(keyed, key=lambda item: item[:2])]
+            keyed.append((ttft_deadline(request) + k * slot, request))
+        return [request for *_, request in sorted(keyed, key=lambda item: item[0])]  # stable: ties keep their order
 
     def _served_by(self, tenant: str | None, now: float) -> float:
         """The tenant's admissions, each weighing less as it ages (e^(-age / FAIRNESS_WINDOW))."""
@@ -185,14 +229,18 @@ class Deadlines:
         self._served[tenant] = (count, now)
         return count
 
-    def check_new(self, request: Request, running: Iterable[Request], waiting: Sequence[Request]) -> None:
-        """Raise SloUnattainableError if the request, queued where its deadline puts it, cannot meet its targets."""
+    def check_new(self, request: Request, running: Sequence[Request], waiting: Sequence[Request]) -> None:
+        """Raise SloUnattainableError if the request, queued where the fair deadline order puts it, cannot meet its
+        targets (KeyShareExceededError when its tenant holds more than its share)."""
         if not self.measured or request.slo is None:
             return
-        deadline = ttft_deadline(request)
-        ahead = [r for r in waiting if ttft_deadline(r) <= deadline]
+        self.forget_pace_if_idle(running, waiting)
+        order = list(waiting)  # in deadline order; the new request goes after those due when it is (it has no seq_no yet)
+        bisect.insort_right(order, request, key=lambda r: (ttft_deadline(r), r.metrics.arrival_time))
+        order = self.fair_order(order)
+        ahead = order[:order.index(request)]
         tokens = _prefill_left(running) + _prefill_left(ahead) + request.num_prompt_tokens
-        self._check(request, self.wait_seconds(tokens, len(ahead) + 1))
+        self._check(request, self.wait_seconds(tokens, len(ahead) + 1), Counter(map(tenant_of, [*running, *order])))
 
     def unattainable(self, running: Iterable[Request], order: Sequence[Request]) -> list[tuple[Request, BanyanError]]:
         """The waiting requests (never started, in admission order) that can no longer meet their TTFT deadline,
@@ -200,13 +248,14 @@ class Deadlines:
         if not self.measured:
             return []
         refused, tokens, count = [], _prefill_left(running), 0
+        in_flight = Counter(map(tenant_of, [*running, *order]))
         for request in order:
             if request.status != RequestStatus.WAITING or request.metrics.first_token_time is not None:
                 tokens += _prefill_left([request])  # preempted: it has its first token, never refused
                 count += 1
                 continue
             try:
-                self._check(request, self.wait_seconds(tokens + request.num_prompt_tokens, count + 1))
+                self._check(request, self.wait_seconds(tokens + request.num_prompt_tokens, count + 1), in_flight)
             except SloUnattainableError as e:
                 refused.append((request, e))
                 continue
@@ -214,10 +263,12 @@ class Deadlines:
             count += 1
         return refused
 
-    def _check(self, request: Request, wait: float) -> None:
+    def _check(self, request: Request, wait: float, in_flight: Counter) -> None:
+        """Raise the refusal, if any, blamed on the request's key when its tenant holds more than its share of
+        `in_flight` (requests per tenant)."""
         error = refusal(request.slo, self.clock() - request.metrics.arrival_time, wait, self.step_seconds)
         if error is not None:
-            raise error
+            raise blame(error, in_flight[tenant_of(request)], in_flight.total(), len(+in_flight))
 
 
 def refusal(slo: Slo | None, elapsed: float, wait: float, step_seconds: float) -> SloUnattainableError | None:
@@ -252,9 +303,9 @@ def expected_wait(step_seconds: float, prefill_per_step: float, admitted_per_ste
     return (steps + FIRST_TOKEN_STEPS) * step_seconds
 
 
-def _ewma(average: float, value: float, seeded: bool | None = None) -> float:
-    """One more observation in an average; the first one (average 0, or seeded False) seeds it."""
-    if not (seeded if seeded is not None else average > 0.0):
+def _ewma(average: float, value: float) -> float:
+    """One more observation in an average; the first one (average 0) seeds it."""
+    if average <= 0.0:
         return float(value)
     return average + EWMA_RATE * (value - average)
 

@@ -94,6 +94,7 @@ class Generation:
         self.slow_reader = False
         self.structured_param: str | None = None  # the request field of its structured-output spec, if any
         self.route: tuple[str, str] | None = None  # (route, variant) when an A/B route chose the model
+        self.tenant: str | None = None  # the API key's tenant id, set by the server
         self.choices: list[Choice] = []
         self._events: list[Event] = []  # not read yet
         self._wakeup: asyncio.Future | None = None  # the reader's, while it waits for events

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
@@ -23,7 +24,7 @@ from banyan.frontend.prepare import ChatInput, PreparedChat, prepare_chat, rende
 from banyan.ipc.client import EngineClient, RequestError
 from banyan.request import Slo
 from banyan.sampling_params import SamplingParams
-from banyan.scheduler.policy import expected_wait, refusal, with_defaults
+from banyan.scheduler.policy import blame, expected_wait, fair_ahead, refusal, with_defaults
 from banyan.server import protocol
 from banyan.server.audit import record_usage
 from banyan.server.auth import ApiKeyAuth, RateLimiter, Tenant
@@ -34,7 +35,7 @@ from banyan.server.renderers import ChatRender, CompletionRender
 from banyan.server.sse import sse_event
 from banyan.text.chat_template import ChatTemplateError
 from banyan.text.reasoning import splitters
-from banyan.text.tokenizer import with_special_tokens
+from banyan.text.tokenizer import encode_text, with_special_tokens
 
 if TYPE_CHECKING:  # a type only: lora_adapters documents its routes through openapi, which imports this module
     from banyan.server.lora_adapters import LoRAAdapters
@@ -109,7 +110,7 @@ class OpenAIServing:
         else:
             req = protocol.parse(protocol.TokenizeCompletionRequest, body)
             self.check_model(req.model)
-            ids = await self.offload(lambda: self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            ids = await self.offload(lambda: encode_text(self.tokenizer, req.prompt, req.add_special_tokens))
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len})
 
     async def detokenize(self, body: dict) -> Response:
@@ -162,19 +163,34 @@ class OpenAIServing:
         return with_defaults(slo, sched.default_ttft_slo_ms, sched.default_tpot_slo_ms)
 
     def _check_slo(self, slo: Slo | None, tenant: Tenant, prompts: list[list[int]]) -> None:
-        """slo policy: refuse now (503, Retry-After) what the queue would make late, before it costs a step: the
-        core's own estimate (policy.expected_wait) from its measurements and queue, which come a few times a
-        second, with this request's prompt and the requests sent since (taken as long as this one) behind it."""
+        """slo policy: refuse now what the queue would make late, before it costs a step: the core's own estimate
+        (policy.expected_wait) from its measurements and queue, which come a few times a second, with the requests
+        sent since (taken as long as this one) and this one behind them; of that queue, the part served before it
+        when keys take turns (policy.fair_ahead over the requests in flight per key). 429 when this key holds more
+        than its share of them (policy.blame), 503 otherwise; both with Retry-After."""
         stats = self.client.stats
         if slo is None or stats is None or not stats.slo_step_seconds:
             return
-        ahead = max(0, self.client.num_in_flight - stats.num_running - stats.num_waiting) + 1
+        queued = max(0, self.client.num_in_flight - stats.num_running - stats.num_waiting) + 1
+        tokens = stats.slo_queue_tokens + queued * max(map(len, prompts))
+        queued += stats.slo_queue_requests
+        per_key = self._in_flight_per_key()
+        own = per_key.pop(tenant.tenant_id, 0)
+        ahead = min(queued, fair_ahead(own, per_key.values()) + 1)
         wait = expected_wait(stats.slo_step_seconds, stats.slo_prefill_per_step, stats.slo_admitted_per_step,
-                             stats.slo_queue_tokens + ahead * max(map(len, prompts)), stats.slo_queue_requests + ahead)
+                             round(tokens * ahead / queued), ahead)
         error = refusal(slo, 0.0, wait, stats.slo_step_seconds)
         if error is not None:
-            self.metrics.observe_rejection(tenant.tenant_id, 503, error.code)
+            error = blame(error, own + 1, per_key.total() + own + 1, len(+per_key) + 1)
+            self.metrics.observe_rejection(tenant.tenant_id, error.status, error.code)
             raise from_banyan_error(error)
+
+    def _in_flight_per_key(self) -> Counter:
+        """Sequences in flight per tenant (a request with n choices counts n times, as in the core)."""
+        per_key = Counter()
+        for gen in self.in_flight():
+            per_key[gen.tenant] += len(gen.choices)
+        return per_key
 
     def admit(self, tenant: Tenant, num_tokens: int, num_requests: int) -> None:
         if self.client.num_in_flight + num_requests > self.config.max_queued_requests:
@@ -214,10 +230,10 @@ class OpenAIServing:
 
     def tokenize_prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [self.tokenizer.encode(prompt)]
+            return [encode_text(self.tokenizer, prompt)]
         if prompt and isinstance(prompt[0], int):
             return [list(prompt)]
-        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        return [encode_text(self.tokenizer, p) if isinstance(p, str) else list(p) for p in prompt]
 
     def _prepare_chat(self, req: protocol.ChatCompletionRequest) -> PreparedChat:
         with self._template_errors(req):
@@ -279,6 +295,7 @@ class OpenAIServing:
                          lora_request=self.lora.get(req.model) if self.lora is not None else None)
         gen.structured_param = req.structured_param  # a grammar that fails to compile is reported against it
         gen.route = getattr(http.state, "route", None)
+        gen.tenant = tenant.tenant_id  # whose share of the requests in flight it counts in (_check_slo)
         self.live.add(gen)
         return gen
 

@@ -10,7 +10,15 @@ import pytest
 from banyan.config_args import add_engine_args, engine_config
 from banyan.errors import error_info
 from banyan.request import RequestStatus, Slo
-from banyan.scheduler.policy import SloUnattainableError, expected_wait, refusal, with_defaults
+from banyan.scheduler.policy import (
+    KeyShareExceededError,
+    SloUnattainableError,
+    blame,
+    expected_wait,
+    fair_ahead,
+    refusal,
+    with_defaults,
+)
 from tests.unit.test_scheduler import make_request, make_scheduler, step
 
 STEP = 0.1  # seconds each stand-in step takes on the fake clock
@@ -192,3 +200,69 @@ def test_flags_vllms_name_and_the_old_one(flag):
     args = parser.parse_args([flag, "slo", "--default-ttft-slo-ms", "2000", "--default-tpot-slo-ms", "200"])
     sched = engine_config(args).scheduler
     assert (sched.policy, sched.default_ttft_slo_ms, sched.default_tpot_slo_ms) == ("slo", 2000.0, 200.0)
+
+
+def flooded(clock: FakeClock, num_flood: int, ttft_ms: float):
+    """`backlogged`, then key "a" queues `num_flood` requests and key "b" one, all due `ttft_ms` after now."""
+    s = backlogged(clock, num_queued=0)
+    for tenant in ["a"] * num_flood + ["b"]:
+        s.add_request(slo_request(clock, ttft_ms, tenant=tenant))
+    return s
+
+
+def test_a_key_holding_more_than_its_share_is_refused_with_429_and_a_light_key_is_served():
+    clock = FakeClock()
+    s = flooded(clock, num_flood=20, ttft_ms=1600)
+    with pytest.raises(KeyShareExceededError) as refused:  # behind its own 20: (21 + 1.5) steps = 2.25 s
+        check(s, slo_request(clock, ttft_ms=1600, tenant="a"))
+    info = error_info(refused.value)
+    assert (info.status, info.type, info.code) == (429, "rate_limit_error", "slo_unattainable")
+    assert "this API key has 21 of the 22 requests in flight, more than its share (1/2 of them)" in info.message
+    assert "1600 ms ttft" in info.message and info.retry_after > 0
+    check(s, slo_request(clock, ttft_ms=1600, tenant="b"))  # ahead of most of a's: its turn comes within 1.6 s
+
+
+def test_a_key_within_its_share_is_refused_with_the_servers_503():
+    clock = FakeClock()
+    s = flooded(clock, num_flood=2, ttft_ms=60_000)  # b: 2 of the 4 in flight with its new one, an equal share
+    with pytest.raises(SloUnattainableError) as refused:
+        check(s, slo_request(clock, ttft_ms=100, tenant="b"))  # below one step: nobody's backlog is to blame
+    assert not isinstance(refused.value, KeyShareExceededError) and error_info(refused.value).status == 503
+
+
+def test_the_key_to_blame_holds_more_than_an_equal_share_among_the_keys_in_flight():
+    error = SloUnattainableError("late", retry_after=2.0)
+    assert blame(error, own=30, total=30, tenants=1) is error  # alone: the server is overloaded, 503
+    assert blame(error, own=15, total=30, tenants=2) is error  # exactly its share
+    share = blame(error, own=16, total=30, tenants=2)
+    assert isinstance(share, KeyShareExceededError) and share.retry_after == 2.0
+
+
+def test_the_server_places_a_keys_request_where_turns_between_keys_put_it():
+    assert fair_ahead(0, [30, 2]) == 2  # a light key: one of each other key's before it
+    assert fair_ahead(5, [1, 30]) == 5 + 1 + 6  # a heavy one: its own, and as many turns of the others
+
+
+def test_an_idle_core_forgets_the_pace_of_a_queue_that_is_gone():
+    """A burst the core refused left a slow pace behind; kept, the server refused every request from it (an idle
+    core measures nothing, so it never changed): found by the two-key flood over HTTP."""
+    clock = FakeClock()
+    s = backlogged(clock, num_queued=0)
+    d = s.policy.deadlines
+    d.admitted_per_step = d.prefill_per_step = 0.01  # one admission per 100 steps: a first token 10 s away
+    busy = d.snapshot([slo_request(clock)], [])
+    assert busy["slo_admitted_per_step"] == 0.01
+    idle = d.snapshot([], [])
+    assert idle["slo_admitted_per_step"] == idle["slo_prefill_per_step"] == 0.0 and idle["slo_step_seconds"] > 0
+    wait = expected_wait(idle["slo_step_seconds"], 0.0, 0.0, 16, 1)
+    assert refusal(Slo(ttft_ms=2000), 0.0, wait, idle["slo_step_seconds"]) is None  # the step time alone counts
+
+
+def test_the_first_backlogged_steps_pace_the_queue_as_their_mean():
+    clock = FakeClock()
+    s = slo_scheduler(clock, max_num_seqs=1, max_num_batched_tokens=16)
+    for _ in range(6):
+        s.add_request(slo_request(clock, 60_000, max_tokens=2))  # one admission every other step
+    for _ in range(5):
+        timed_step(s, clock)
+    assert s.policy.deadlines.admitted_per_step == pytest.approx(0.5, abs=0.15)
