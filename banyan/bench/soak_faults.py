@@ -189,9 +189,10 @@ async def text_pool(base_url: str, server: subprocess.Popen, big: int = 6) -> di
         statuses = [t.result().status_code for t in heavy]
         normal_status = (await normal).status_code
     latencies = sorted(t for _, t in health)
-    p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else None
+    p50, p99 = (latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies else None for q in (0.5, 0.99))
     return {"big_prompts": big, "statuses": {str(c): statuses.count(c) for c in set(statuses)},
             "normal_request_status": normal_status, "health_checks": len(health),
+            "health_p50_ms": round(1000 * p50, 1) if p50 is not None else None,
             "health_p99_ms": round(1000 * p99, 1) if p99 is not None else None,
             "ok": set(statuses) <= {200, 400, 503} and normal_status in (200, 503) and all(c == 200 for c, _ in health)
             and (p99 is None or p99 < 0.1)}

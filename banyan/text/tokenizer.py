@@ -139,3 +139,33 @@ def special_token_ids(tokenizer) -> frozenset[int]:
     return frozenset(i for i, t in added.items() if getattr(t, "special", False)) | set(tokenizer.all_special_ids)
 
 
+
+
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """`tokenizer.encode(text, add_special_tokens=...)`, computed by the Rust backend alone where that is the same
+    thing: `encode_batch_fast` tracks no offsets, which makes a long text's tokenization about 10x faster and its
+    result about 4x cheaper to free. Freeing a tokenizers Encoding holds the GIL (measured on a 2-vCPU EPYC: 0.2 s
+    for a 1M-token one with offsets, 0.06 s without), so with the server's text pool busy on huge prompts the
+    event loop (/health included) would stall for that long."""
+    backend = _plain_backend(tokenizer)
+    if backend is None:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def _plain_backend(tokenizer):
+    """The tokenizers.Tokenizer behind a transformers tokenizer whose encode is that backend's encode with nothing
+    added (a TokenizersBackend that overrides no encoding step, no truncation or padding set, special tokens
+    split as the wrapper would split them); None otherwise."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is None or not hasattr(backend, "encode_batch_fast")
+            or type(tokenizer)._encode_plus is not TokenizersBackend._encode_plus
+            or type(tokenizer).encode is not TokenizersBackend.encode):
+        return None
+    if backend.truncation is not None or backend.padding is not None:
+        return None
+    if backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False)):
+        return None
+    return backend

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 from banyan.errors import InvalidParameterError, ModelLoadError
 from banyan.text.chat_template import ChatTemplateError, render_chat_template
 from banyan.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from banyan.text.tokenizer import encode_chat, load_tokenizer
+from banyan.text.tokenizer import encode_chat, encode_text, load_tokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. Hello world, hello there!",
@@ -474,3 +474,32 @@ def test_a_stop_string_inside_a_delta_of_several_tokens_ends_the_sequence_at_its
         outcomes.append((seq.token_ids, seq.text, seq.finish_reason, seq.stop_reason))
     assert outcomes[0] == (ids[: stop_at + 1], "the cat sat ", "stop", "on the")
     assert outcomes[1] == outcomes[0] and outcomes[2] == outcomes[0]
+
+
+# -- encode_text: the backend alone where it is the same thing --------------------------------------
+@pytest.mark.parametrize("name", TOKENIZERS)
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encode_text_equals_the_tokenizers_encode(name, add_special_tokens, request):
+    tokenizer = request.getfixturevalue(name)
+    for text in [*SAMPLES, "<|im_start|>user\nhi<|im_end|>", "<s> and </s> in text", "", "a" * 5000]:
+        expected = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        assert encode_text(tokenizer, text, add_special_tokens) == expected, text
+
+
+def test_encode_text_adds_what_the_post_processor_adds(sentencepiece):
+    from tokenizers import processors
+
+    backend = Tokenizer.from_str(sentencepiece.backend_tokenizer.to_str())
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    llama = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    assert encode_text(llama, "hello world")[0] == 1
+    assert encode_text(llama, "hello world") == llama.encode("hello world")
+
+
+def test_encode_text_leaves_a_tokenizer_it_cannot_vouch_for_to_its_encode(byte_bpe):
+    class Lowercasing(type(byte_bpe)):
+        def encode(self, text, *args, **kwargs):
+            return super().encode(text.lower(), *args, **kwargs)
+
+    lowercasing = Lowercasing(tokenizer_object=Tokenizer.from_str(byte_bpe.backend_tokenizer.to_str()))
+    assert encode_text(lowercasing, "HELLO") == byte_bpe.encode("hello")
