@@ -18,6 +18,9 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 1024
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy (0): they sample the argmax anyway, and logits / t overflows float32 (a
+subnormal one such as 2.2e-313 is 0 there: the long fuzz tier's one 500)."""
 
 
 @dataclass
@@ -28,7 +31,7 @@ class SamplingParams:
     """Completions to generate, of which the n with the highest cumulative log-probability are returned
     (OpenAI's legacy best_of; None: n). Every generated token counts in usage."""
     temperature: float = 1.0
-    """0 means greedy."""
+    """0 means greedy (and so does anything below GREEDY_BELOW)."""
     top_p: float = 1.0
     top_k: int = -1
     """-1 (or 0) means all tokens."""
@@ -73,6 +76,8 @@ class SamplingParams:
             self.logit_bias = {_int_key(k): v for k, v in self.logit_bias.items()}
         self.structured_outputs = _structured_spec(self.structured_outputs)
         self._validate()
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
 
     @property
     def greedy(self) -> bool:

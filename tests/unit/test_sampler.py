@@ -47,6 +47,15 @@ def test_greedy_takes_argmax():
     assert with_logprobs.chosen_logprobs == pytest.approx(torch.log_softmax(logits, -1).max(-1).values.tolist())
 
 
+@pytest.mark.parametrize("temperature", [2.2250738585e-313, 1e-300, 1e-6])
+def test_a_temperature_too_small_to_sample_is_greedy(temperature):
+    """The long fuzz tier's one 500: temperature 2.2e-313 is 0 in float32, and logits / 0 sampled from NaN."""
+    logits = torch.randn(5, V)
+    out = Sampler(V)(logits, [make_request(temperature=temperature, seed=1) for _ in range(5)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert SamplingParams(temperature=temperature).greedy and not SamplingParams(temperature=1e-5).greedy
+
+
 def test_padded_vocabulary_columns_are_never_sampled():
     logits = torch.zeros(3, V + 4)
     logits[:, V:] = 100.0
