@@ -1,7 +1,7 @@
 """Bindings of cpu_decode_layers.c: every decoder layer of a step of a few rows in one C call.
 
-The C structs are mirrored here field for field (ctypes). `LayerWeights` are filled once from the model's
-tensors, which must outlive them (the model holds them); `decode_layers` runs one step. Which models and steps it
+The C structs are mirrored here field for field (ctypes). Each `Layer` is filled once from the model's
+tensors, which must outlive it (the model holds them); `DecodeLayers` runs one step. Which models and steps it
 serves is banyan/runner/cpu_step.py's business.
 """
 

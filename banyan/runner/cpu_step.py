@@ -105,9 +105,10 @@ def _plain_layer(layer, attn, eps: float) -> bool:
 
 
 def _operands(linear: torch.nn.Module) -> LinearOperands | None:
-    if type(linear) is not QuantizedLinear or linear.narrow_operands() is None:
+    narrow = linear.narrow_operands() if type(linear) is QuantizedLinear else None
+    if narrow is None:
         return None
-    kind, weight, scale, offset = linear.narrow_operands()
+    kind, weight, scale, offset = narrow
     return LinearOperands(kind, weight, scale, offset, linear.fmt.group_size or 0, linear.bias)
 
 
