@@ -31,7 +31,10 @@ class ServerStartError(RuntimeError):
         lines = [line.strip() for line in self.log.splitlines() if line.strip()]
         errors = [line for line in lines if "error" in line.lower()]
         last = (errors or lines)[-1:]
-        return f"{self}: {last[0]}" if last else str(self)
+        return f"{self.args[0]}: {last[0]}" if last else self.args[0]
+
+    def __str__(self) -> str:  # a traceback then names the server's own error, not only its exit status
+        return self.summary
 
 
 def free_port() -> int:

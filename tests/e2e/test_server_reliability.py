@@ -79,15 +79,18 @@ def wait_idle(server, timeout=10.0):
 
 
 def health_latencies_while(server, future) -> list[float]:
-    """Seconds each /health took, asked over and over until `future` is done (each must be 200)."""
+    """Seconds each /health took, asked over and over until `future` is done (each must be 200).
+
+    Asked at least once: a request that ends before the first probe still leaves one sample."""
     latencies = []
     with httpx.Client(base_url=server.base_url, timeout=10) as http:
-        while not future.done():
+        while True:
             start = time.monotonic()
             assert http.get("/health").status_code == 200
             latencies.append(time.monotonic() - start)
+            if future.done():
+                return latencies
             time.sleep(0.02)
-    return latencies
 
 
 def read_to_end(s: socket.socket) -> bytes:

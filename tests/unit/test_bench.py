@@ -174,6 +174,7 @@ def test_a_server_that_exits_says_why():
         with launched([sys.executable, "-c", crash], port, ready_timeout=30):
             pass
     assert "exited with 3" in failure.value.summary and "ValueError: no such model" in failure.value.summary
+    assert str(failure.value) == failure.value.summary  # a traceback names the server's error too
 
 
 # -- goals ----------------------------------------------------------------------------------------
