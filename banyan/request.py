@@ -72,6 +72,7 @@ class RequestMetrics:
     num_preemptions: int = 0
     spec_draft_tokens: int = 0  # draft tokens verified for this request (speculative decoding)
     spec_accepted_tokens: int = 0  # of those, accepted
+    slo_forecast: tuple[float, float] | None = None  # slo policy: (when, the first-token wait estimated then)
 
 
 @dataclass

@@ -33,6 +33,7 @@ class EngineSnapshot(msgspec.Struct, kw_only=True):
     slo_admitted_per_step: float = 0.0  # admissions per step while requests queue
     slo_queue_tokens: int = 0  # prompt tokens still to compute, running and waiting
     slo_queue_requests: int = 0  # requests waiting
+    slo_wait_bias: float = 1.0  # the wait estimate's learned error: measured / estimated first-token waits
 
 
 class KvCensus(msgspec.Struct, kw_only=True):

@@ -15,6 +15,11 @@ Under slo, `Deadlines` also refuses what cannot be served in time, before it cos
     refused:        now + wait(request) > its TTFT deadline, or the measured step time > its TPOT target
                     (503 slo_unattainable, Retry-After: when the queue ahead will have drained enough).
 
+    wait x bias:    the estimate learns its own error: bias = EWMA of (the first-token wait a request had) /
+                    (the wait estimated when it arrived), in [0.5, 4]. Steps that slow as the batch grows, and the
+                    server's own time before the core sees a request, make the plain estimate short; measured here,
+                    they no longer let requests in that end up late.
+
 The first term binds when prompts are long (compute), the second when max_num_seqs or the cache is full (the queue
 moves only as running requests finish). Before a step was measured nothing is refused; before a queue was, only the
 step time counts (a request that cannot have its first token within 1.5 steps). Fairness: a tenant's
@@ -54,6 +59,10 @@ FIRST_TOKEN_STEPS = 1.5
 average), then its own."""
 FAIRNESS_WINDOW = 2.0
 """Seconds over which a tenant's admissions count against its share (an exponential decay's time constant)."""
+BIAS_RATE = 0.1
+"""Weight of one request's first token in the estimate's learned bias (about the last 10 requests count)."""
+BIAS_BOUNDS = (0.5, 4.0)
+"""The learned bias stays within these: one odd request (a stall of the whole machine) cannot shut the door."""
 
 
 class SloUnattainableError(BanyanError):
@@ -147,6 +156,7 @@ class Deadlines:
         self._admitted_total = self._admitted_before = 0
         self._paced_steps = 0  # backlogged steps in the paces: a running mean until 1 / EWMA_RATE of them
         self._served: dict[str | None, tuple[float, float]] = {}  # tenant -> (admissions, decayed to this time)
+        self.bias = 1.0  # measured first-token wait / the wait estimated at arrival (EWMA, BIAS_BOUNDS)
 
     # -- measuring --------------------------------------------------------------------------------
     def admitted(self, request: Request) -> None:
@@ -175,6 +185,17 @@ class Deadlines:
         self._last = (now, prefill, self._admitted_total - self._admitted_before, bool(scheduled), backlogged)
         self._admitted_before = self._admitted_total
 
+    def first_token(self, request: Request) -> None:
+        """The request has its first token: the wait estimated when it arrived (check_new), against the wait it
+        had, teaches the bias. A request that arrived before anything was measured taught nothing."""
+        forecast, request.metrics.slo_forecast = request.metrics.slo_forecast, None
+        if forecast is None:
+            return
+        at, estimated = forecast
+        if estimated > 0.0:
+            ratio = min(max((self.clock() - at) / estimated, BIAS_BOUNDS[0]), BIAS_BOUNDS[1])
+            self.bias += BIAS_RATE * (ratio - self.bias)
+
     def forget_pace_if_idle(self, running: Sequence[Request], waiting: Sequence[Request]) -> None:
         """With nothing running or waiting, the queue's pace is forgotten (the next queue's is measured afresh):
         kept, a slow pace measured on a burst the core then refused had the server refuse every request from then
@@ -197,7 +218,7 @@ class Deadlines:
         """Expected seconds until a request with this much queued work before it (its own included) gets its
         first token; 0 before anything was measured."""
         return expected_wait(self.step_seconds, self.prefill_per_step, self.admitted_per_step, tokens_ahead,
-                             requests_ahead)
+                             requests_ahead, self.bias)
 
     def snapshot(self, running: Sequence[Request], waiting: Sequence[Request]) -> dict[str, float]:
         """EngineSnapshot's slo_* fields: the measurements and the queue, from which the server's admission check
@@ -206,7 +227,8 @@ class Deadlines:
         self.forget_pace_if_idle(running, waiting)
         return {"slo_step_seconds": self.step_seconds, "slo_prefill_per_step": self.prefill_per_step,
                 "slo_admitted_per_step": self.admitted_per_step,
-                "slo_queue_tokens": _prefill_left(running) + _prefill_left(waiting), "slo_queue_requests": len(waiting)}
+                "slo_queue_tokens": _prefill_left(running) + _prefill_left(waiting), "slo_queue_requests": len(waiting),
+                "slo_wait_bias": self.bias}
 
     # -- deciding -----------------------------------------------------------------------------------
     def fair_order(self, waiting: list[Request]) -> list[Request]:
@@ -240,7 +262,9 @@ class Deadlines:
         order = self.fair_order(order)
         ahead = order[:order.index(request)]
         tokens = _prefill_left(running) + _prefill_left(ahead) + request.num_prompt_tokens
-        self._check(request, self.wait_seconds(tokens, len(ahead) + 1), Counter(map(tenant_of, [*running, *order])))
+        wait = self.wait_seconds(tokens, len(ahead) + 1)
+        self._check(request, wait, Counter(map(tenant_of, [*running, *order])))
+        request.metrics.slo_forecast = (self.clock(), wait / self.bias)  # admitted: its first token will tell
 
     def unattainable(self, running: Iterable[Request], order: Sequence[Request]) -> list[tuple[Request, BanyanError]]:
         """The waiting requests (never started, in admission order) that can no longer meet their TTFT deadline,
@@ -296,11 +320,12 @@ def with_defaults(slo: Slo | None, ttft_ms: float | None, tpot_ms: float | None)
 
 
 def expected_wait(step_seconds: float, prefill_per_step: float, admitted_per_step: float, tokens_ahead: int,
-                  requests_ahead: int) -> float:
+                  requests_ahead: int, bias: float = 1.0) -> float:
     """Seconds until a request with this much queued work before it (its own included) gets its first token
-    (module docstring); a pace not measured yet (0) counts for nothing, and so does a step time of 0."""
+    (module docstring), times the estimate's learned bias; a pace not measured yet (0) counts for nothing, and so
+    does a step time of 0."""
     steps = max(_steps_for(tokens_ahead, prefill_per_step), _steps_for(requests_ahead, admitted_per_step))
-    return (steps + FIRST_TOKEN_STEPS) * step_seconds
+    return (steps + FIRST_TOKEN_STEPS) * step_seconds * bias
 
 
 def _ewma(average: float, value: float) -> float:

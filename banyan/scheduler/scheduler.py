@@ -370,6 +370,8 @@ class Scheduler:
             request.cumulative_logprob += sampled.logprob
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
+            if self.policy.deadlines is not None:
+                self.policy.deadlines.first_token(request)
         request.metrics.last_token_time = now
         self._append(request, sampled.token_id, sampled.logprobs or TokenLogprobs(sampled.token_id, sampled.logprob, 0))
         self._jump_forward(request)

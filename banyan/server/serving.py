@@ -178,7 +178,7 @@ class OpenAIServing:
         own = per_key.pop(tenant.tenant_id, 0)
         ahead = min(queued, fair_ahead(own, per_key.values()) + 1)
         wait = expected_wait(stats.slo_step_seconds, stats.slo_prefill_per_step, stats.slo_admitted_per_step,
-                             round(tokens * ahead / queued), ahead)
+                             round(tokens * ahead / queued), ahead, stats.slo_wait_bias)
         error = refusal(slo, 0.0, wait, stats.slo_step_seconds)
         if error is not None:
             error = blame(error, own + 1, per_key.total() + own + 1, len(+per_key) + 1)

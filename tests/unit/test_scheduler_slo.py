@@ -266,3 +266,52 @@ def test_the_first_backlogged_steps_pace_the_queue_as_their_mean():
     for _ in range(5):
         timed_step(s, clock)
     assert s.policy.deadlines.admitted_per_step == pytest.approx(0.5, abs=0.15)
+
+
+def test_the_wait_estimate_learns_its_own_error_from_first_tokens():
+    clock = FakeClock()
+    s = backlogged(clock, num_queued=0)
+    deadlines = s.policy.deadlines
+    for _ in range(40):  # every first token comes twice as late as estimated (steps slowing, the server's time)
+        r = slo_request(clock, ttft_ms=60_000)
+        check(s, r)
+        at, plain = r.metrics.slo_forecast
+        assert at == clock.now and plain == pytest.approx(1.5 * STEP)  # nothing queued: the rest of a step, its own
+        clock.now += 2 * plain
+        deadlines.first_token(r)
+        assert r.metrics.slo_forecast is None  # taught once
+    assert deadlines.bias == pytest.approx(2.0, rel=0.05)
+    assert deadlines.wait_seconds(16, 1) == pytest.approx(2 * plain, rel=0.05)
+    with pytest.raises(SloUnattainableError):  # the plain estimate would have let it in
+        check(s, slo_request(clock, ttft_ms=1000 * plain * 1.5))
+    snap = deadlines.snapshot(s.running, s.waiting)  # the server plans with the same bias
+    at_server = expected_wait(snap["slo_step_seconds"], snap["slo_prefill_per_step"], snap["slo_admitted_per_step"],
+                              16, 1, snap["slo_wait_bias"])
+    assert at_server == pytest.approx(deadlines.wait_seconds(16, 1))
+
+
+def test_the_learned_bias_is_bounded_and_a_request_without_an_estimate_teaches_nothing():
+    clock = FakeClock()
+    s = backlogged(clock, num_queued=0)
+    deadlines = s.policy.deadlines
+    unchecked = slo_request(clock, ttft_ms=60_000)
+    deadlines.first_token(unchecked)  # arrived before anything was measured: no estimate to compare
+    assert deadlines.bias == 1.0
+    for _ in range(200):  # a stalled machine: first tokens 100x later than estimated
+        r = slo_request(clock, ttft_ms=60_000)
+        check(s, r)
+        clock.now += 100.0
+        deadlines.first_token(r)
+    assert deadlines.bias == pytest.approx(4.0)
+
+
+def test_the_scheduler_reports_each_first_token_to_the_estimate():
+    clock = FakeClock()
+    s = backlogged(clock, num_queued=0)
+    r = slo_request(clock, ttft_ms=60_000)
+    check(s, r)
+    s.add_request(r)
+    assert r.metrics.slo_forecast is not None
+    timed_step(s, clock)
+    timed_step(s, clock)
+    assert r.metrics.first_token_time is not None and r.metrics.slo_forecast is None
