@@ -7,7 +7,8 @@
        arrivals): Poisson arrivals at factor x capacity for `duration_s`, every request with a TTFT target of
        ttft_slo_ms (the server's --default-ttft-slo-ms); TTFT measured by the client, from send to the first token
     3. per run: goodput = requests whose first token came within the target / requests sent (a refused one counts
-       as missed), refusals (503, and how fast they came), and the requests admitted yet late by more than 50%
+       as missed), refusals (503, and how fast they came), and the requests admitted yet late by more than 50% (a
+       client gives up on a request with no first token after give_up_after_s, as real clients time out: late)
 
 The client runs on the same machine as the server: keep the rates modest (a 2-vCPU box: a few dozen per second).
 """
@@ -45,6 +46,9 @@ class DeadlineBenchConfig:
     """Seconds the capacity is measured for."""
     workload_seed: int = 0
     """Seed of the prompts and the arrivals."""
+    give_up_after_s: float = 10.0
+    """A client gives up on a request whose first token has not come this many seconds after it was sent, as real
+    clients time out (it counts as late; 0: wait for every request, however long)."""
 
 
 @dataclass
@@ -53,18 +57,23 @@ class Sent:
     ttft: float | None = None  # seconds, send to the first token
     answered_after: float | None = None  # seconds until the status line (a refusal's speed)
     error_code: str | None = None  # an error event in the stream (slo_unattainable: refused by the core after a 200)
+    gave_up: bool = False  # no first token within give_up_after_s: the client hung up
 
 
-async def _one(http, body: dict) -> Sent:
+async def _one(http, body: dict, give_up_after: float | None = None) -> Sent:
     sent, start = Sent(), time.monotonic()
     try:
-        async with http.stream("POST", "/v1/completions", json=body) as r:
-            sent.status, sent.answered_after = r.status_code, time.monotonic() - start
-            async for line in r.aiter_lines():
-                if line.startswith('data: {"error"'):
-                    sent.error_code = json.loads(line[6:])["error"].get("code")
-                elif sent.ttft is None and line.startswith("data: {") and '"text"' in line:
-                    sent.ttft = time.monotonic() - start
+        async with asyncio.timeout(give_up_after) as patience:
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                sent.status, sent.answered_after = r.status_code, time.monotonic() - start
+                async for line in r.aiter_lines():
+                    if line.startswith('data: {"error"'):
+                        sent.error_code = json.loads(line[6:])["error"].get("code")
+                    elif sent.ttft is None and line.startswith("data: {") and '"text"' in line:
+                        sent.ttft = time.monotonic() - start
+                        patience.reschedule(None)  # it started: read it to the end
+    except TimeoutError:
+        sent.gave_up = True
     except Exception:  # noqa: BLE001 - a transport failure is a request that missed
         pass
     return sent
@@ -108,7 +117,8 @@ async def _open_loop(base_url: str, cfg: DeadlineBenchConfig, prompts: list[list
         tasks, start = [], time.monotonic()
         for i, at in enumerate(arrivals):  # on the clock: a client slowed by the server's CPU use catches up
             await asyncio.sleep(max(0.0, start + at - time.monotonic()))
-            tasks.append(asyncio.ensure_future(_one(http, _body(prompts[i % len(prompts)], cfg))))
+            tasks.append(asyncio.ensure_future(_one(http, _body(prompts[i % len(prompts)], cfg),
+                                                    cfg.give_up_after_s or None)))
         return list(await asyncio.gather(*tasks))
 
 
@@ -118,12 +128,15 @@ def summarize(sent: list[Sent], slo_s: float) -> dict:
     ttfts = [s.ttft for s in served]
     return {"sent": len(sent), "served": len(served), "refused": len(refused),
             "met": sum(1 for t in ttfts if t <= slo_s), "goodput": round(sum(1 for t in ttfts if t <= slo_s) / len(sent), 3),
-            "admitted_late_by_over_50pct": sum(1 for t in ttfts if t > 1.5 * slo_s),
+            "admitted_late_by_over_50pct": sum(1 for t in ttfts if t > 1.5 * slo_s)
+            + sum(1 for s in sent if s.gave_up and s.status == 200),
+            "gave_up": sum(1 for s in sent if s.gave_up),
             "ttft_p50_s": round(percentile(ttfts, 50), 2) if ttfts else None,
             "ttft_p99_s": round(percentile(ttfts, 99), 2) if ttfts else None,
             "refusal_p99_ms": round(1000 * percentile([s.answered_after for s in refused], 99), 1) if refused else None,
             "refused_in_stream": sum(1 for s in sent if s.status == 200 and s.error_code == "slo_unattainable"),
-            "other": sum(1 for s in sent if s.status == 200 and s.ttft is None and s.error_code != "slo_unattainable")}
+            "other": sum(1 for s in sent if s.status == 200 and s.ttft is None and s.error_code != "slo_unattainable"
+                         and not s.gave_up)}
 
 
 def run_deadlines(engine: EngineConfig, cfg: DeadlineBenchConfig, on_progress=print) -> dict:
@@ -153,14 +166,16 @@ def run_deadlines(engine: EngineConfig, cfg: DeadlineBenchConfig, on_progress=pr
 
 def markdown(results: dict, cfg: DeadlineBenchConfig) -> str:
     lines = [f"Capacity {results['capacity_rps']} requests/s ({cfg.input_len} prompt + {cfg.output_len} output tokens); "
-             f"TTFT target {cfg.ttft_slo_ms:g} ms; {cfg.duration_s:g} s of Poisson arrivals per run.", "",
+             f"TTFT target {cfg.ttft_slo_ms:g} ms; {cfg.duration_s:g} s of Poisson arrivals per run; clients give up "
+             f"after {cfg.give_up_after_s:g} s without a first token.", "",
              "| load | policy | sent | served | refused: 503 / in stream | met | goodput | slo / fcfs | admitted, late > 50% | "
-             "TTFT p50 / p99 (s) | refusal p99 (ms) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "given up | TTFT p50 / p99 (s) | refusal p99 (ms) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fcfs = {r["load_factor"]: r["goodput"] for r in results["runs"] if r["policy"] == "fcfs"}
     for r in results["runs"]:
         ratio = f"{r['goodput'] / fcfs[r['load_factor']]:.1f}x" if r["policy"] == "slo" and fcfs.get(r["load_factor"]) else ""
         lines.append(f"| {r['load_factor']:g}x | {r['policy']} | {r['sent']} | {r['served']} | {r['refused']} / "
                      f"{r.get('refused_in_stream', r.get('other', 0))} | {r['met']} | "
-                     f"{r['goodput']:.0%} | {ratio} | {r['admitted_late_by_over_50pct']} | {r['ttft_p50_s']} / "
+                     f"{r['goodput']:.0%} | {ratio} | {r['admitted_late_by_over_50pct']} | {r.get('gave_up', 0)} | "
+                     f"{r['ttft_p50_s']} / "
                      f"{r['ttft_p99_s']} | {r['refusal_p99_ms'] or ''} |")
     return "\n".join(lines) + "\n"
