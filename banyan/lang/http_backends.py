@@ -7,10 +7,14 @@ They differ in select:
     RuntimeEndpoint    prefix + option token ids from /tokenize; one /v1/completions (echo, max_tokens 0,
                        logprobs) for all options with banyan's prompt_logprobs_start, so the prefix the
                        fork or select warmed comes from the prefix cache and only the options are computed
-    OpenAICompatible   "choice": the server's constrained choice (structured_outputs, vLLM's and banyan's);
-                       "logprobs": one /v1/completions (echo, max_tokens 0, logprobs) for the prefix and
-                       every prefix + option, plain OpenAI; options start where their echoed tokens leave
-                       the prefix's. "auto" picks "choice" for servers known to have it (vLLM, banyan).
+    OpenAICompatible   "choice": the server's constrained choice, in its dialect (lang/constraints.py:
+                       structured_outputs for vLLM and banyan, a GBNF grammar for llama-server, a JSON
+                       schema's enum elsewhere); "logprobs": one /v1/completions (echo, max_tokens 0,
+                       logprobs) for the prefix and every prefix + option, plain OpenAI; options start where
+                       their echoed tokens leave the prefix's. "auto" picks "choice" for servers known to
+                       have one (vLLM, banyan, llama-server, which has no echo), else "logprobs".
+
+Constrained gens (regex, json_schema) go in the server's dialect too (lang/constraints.py).
 
 OpenAICompatible can also send a program's roles as messages to /v1/chat/completions (`api="chat"`, or "auto" on a
 server that does not render its template through /tokenize: OpenAI itself, llama-server), as SGLang's OpenAI backend
@@ -33,6 +37,7 @@ from banyan.lang.backend import (
     structured_outputs,
 )
 from banyan.lang.chat import CHAT_API_FORMAT, ChatFormatError, RoleFormat
+from banyan.lang.constraints import choice_fields, chosen, dialect_of, gen_fields
 from banyan.lang.errors import BackendError, BackendUnavailableError
 
 logger = logging.getLogger("banyan.lang")
@@ -41,7 +46,6 @@ DEFAULT_TIMEOUT = 600.0
 """Seconds a call may wait for the server's answer (a longer generation is an error, never a hang)."""
 SELECT_MODES = ("auto", "choice", "logprobs")
 APIS = ("auto", "completions", "chat")
-CHOICE_SERVERS = ("vllm", "banyan")  # /v1/models' owned_by of servers with structured_outputs.choice
 
 
 class _HTTPBackend(Backend):
@@ -54,6 +58,7 @@ class _HTTPBackend(Backend):
         card = self._models()[0]
         self.model = model or card["id"]
         self.owned_by = card.get("owned_by", "")
+        self.dialect = dialect_of(self.owned_by)  # how it takes constraints (lang/constraints.py)
 
     # -- HTTP ----------------------------------------------------------------------------------
     def post(self, call: str, url: str, body: dict) -> dict:
@@ -93,8 +98,14 @@ class _HTTPBackend(Backend):
     def render_chat(self, messages: list[dict]) -> str:
         body = {"model": self.model, "messages": messages, "add_generation_prompt": False}
         try:
-            ids = self.post("chat template", f"{self.root}/tokenize", body)["tokens"]
-            return self.post("chat template", f"{self.root}/detokenize", {"model": self.model, "tokens": ids})["prompt"]
+            ids = self.post("chat template", f"{self.root}/tokenize", body).get("tokens")
+            # llama-server has both routes, but tokenizes no messages and detokenizes into "content"
+            rendered = self.post("chat template", f"{self.root}/detokenize", {"model": self.model, "tokens": ids}
+                                 ).get("prompt") if ids else None
+            if not isinstance(rendered, str):
+                raise BackendError("chat template", "its /tokenize and /detokenize do not answer as vLLM's do "
+                                   "(tokens of the messages, then a prompt)")
+            return rendered
         except BackendError as e:
             raise ChatFormatError(f"the server did not render its chat template ({e}); roles need /tokenize with "
                                   "messages and /detokenize (vLLM's routes); plain-text programs need neither") from e
@@ -102,9 +113,11 @@ class _HTTPBackend(Backend):
     def generate(self, call: GenCall, on_text: Callable[[str], None] | None = None) -> GenResult:
         started = time.monotonic()
         if call.messages is None:
-            body, url = {"model": self.model, "prompt": call.prompt, **self._sampling(call)}, f"{self.api_base}/completions"
+            body, url = {"model": self.model, "prompt": call.prompt, **self._sampling(call, chat=False)}, \
+                f"{self.api_base}/completions"
         else:
-            body, url = {**chat_body(self.model, call.messages), **self._sampling(call)}, f"{self.api_base}/chat/completions"
+            body, url = {**chat_body(self.model, call.messages), **self._sampling(call, chat=True)}, \
+                f"{self.api_base}/chat/completions"
         if on_text is None:
             answer = self.post(call.name, url, body)
             choice, usage = answer["choices"][0], answer.get("usage") or {}
@@ -135,13 +148,10 @@ class _HTTPBackend(Backend):
     def close(self) -> None:
         self.http.close()
 
-    def _sampling(self, call: GenCall) -> dict[str, Any]:
+    def _sampling(self, call: GenCall, chat: bool) -> dict[str, Any]:
         body = {k: v for k, v in call.sampling.given().items() if k != "max_tokens"}
         body["max_tokens"] = call.max_tokens
-        structured = structured_outputs(call)
-        if structured is not None:
-            body["structured_outputs"] = structured
-        return body
+        return body | gen_fields(self.dialect, call.name, structured_outputs(call), chat)
 
     def _score(self, call: str, prompts: list, extra: dict) -> list[dict]:
         """Each prompt's echoed legacy logprobs (tokens, token_logprobs), nothing generated."""
@@ -189,9 +199,10 @@ class OpenAICompatible(_HTTPBackend):
         base_url = base_url.rstrip("/")
         super().__init__(base_url.removesuffix("/v1"), base_url, model, api_key, timeout)
         if select_mode == "auto":
-            select_mode = "choice" if self.owned_by in CHOICE_SERVERS else "logprobs"
+            select_mode = "choice" if self.dialect != "openai" else "logprobs"  # llama-server: no echo
         self.select_mode = select_mode
-        how = ("the server's constrained choice (structured_outputs.choice)" if select_mode == "choice"
+        fields = ", ".join(choice_fields(self.dialect, []))
+        how = (f"the server's constrained choice ({fields})" if select_mode == "choice"
                else "log-probability scoring through echo + logprobs (token_length_normalized)")
         logger.info("banyan.lang: select on %s (%s) uses %s", base_url, self.owned_by or "unknown server", how)
 
@@ -226,13 +237,13 @@ class OpenAICompatible(_HTTPBackend):
         return choose_normalized(scores, call.choices, len(prefix_tokens), 0)
 
     def _select_by_choice(self, call: SelectCall) -> SelectResult:
-        body = {"max_tokens": 256, "temperature": 0.0, "structured_outputs": {"choice": call.choices}}
+        body = {"max_tokens": 256, "temperature": 0.0, **choice_fields(self.dialect, call.choices)}
         if call.messages is None:
             body.update(model=self.model, prompt=call.prompt)
             answer = self.post(call.name, f"{self.api_base}/completions", body)
         else:
             answer = self.post(call.name, f"{self.api_base}/chat/completions", {**chat_body(self.model, call.messages), **body})
-        text = choice_text(answer["choices"][0])
+        text = chosen(self.dialect, choice_text(answer["choices"][0]))
         if text not in call.choices:
             raise BackendError(call.name, f"the server's constrained choice answered {text[:80]!r}, not an option")
         usage = answer.get("usage") or {}
