@@ -126,8 +126,10 @@ class ModelConfig:
     """Seed for requests that bring no seed of their own."""
     device: str = "auto"
     """cpu, cuda or auto."""
-    attention_backend: str = "torch"
-    """Attention implementation by name."""
+    attention_backend: str = "auto"
+    """Attention implementation: torch, triton or auto (auto: triton on a CUDA GPU where it runs, i.e. installed,
+    importing, compute capability 8.0+ and 8.9+ with an fp8 KV cache, else torch with a warning saying why;
+    torch on a CPU)."""
     num_threads: int | None = None
     """CPU threads for torch (default: the cores available)."""
     enforce_eager: bool = False

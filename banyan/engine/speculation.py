@@ -13,7 +13,8 @@ from typing import Any
 
 from banyan.config import EngineConfig
 from banyan.errors import InvalidParameterError
-from banyan.runner.model_runner import ModelRunner, RunnerLimits, resolve_device, resolve_dtype
+from banyan.runner.device import resolve_device, resolve_dtype
+from banyan.runner.model_runner import ModelRunner, RunnerLimits
 from banyan.runner.weights import ModelSource, open_model
 from banyan.spec.speculator import NETWORK_METHODS, Speculator
 

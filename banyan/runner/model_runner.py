@@ -6,7 +6,6 @@ knows requests only through the Batch, which carries each request's page ids.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -17,7 +16,6 @@ from banyan.config import CacheConfig, LoRAConfig, ModelConfig, default_num_thre
 from banyan.distributed.pipeline import Pipeline
 from banyan.distributed.tensor_parallel import TensorParallel
 from banyan.errors import InvalidParameterError
-from banyan.layers.attention import AttentionBackend, get_attention_backend
 from banyan.layers.attention.base import FP8
 from banyan.layers.pooler import PoolRows, pool
 from banyan.layers.sampler import Sampler, compute_prompt_logprobs, request_generator, target_distribution
@@ -26,8 +24,8 @@ from banyan.models.registry import get_model_class
 from banyan.quantization.formats import FP16
 from banyan.quantization import (FILE_METHODS, default_method, finish_loading, model_weight_bytes, plan_formats,
                                  quantize_linears, use_fixed_order)
-from banyan.registry import UnknownChoiceError
 from banyan.runner.cpu_step import CpuDecodeStep
+from banyan.runner.device import attention_backend, default_dtype, resolve_device, resolve_dtype
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from banyan.runner.drafter import NetworkDrafter
 from banyan.forward_batch import ForwardBatch
@@ -40,9 +38,6 @@ from banyan.structured import GrammarBackend, allocate_bitmask, apply_bitmask
 from banyan.structured.bitmask import allow_token, draft_bitmask
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass(frozen=True)
 class RunnerLimits:
@@ -73,7 +68,7 @@ class ModelRunner:
         self.page_size = cache_config.block_size
         if self.device.type == "cpu":
             torch.set_num_threads(model_config.num_threads or default_num_threads())
-        self.attn = _attention_backend(model_config.attention_backend, self.device, self.kv_dtype)
+        self.attn = attention_backend(model_config.attention_backend, self.device, self.kv_dtype)
         self.model = self._load_model(source, model_config)
         self.lora = None if lora_config is None else LoRAModel.install(  # before the KV pool is sized: memory
             self.model, lora_config.max_loras, lora_config.max_lora_rank, self.dtype, self.device)
@@ -97,7 +92,7 @@ class ModelRunner:
         choice = default_method(model_config.quantization, self.device, self.dtype, source.arch.torch_dtype,
                                 source.path.is_file(), source.quantization)
         method = choice.method
-        with _default_dtype(self.dtype), torch.device(self.device):
+        with default_dtype(self.dtype), torch.device(self.device):
             model = model_cls(self.shard, self.attn)
             if method is not None:
                 plan = plan_formats(model, method, model_config.quantization_group_size, source.compact_formats(),
@@ -396,55 +391,3 @@ class _LogitsPlan:
         self.sample_requests.append(request)
         self.sample_logit_rows.append(len(self.rows))
         self.rows.append(row)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise InvalidParameterError("device", "CUDA was asked for but torch sees no CUDA device")
-    if name not in ("cpu",) and not name.startswith("cuda"):
-        raise InvalidParameterError("device", f"must be cpu, cuda or auto, got {name!r}")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device, is_gguf: bool = False) -> torch.dtype:
-    """`auto`: on a GPU the checkpoint's 16-bit dtype (bf16 for float32 ones); on a CPU with bf16 matmul
-    hardware (AMX or AVX512-BF16) bf16 for checkpoints of 16 bits or fewer a weight (bf16/fp16, GGUF),
-    float32 elsewhere (exact; float32 checkpoints stay float32 everywhere on a CPU)."""
-    if name == "auto":
-        if device.type == "cpu":
-            low_precision = is_gguf or checkpoint_dtype in ("bfloat16", "float16")
-            return torch.bfloat16 if low_precision and cpu_has_bf16_matmul() else torch.float32
-        return DTYPES.get(checkpoint_dtype or "", torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
-    if name not in DTYPES:
-        raise InvalidParameterError("dtype", f"must be auto, {', '.join(DTYPES)}; got {name!r}")
-    return DTYPES[name]
-
-
-def cpu_has_bf16_matmul() -> bool:
-    """AMX tiles or AVX512-BF16: bf16 matmuls several times faster than float32 (oneDNN)."""
-    probes = [getattr(torch.cpu, probe, None) for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
-    return any(probe is not None and probe() for probe in probes)
-
-
-def _attention_backend(name: str, device: torch.device, kv_dtype: torch.dtype | None = None) -> AttentionBackend:
-    """The backend asked for; on a GPU where it cannot run (its unavailable_reason: not installed, too old a GPU;
-    or it fails to import), `torch` with a warning. Elsewhere the reason is the error."""
-    try:
-        return get_attention_backend(name, device, kv_dtype)
-    except (InvalidParameterError, ImportError, RuntimeError) as e:
-        if device.type != "cuda" or isinstance(e, UnknownChoiceError):
-            raise
-        logger.warning("%s; falling back to the 'torch' attention backend", e)
-        return get_attention_backend("torch", device, kv_dtype)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)

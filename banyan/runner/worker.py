@@ -53,7 +53,8 @@ from banyan.distributed.pipeline import Pipeline, check_stages
 from banyan.distributed.tensor_parallel import TensorParallel, check_sizes
 from banyan.errors import InvalidParameterError, WorkerError
 from banyan.forward_batch import ForwardBatch
-from banyan.runner.model_runner import ModelRunner, RunnerLimits, resolve_device
+from banyan.runner.device import resolve_device
+from banyan.runner.model_runner import ModelRunner, RunnerLimits
 from banyan.runner.weights import open_model
 
 logger = logging.getLogger(__name__)

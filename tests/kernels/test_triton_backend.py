@@ -17,7 +17,7 @@ from banyan.layers.attention import attention_backend_names, get_attention_backe
 from banyan.layers.attention.base import FP8, to_cache_dtype
 from banyan.layers.attention.torch_backend import TorchAttentionBackend
 from banyan.layers.attention.triton_backend import TritonAttentionBackend
-from banyan.runner import model_runner
+from banyan.runner import device
 from tests.factories import write_model_dir
 from tests.kernels.paged_batches import DEVICE, INTERPRET, assert_matches, gpu, make_batch, reference_attention
 
@@ -72,44 +72,59 @@ def test_registry_without_triton(no_triton):
         get_attention_backend("triton")
 
 
-def test_gpu_without_triton_falls_back_to_torch(no_triton, caplog):
-    with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
-        backend = model_runner._attention_backend("triton", torch.device("cuda"))
+@pytest.fixture
+def hopper(monkeypatch):
+    """As if torch saw an H200 (compute capability 9.0); no GPU is touched."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+
+@pytest.mark.parametrize("asked", ["auto", "triton"])
+def test_gpu_without_triton_falls_back_to_torch(no_triton, hopper, caplog, asked):
+    with caplog.at_level(logging.WARNING, logger=device.__name__):
+        backend = device.attention_backend(asked, torch.device("cuda"))
     assert backend.name == "torch"
-    assert "falling back" in caplog.text
+    assert "pip install" in caplog.text and "using the 'torch' backend" in caplog.text
 
 
-def test_gpu_where_triton_fails_to_import_falls_back_to_torch(monkeypatch, caplog):
+def test_gpu_where_triton_fails_to_import_falls_back_to_torch(monkeypatch, hopper, caplog):
     import_module = importlib.import_module
 
     def broken(name, *args):
-        if name.endswith("triton_backend"):
+        if name == "banyan.kernels.decode_attention":
             raise ImportError("libcuda.so.1: cannot open shared object file")
         return import_module(name, *args)
 
     monkeypatch.setattr(importlib, "import_module", broken)
-    with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
-        backend = model_runner._attention_backend("triton", torch.device("cuda"))
+    with caplog.at_level(logging.WARNING, logger=device.__name__):
+        backend = device.attention_backend("auto", torch.device("cuda"))
     assert backend.name == "torch"
-    assert "libcuda" in caplog.text and "falling back" in caplog.text
+    assert "libcuda" in caplog.text and "using the 'torch' backend" in caplog.text
 
 
 @pytest.mark.parametrize(
     "capability, kv_dtype, expected",
     [((7, 5), torch.bfloat16, "torch"), ((8, 6), FP8, "torch"), ((8, 6), torch.bfloat16, "triton"), ((9, 0), FP8, "triton")],
 )
-def test_gpu_too_old_for_triton_falls_back_to_torch(monkeypatch, caplog, capability, kv_dtype, expected):
+@pytest.mark.parametrize("asked", ["auto", "triton"])
+def test_gpu_too_old_for_triton_falls_back_to_torch(monkeypatch, caplog, capability, kv_dtype, expected, asked):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
-        backend = model_runner._attention_backend("triton", torch.device("cuda"), kv_dtype)
+    with caplog.at_level(logging.WARNING, logger=device.__name__):
+        backend = device.attention_backend(asked, torch.device("cuda"), kv_dtype)
     assert backend.name == expected
     assert ("compute capability" in caplog.text) == (expected == "torch")
+
+
+def test_explicit_torch_wins_on_a_gpu(hopper, caplog):
+    with caplog.at_level(logging.WARNING, logger=device.__name__):
+        assert device.attention_backend("torch", torch.device("cuda")).name == "torch"
+    assert not caplog.text
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(InvalidParameterError, match="CUDA"):
-        model_runner._attention_backend("triton", torch.device("cpu"))
+        device.attention_backend("triton", torch.device("cpu"))
+    assert device.attention_backend("auto", torch.device("cpu")).name == "torch"
 
 
 @pytest.fixture(scope="module")

@@ -265,8 +265,8 @@ def test_without_a_compiler_the_cpu_kernel_is_not_built(monkeypatch, tmp_path):
 
 
 def test_auto_dtype_on_a_cpu_is_bf16_only_with_bf16_hardware_and_a_16_bit_checkpoint(monkeypatch):
-    from banyan.runner import model_runner
-    from banyan.runner.model_runner import resolve_dtype
+    from banyan.runner import device as model_runner
+    from banyan.runner.device import resolve_dtype
 
     cpu = torch.device("cpu")
     for hardware in (False, True):

@@ -21,6 +21,28 @@ MIN_CAPABILITY = (8, 0)  # Triton 3 supports NVIDIA GPUs from Ampere on
 FP8_MIN_CAPABILITY = (8, 9)  # Triton converts to float8_e4m3fn only on Ada and Hopper
 
 
+def import_problem() -> str | None:
+    """Why triton's kernels cannot be imported here (None: they can): not installed, or failing to load (a missing
+    libcuda, a broken install)."""
+    if importlib.util.find_spec("triton") is None:
+        return "backend 'triton' needs the 'triton' package: pip install 'banyan[gpu]'"
+    try:
+        importlib.import_module("banyan.kernels.decode_attention")
+    except (ImportError, RuntimeError) as e:
+        return f"triton fails to import ({e})"
+    return None
+
+
+def capability_problem(capability: tuple[int, int], kv_dtype: torch.dtype | None = None) -> str | None:
+    """Why triton's kernels cannot run on a GPU of this compute capability with a `kv_dtype` cache (None: they can)."""
+    major, minor = capability
+    if capability < MIN_CAPABILITY:
+        return f"triton needs compute capability 8.0 or newer; this GPU has {major}.{minor}"
+    if kv_dtype == FP8 and capability < FP8_MIN_CAPABILITY:
+        return f"triton's fp8 KV cache needs compute capability 8.9 or newer; this GPU has {major}.{minor}"
+    return None
+
+
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
@@ -33,12 +55,7 @@ class TritonAttentionBackend(AttentionBackend):
             return "backend 'triton' needs the 'triton' package: pip install 'banyan[gpu]'"
         if device is None or device.type != "cuda":
             return None
-        major, minor = capability = torch.cuda.get_device_capability(device)
-        if capability < MIN_CAPABILITY:
-            return f"triton needs compute capability 8.0 or newer; this GPU has {major}.{minor}"
-        if kv_dtype == FP8 and capability < FP8_MIN_CAPABILITY:
-            return f"triton's fp8 KV cache needs compute capability 8.9 or newer; this GPU has {major}.{minor}"
-        return None
+        return capability_problem(torch.cuda.get_device_capability(device), kv_dtype)
 
     def __init__(self, kv_scale: float = 1.0):
         super().__init__(kv_scale)

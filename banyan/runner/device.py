@@ -1,0 +1,69 @@
+"""Where and in what the runner computes: the device, the dtype and the attention backend, from the settings."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from banyan.errors import InvalidParameterError
+from banyan.layers.attention import AttentionBackend, choose_attention_backend, get_attention_backend
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidParameterError("device", "CUDA was asked for but torch sees no CUDA device")
+    if name not in ("cpu",) and not name.startswith("cuda"):
+        raise InvalidParameterError("device", f"must be cpu, cuda or auto, got {name!r}")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device, is_gguf: bool = False) -> torch.dtype:
+    """`auto`: on a GPU the checkpoint's 16-bit dtype (bf16 for float32 ones); on a CPU with bf16 matmul
+    hardware (AMX or AVX512-BF16) bf16 for checkpoints of 16 bits or fewer a weight (bf16/fp16, GGUF),
+    float32 elsewhere (exact; float32 checkpoints stay float32 everywhere on a CPU)."""
+    if name == "auto":
+        if device.type == "cpu":
+            low_precision = is_gguf or checkpoint_dtype in ("bfloat16", "float16")
+            return torch.bfloat16 if low_precision and cpu_has_bf16_matmul() else torch.float32
+        return DTYPES.get(checkpoint_dtype or "", torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
+    if name not in DTYPES:
+        raise InvalidParameterError("dtype", f"must be auto, {', '.join(DTYPES)}; got {name!r}")
+    return DTYPES[name]
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """AMX tiles or AVX512-BF16: bf16 matmuls several times faster than float32 (oneDNN)."""
+    probes = [getattr(torch.cpu, probe, None) for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    return any(probe is not None and probe() for probe in probes)
+
+
+def attention_backend(name: str, device: torch.device, kv_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """The backend `name` (torch, triton or auto) resolves to here (choose_attention_backend, from this device's
+    compute capability and whether triton imports); a warning when triton was wanted but cannot run."""
+    capability = problem = None
+    if device.type == "cuda" and name in ("auto", "triton"):
+        from banyan.layers.attention.triton_backend import import_problem
+
+        capability, problem = torch.cuda.get_device_capability(device), import_problem()
+    chosen, why = choose_attention_backend(name, device.type, capability, problem, kv_dtype)
+    if why is not None:
+        logger.warning("attention backend %r: %s; using the 'torch' backend (no CUDA graphs)", name, why)
+    return get_attention_backend(chosen, device, kv_dtype)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
