@@ -92,6 +92,7 @@ class ModelRunner:
         choice = default_method(model_config.quantization, self.device, self.dtype, source.arch.torch_dtype,
                                 source.path.is_file(), source.quantization)
         method = choice.method
+        started = time.perf_counter()
         with default_dtype(self.dtype), torch.device(self.device):
             model = model_cls(self.shard, self.attn)
             if method is not None:
@@ -99,16 +100,24 @@ class ModelRunner:
                                     fill=FP16 if choice.mix_fp16 else None)
                 quantize_linears(model, plan, wide_fp16=choice.mix_fp16, batch_invariant=model_config.batch_invariant)
         compact = method in FILE_METHODS
-        model.load_weights(self.parallel.weights(source, compact) if self.parallel else source.iter_weights(compact))
+        # Each tensor read straight onto the device in its stored dtype, copied into its parameter in the model's.
+        if self.parallel is not None:
+            model.load_weights(self.parallel.weights(source, compact))
+        else:
+            model.load_weights(source.iter_weights(compact, device=self.device))
         finish_loading(model)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # start-up, not a step: the load's time includes its copies
+        self.load_seconds = time.perf_counter() - started
         if model_config.batch_invariant:
             if self.attn.name != "torch":
                 raise InvalidParameterError("batch_invariant", f"needs the torch attention backend, not {self.attn.name}")
             self.attn.fixed_order = use_fixed_order(model)  # attention in a fixed order too
         if self.parallel is not None:  # the collectives, hooked on the final modules
             model = self.parallel.transform(model)
-        logger.info("weights: %.1f MiB (%s%s)", model_weight_bytes(model) / 2**20, method or self.dtype,
-                    ", float16 for the rest and for wide batches" if choice.mix_fp16 else "")
+        logger.info("weights: %.1f MiB (%s%s) loaded in %.2f s", model_weight_bytes(model) / 2**20,
+                    method or self.dtype, ", float16 for the rest and for wide batches" if choice.mix_fp16 else "",
+                    self.load_seconds)
         return model.eval()
 
     def _kv_pages(self, num_pages: int) -> torch.Tensor:

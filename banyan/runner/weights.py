@@ -38,18 +38,20 @@ Shards = Callable[[str], WeightShard | None]  # checkpoint name -> this rank's p
 class ModelSource(Checkpoint):
     """A Checkpoint whose tensors can be read."""
 
-    def iter_weights(self, compact: bool = False,
-                     shard: Shards | None = None) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    def iter_weights(self, compact: bool = False, shard: Shards | None = None,
+                     device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         """(Hugging Face name, tensor) pairs, read lazily; float tensors as stored, GGUF and AWQ/GPTQ/compressed-tensors
         layers dequantized to fp32 (compact=True: the ones compact_formats() names come as banyan's quantized weights).
         shard(name): the part of each tensor this tensor-parallel rank holds (None: all of it); a safetensors
-        file is read only there (get_slice), a GGUF tensor's rows likewise (its columns after dequantizing)."""
+        file is read only there (get_slice), a GGUF tensor's rows likewise (its columns after dequantizing).
+        device: a float safetensors directory's tensors are read straight onto it, in their stored dtype (a bf16
+        checkpoint never passes through a float32 or a host copy); others come on the CPU."""
         if self.path.is_file():
             return gguf_loader.iter_tensors(self._reader(), self.arch, compact, shard)
         if self.quantization is not None:  # AWQ, GPTQ, compressed-tensors: each layer's packed tensors -> one weight
             layers = PackedLayers(self.quantization, _header_shapes(self.path))
             return layers.assemble(_iter_safetensors(self.path, layers.reading(shard)), compact, shard)
-        return _iter_safetensors(self.path, shard)
+        return _iter_safetensors(self.path, shard, device)
 
     def compact_formats(self) -> dict[str, WeightFormat] | None:
         """Hugging Face name -> quantized format, for the tensors iter_weights(compact=True) keeps compact;
@@ -112,7 +114,8 @@ def _header_shapes(path: Path) -> dict[str, list[int]]:
     return shapes
 
 
-def _iter_safetensors(path: Path, shard: Shards | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(path: Path, shard: Shards | None = None,
+                      device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
     for file, names in _safetensors_plan(path):
@@ -121,7 +124,7 @@ def _iter_safetensors(path: Path, shard: Shards | None = None) -> Iterator[tuple
         if missing:
             raise ModelLoadError(f"{file}: the index lists {missing[:3]} here, but the file lacks them")
         try:
-            with safe_open(str(file), framework="pt") as f:
+            with safe_open(str(file), framework="pt", device=str(device or "cpu")) as f:
                 for name in names or [n for n in header if n != "__metadata__"]:
                     part = shard(name) if shard is not None else None
                     if part is not None and part.skip:
