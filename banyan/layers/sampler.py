@@ -17,14 +17,15 @@ on the CPU drawing them cost at least four times the softmax itself (measured at
 where this needs one per row. Unseeded rows share one batched draw; a seeded row draws from its own
 `request.generator`, so it samples the same tokens whatever else is in the batch and after
 preemption. Like the race it needs no host sync: cumsum, compare, sum and gather on the device.
-Host syncs: one transfer of the results at the end (plus logprobs when some row asks for them,
-and on the CPU only, top_p's check of its candidates).
+Host syncs: one transfer of the sampled ids at the end, through the caller's `to_host` (the runner's counts
+them: runner/host_reads.py); then, only when some row asks for logprobs, one more of all their values (after
+the ids, so that nothing else waits for them); on the CPU only, top_p's check of its candidates.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -35,6 +36,8 @@ from banyan.request import Request, TokenLogprobs
 from banyan.structured import apply_bitmask
 
 _NEG_INF = float("-inf")
+ToHost = Callable[[torch.Tensor, str], list]
+"""(device tensor, what it is) -> its values as nested lists: every read of the step's results goes through one."""
 CPU_CHUNK_BYTES = 8 << 20
 """Logits per chunk of rows on the CPU: small enough to stay in cache through several passes."""
 BLOCK = 128
@@ -63,20 +66,29 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(
-        self, logits: torch.Tensor, requests: Sequence[Request], grammar: tuple[torch.Tensor, list[int]] | None = None
+        self, logits: torch.Tensor, requests: Sequence[Request], grammar: tuple[torch.Tensor, list[int]] | None = None,
+        to_host: ToHost | None = None,
     ) -> SamplerOutput:
         """logits: [len(requests), vocab] fp32, row i belongs to requests[i] (whose output so far is
         request.output_token_ids, prompt request.prompt_token_ids). grammar: (bitmask, rows), the
-        bitmask's row j masks logits row rows[j] (structured output); None when no row is constrained."""
+        bitmask's row j masks logits row rows[j] (structured output); None when no row is constrained.
+        to_host: reads device tensors (default: tolist); called once for the ids, once more for any logprobs."""
+        to_host = to_host or read_list
         raw = logits[:, : self.vocab_size].float()  # drop padded vocabulary columns
         uniforms = self._uniforms(requests, raw.device)  # drawn for the whole batch: chunking changes nothing
-        token_ids, logprobs = [], []
+        params = [r.sampling_params for r in requests]
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        k = max((params[i].logprobs for i in wanted), default=0)
+        token_ids, tables = [], []
         for rows in self._chunks(raw):
             tokens = _sample_rows(raw[rows], requests[rows], _grammar_rows(grammar, rows), _rows(uniforms, rows))
             token_ids.append(tokens)
-            logprobs += _token_logprobs(raw[rows], [r.sampling_params for r in requests[rows]], tokens)
+            if wanted:  # while the chunk is in cache; read after the ids
+                tables.append(_token_logprob_table(raw[rows], params[rows], tokens, k))
+        ids = to_host(torch.cat(token_ids), "sampled ids")
+        logprobs = _read_token_logprobs(tables, params, wanted, to_host)
         chosen = [None if entry is None else entry.logprob for entry in logprobs]
-        return SamplerOutput(torch.cat(token_ids).tolist(), logprobs, chosen)
+        return SamplerOutput(ids, logprobs, chosen)
 
     def _chunks(self, logits: torch.Tensor) -> list[slice]:
         rows, vocab = logits.shape
@@ -101,6 +113,11 @@ class Sampler:
         if device not in self._generators:
             self._generators[device] = torch.Generator(device).manual_seed(self.default_seed)
         return self._generators[device]
+
+
+def read_list(tensor: torch.Tensor, what: str) -> list:
+    """The plain device->host read (a ToHost); `what` names it for one that counts."""
+    return tensor.tolist()
 
 
 def _rows(x: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
@@ -251,41 +268,58 @@ def _pick(widths: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, t
     return index[:, 0], inside[:, 0].clamp(0.0, 1.0 - 2**-53)
 
 
-def _token_logprobs(raw: torch.Tensor, params, token_ids: torch.Tensor) -> list[TokenLogprobs | None]:
-    """Logprob, rank and top-k of the raw logits for the rows whose request asked for logprobs."""
-    logprobs: list[TokenLogprobs | None] = [None] * len(params)
+def _token_logprob_table(raw: torch.Tensor, params, token_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """The logprob table (_logprob_table) of the chunk's rows whose request asked for logprobs, top k each."""
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if not wanted:
-        return logprobs
     if len(wanted) < len(params):
         rows = torch.tensor(wanted, device=raw.device)
         raw, token_ids = raw[rows], token_ids[rows]
-    entries = _logprob_entries(raw, torch.logsumexp(raw, dim=-1), token_ids, max(params[i].logprobs for i in wanted))
-    for i, entry in zip(wanted, entries):
+    return _logprob_table(raw, torch.logsumexp(raw, dim=-1), token_ids, k)
+
+
+def _read_token_logprobs(tables: list[torch.Tensor], params, wanted: list[int],
+                         to_host: ToHost) -> list[TokenLogprobs | None]:
+    """Per row: its logprob entry with its own top-n, or None for rows that did not ask; one read for all."""
+    logprobs: list[TokenLogprobs | None] = [None] * len(params)
+    if not wanted:
+        return logprobs
+    for i, entry in zip(wanted, _entries(to_host(torch.cat(tables), "logprobs"))):
         entry.top = dict(list(entry.top.items())[: params[i].logprobs])
         logprobs[i] = entry
     return logprobs
 
 
-def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:
-    """Row j's logits predict target_ids[j]: its logprob, rank and top-k."""
+def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int,
+                            to_host: ToHost | None = None) -> list[TokenLogprobs]:
+    """Row j's logits predict target_ids[j]: its logprob, rank and top-k (one read through to_host)."""
     logits = logits.float()
-    return _logprob_entries(logits, torch.logsumexp(logits, dim=-1), target_ids.to(logits.device), k)
+    table = _logprob_table(logits, torch.logsumexp(logits, dim=-1), target_ids.to(logits.device), k)
+    return _entries((to_host or read_list)(table, "prompt logprobs"))
 
 
-def _logprob_entries(logits: torch.Tensor, lse: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:
-    """logits: [N, V] raw, lse: [N] their logsumexp (logprob = logit - lse), token_ids: [N].
-    Rank is 1 + the number of tokens strictly more likely. No [N, V] log_softmax is built."""
+def _logprob_table(logits: torch.Tensor, lse: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """logits: [N, V] raw, lse: [N] their logsumexp (logprob = logit - lse), token_ids: [N] -> [N, 3 + 2k] float64:
+    token id, its logprob, its rank, the top k ids, their logprobs (ids below 2^53: exact in float64), so that one
+    read brings them all. Rank is 1 + the number of tokens strictly more likely. No [N, V] log_softmax is built."""
     k = min(k, logits.shape[-1])
     chosen = logits.gather(1, token_ids[:, None])  # [N, 1]
     ranks = torch.count_nonzero(logits > chosen, dim=-1) + 1
-    tops: list[dict[int, float]] = [{} for _ in range(len(token_ids))]
+    columns = [token_ids[:, None], chosen - lse[:, None], ranks[:, None]]
     if k > 0:
         top_values, top_ids = logits.topk(k, dim=-1)  # [N, k], most likely first
-        top_values -= lse[:, None]
-        tops = [dict(zip(ids, values)) for ids, values in zip(top_ids.tolist(), top_values.tolist())]
-    rows = zip(token_ids.tolist(), (chosen[:, 0] - lse).tolist(), ranks.tolist(), tops)
-    return [TokenLogprobs(t, lp, rank, top) for t, lp, rank, top in rows]
+        columns += [top_ids, top_values - lse[:, None]]
+    return torch.cat([c.double() for c in columns], dim=1)
+
+
+def _entries(table: list[list[float]]) -> list[TokenLogprobs]:
+    """_logprob_table's rows, read to the host, as TokenLogprobs."""
+    entries = []
+    for row in table:
+        k = (len(row) - 3) // 2
+        ids, values = row[3 : 3 + k], row[3 + k :]
+        top = {int(t): v for t, v in zip(ids, values)}
+        entries.append(TokenLogprobs(int(row[0]), row[1], int(row[2]), top))
+    return entries
 
 
 # -- logits processors (in place on [B, V]) ---------------------------------------------------------
@@ -377,7 +411,8 @@ def _apply_top_k_top_p(logits: torch.Tensor, params) -> None:
     index = torch.tensor(rows, device=logits.device)
     top_p = _column([params[i].top_p if params[i].top_p < 1.0 else float("inf") for i in rows], logits)  # inf: off
     kept, covered = _top_k_top_p_rows(logits[index], _column([k[i] for i in rows], logits), top_p, width)
-    if width < vocab and vocab in k and not bool(covered.all()):  # only top_p alone can be uncovered
+    top_p_alone = any(k[i] == vocab for i in rows)  # only such rows can be uncovered (never on a GPU: width = vocab)
+    if width < vocab and top_p_alone and not bool(covered.all()):  # CPU tensors: no device wait
         full, _ = _top_k_top_p_rows(logits[index], _column([k[i] for i in rows], logits), top_p, vocab)
         kept = torch.where(covered[:, None], kept, full)
     logits[index] = kept

@@ -28,6 +28,7 @@ from banyan.runner.cpu_step import CpuDecodeStep
 from banyan.runner.device import attention_backend, default_dtype, resolve_device, resolve_dtype
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from banyan.runner.drafter import NetworkDrafter
+from banyan.runner.host_reads import HostReads, to_device
 from banyan.forward_batch import ForwardBatch
 from banyan.runner.memory import (GiB, KVCapacity, cpu_kv_budget, lazily_zeroed, pages_for_budget, profile_batch,
                                   profile_cuda_forward)
@@ -83,6 +84,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not model_config.enforce_eager and parallel is None:
             self.start_decode_graphs(capture=True)
         self.sampler = Sampler(self.arch.vocab_size, default_seed=model_config.seed)
+        self.to_host = HostReads()  # the step's device->host reads, counted (runner/host_reads.py)
         self.grammar: GrammarBackend | None = None  # fills the masks of rows with a matcher (structured output)
         self._bitmask: torch.Tensor | None = None  # grammar masks, grown on demand
         self.drafter: NetworkDrafter | None = None  # speculation by a network: drafts inside the step
@@ -236,6 +238,7 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepResult:
+        self.to_host.new_step()
         drafting = [item for item in batch.scheduled if item.draft_token_ids] if self.drafter is not None else []
         draft_seconds = self.drafter.draft(drafting) if drafting else 0.0  # placeholders -> the drafter's tokens
         lora = self.lora.prepare(batch) if self.lora is not None else None  # orders the requests by adapter
@@ -298,13 +301,13 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         dev = self.device
         fb = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-            logits_indices=torch.tensor(plan.rows, dtype=torch.long, device=dev),
+            input_ids=to_device(ids, torch.long, dev),
+            positions=to_device(positions, torch.long, dev),
+            slot_mapping=to_device(slots, torch.long, dev),
+            query_start_loc=to_device(query_start, torch.int32, dev),
+            seq_lens=to_device(context_lens, torch.int32, dev),
+            block_tables=to_device([list(t) + [0] * (width - len(t)) for t in tables], torch.int32, dev),
+            logits_indices=to_device(plan.rows, torch.long, dev),
             query_lens=[item.num_new_tokens for item in batch.scheduled],
             context_lens=context_lens,
             page_size=P,
@@ -312,18 +315,21 @@ class ModelRunner:
         return fb, plan
 
     def _sample(self, logits: torch.Tensor, plan: _LogitsPlan, masks=None) -> StepResult:
+        """The step's tokens, read first (the one host wait every sampling step makes); prompt logprobs, which only
+        the user reads, after them."""
         result = StepResult()
-        for request, first, count, targets in plan.prompt:
-            k = request.sampling_params.prompt_logprobs
-            target_ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
-            result.prompt_logprobs[request.request_id] = compute_prompt_logprobs(logits[first : first + count], target_ids, k)
         if plan.sample_requests:
-            rows = torch.tensor(plan.sample_logit_rows, dtype=torch.long, device=logits.device)
-            out = self.sampler(logits[rows], plan.sample_requests, masks)
+            rows = to_device(plan.sample_logit_rows, torch.long, logits.device)  # queued: no wait for the forward
+            out = self.sampler(logits[rows], plan.sample_requests, masks, self.to_host)
             for i, request in enumerate(plan.sample_requests):
                 result.sampled[request.request_id] = SampledToken(out.token_ids[i], out.chosen_logprobs[i], out.logprobs[i])
         if plan.verify:
             result.verified = self._verify(logits, plan.verify)
+        for request, first, count, targets in plan.prompt:
+            k = request.sampling_params.prompt_logprobs
+            target_ids = to_device(targets, torch.long, logits.device)
+            result.prompt_logprobs[request.request_id] = compute_prompt_logprobs(
+                logits[first : first + count], target_ids, k, self.to_host)
         return result
 
     def _verify(self, logits: torch.Tensor, verify: list[tuple]) -> dict[str, list[int]]:
@@ -348,6 +354,7 @@ class ModelRunner:
             greedy=[r.sampling_params.temperature == 0.0 for r in requests],
             generators=[request_generator(r, logits.device) for r in requests],
             default_generator=self.sampler.generator(logits.device),
+            to_host=self.to_host,
         )
         return {r.request_id: tokens for r, tokens in zip(requests, out.token_ids)}
 

@@ -54,13 +54,15 @@ def verify(
     generators: Sequence[torch.Generator | None] | None = None,
     default_generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,
+    to_host=None,
 ) -> VerifyOutput:
     """target_probs: [B, K + 1, V] processed (module docstring); draft_ids: [B, K] long, row b valid up to
     num_drafts[b] ([B] long); draft_probs: [B, K, V], the draft's own processed distribution each draft was
     sampled from, or None for deterministic proposers (q = one-hot of the draft). greedy: per request.
     generators: per request, its own generator or None (the shared `default_generator`); greedy rows draw
     nothing. uniforms: [B, K + 1] in [0, 1) to use instead of drawing (tests, or a caller that owns the random
-    stream; then no generator is read or moved)."""
+    stream; then no generator is read or moved). to_host(tensor, what): the read of the result (the runner's
+    counts its reads: runner/host_reads.py); default tolist."""
     batch, width, _ = target_probs.shape
     device = target_probs.device
     num_drafts = num_drafts.to(device)
@@ -79,12 +81,17 @@ def verify(
             greedy_accepted, greedy_final = _match(target_probs.argmax(dim=-1), draft_ids, valid)
             num_accepted = torch.where(greedy_rows, greedy_accepted, num_accepted)
             final = torch.where(greedy_rows, greedy_final, final)
-    counts, finals = torch.stack([num_accepted, final]).tolist()  # the one host sync
+    rows = torch.cat([num_accepted[:, None], final[:, None], draft_ids.to(device)], dim=1)  # [B, 2 + K]
+    table = (to_host or _read_list)(rows.long(), "verified ids")  # the one host sync: [a, final token, drafts]
+    counts = [row[0] for row in table]
     for row, generator in seeded:
         if row in states:
             generator.set_state(states[row][counts[row]])  # as if it had drawn a + 1 uniforms only
-    drafts = draft_ids.tolist()
-    return VerifyOutput(counts, [row[:a] + [t] for row, a, t in zip(drafts, counts, finals)])
+    return VerifyOutput(counts, [row[2 : 2 + row[0]] + [row[1]] for row in table])
+
+
+def _read_list(tensor: torch.Tensor, what: str) -> list:
+    return tensor.tolist()
 
 
 def draw_uniforms(batch: int, width: int, seeded: Sequence[tuple[int, torch.Generator]],
