@@ -58,17 +58,30 @@ class RopeAttention(nn.Module):
         self.attn = attn_backend
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self._qkv(x)
+        stored = self.rotary_emb.rotate_and_store(batch.positions, q, k, v, *kv_cache, batch.slot_mapping)
+        if not stored:  # no fused CPU kernel here: rotate, and attention stores k and v
+            q, k = self.rotary_emb(batch.positions, q, k)
+        return self.o_proj(self.attend(q, k, v, kv_cache, batch, kv_stored=stored).flatten(1))  # [num_tokens, hidden]
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The dense half before attention: q, k, v of the rows, q and k rotated (piecewise CUDA graphs)."""
+        q, k, v = self._qkv(x)
+        q, k = self.rotary_emb(positions, q, k)
+        return q, k, v
+
+    def attend(self, q, k, v, kv_cache: KVCache, batch: ForwardBatch, kv_stored: bool = False) -> torch.Tensor:
+        """Attention alone: stores k and v (unless kv_stored), [num_tokens, num_heads, head_dim] out."""
+        return self.attn.forward(q, k, v, *kv_cache, batch, self.scale, self.sliding_window, kv_stored=kv_stored)
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        stored = self.rotary_emb.rotate_and_store(batch.positions, q, k, v, *kv_cache, batch.slot_mapping)
-        if not stored:  # no fused CPU kernel here: rotate, and attention stores k and v
-            q, k = self.rotary_emb(batch.positions, q, k)
-        o = self.attn.forward(q, k, v, *kv_cache, batch, self.scale, self.sliding_window, kv_stored=stored)
-        return self.o_proj(o.flatten(1))  # [num_tokens, hidden]
+        return q, k, v
 
 
 class GatedMLP(nn.Module):
@@ -98,7 +111,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
-        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), kv_cache, batch))
+        return self.after_attention(x, self.self_attn(self.input_layernorm(x), kv_cache, batch))
+
+    def after_attention(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """x + attn_out, then + mlp(norm of that): the rest of the layer once attention's output is projected."""
+        x, h = self.post_attention_layernorm.add_forward(x, attn_out)
         return x.add_(self.mlp(h))  # x: add_forward's new tensor
 
 

@@ -29,6 +29,7 @@ from banyan.runner.device import attention_backend, default_dtype, resolve_devic
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from banyan.runner.drafter import NetworkDrafter
 from banyan.runner.host_reads import HostReads, to_device
+from banyan.runner.piecewise_graphs import PiecewiseGraphs, piecewise_capable, token_buckets
 from banyan.forward_batch import ForwardBatch
 from banyan.runner.memory import (GiB, KVCapacity, cpu_kv_budget, lazily_zeroed, pages_for_budget, profile_batch,
                                   profile_cuda_forward)
@@ -80,9 +81,11 @@ class ModelRunner:
         self.kv_caches = [(self._kv_pages(self.num_pages + 1), self._kv_pages(self.num_pages + 1))
                           for _ in range(self.shard.num_hidden_layers)]
         self.decode_graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None  # mixed prefill + decode steps
         self.cpu_step = None if lora_config or parallel else CpuDecodeStep.build(self.model, self.attn, self.kv_caches)
         if self.device.type == "cuda" and not model_config.enforce_eager and parallel is None:
             self.start_decode_graphs(capture=True)
+            self.start_piecewise_graphs(capture=True)
         self.sampler = Sampler(self.arch.vocab_size, default_seed=model_config.seed)
         self.to_host = HostReads()  # the step's device->host reads, counted (runner/host_reads.py)
         self.grammar: GrammarBackend | None = None  # fills the masks of rows with a matcher (structured output)
@@ -211,6 +214,19 @@ class ModelRunner:
         if capture:
             self.decode_graphs.capture_all()
 
+    def start_piecewise_graphs(self, capture: bool, buckets: list[int] | None = None) -> None:
+        """Steps of up to 512 tokens (any mix of prefill and decode) through dense pieces padded to a token bucket:
+        replayed CUDA graphs with attention eager between them, or (capture=False) all eager."""
+        if not piecewise_capable(self.model):
+            logger.info("CUDA graphs for mixed steps off: %s is not a stack of decoder layers",
+                        type(self.model).__name__)
+            return
+        buckets = buckets or token_buckets(self.limits.max_num_batched_tokens)
+        self.piecewise = PiecewiseGraphs(self.model, self.kv_caches, buckets=buckets, device=self.device,
+                                         capture=capture)
+        if capture:
+            self.piecewise.capture_all()
+
     def use_grammar(self, backend: GrammarBackend) -> None:
         """The grammar backend, given once, when the first constrained request builds it."""
         self.grammar = backend
@@ -259,7 +275,8 @@ class ModelRunner:
         if lora is not None:
             with self.lora.bound(lora):
                 return self.model(fb, self.kv_caches)
-        for fast in (self.decode_graphs, self.cpu_step):  # CUDA graphs; on a CPU, a few rows' layers in one C call
+        # CUDA graphs (decode-only steps whole, others piecewise); on a CPU, a few rows' layers in one C call
+        for fast in (self.decode_graphs, self.piecewise, self.cpu_step):
             if fast is not None and fast.fits(fb):
                 return fast.run(fb)
         return self.model(fb, self.kv_caches)
