@@ -55,3 +55,13 @@ class ForwardBatch:
     @property
     def max_context_len(self) -> int:
         return max(self.context_lens, default=0)
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values (a list, or a CPU tensor) as a tensor on `device`, without a wait: torch.tensor(values,
+    device="cuda") copies from pageable memory and then synchronizes the stream, so the host stops until the
+    forward queued before has run (a hidden read's wait, runner/host_reads.py). Through pinned memory the copy
+    is queued like a kernel. On a CPU: the plain tensor."""
+    if device.type != "cuda":
+        return torch.as_tensor(values, dtype=dtype, device=device)
+    return torch.as_tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)

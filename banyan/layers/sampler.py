@@ -32,6 +32,7 @@ from itertools import chain
 import torch
 import torch.nn.functional as F
 
+from banyan.forward_batch import to_device
 from banyan.request import Request, TokenLogprobs
 from banyan.structured import apply_bitmask
 
@@ -105,7 +106,7 @@ class Sampler:
         seeded = [i for i, p in enumerate(params) if p.seed is not None and p.temperature != 0.0]
         if seeded:
             draws = [_draw(requests[i], device) for i in seeded]
-            uniforms[torch.tensor(seeded, device=device)] = torch.cat(draws)
+            uniforms[to_device(seeded, torch.long, device)] = torch.cat(draws)
         return uniforms
 
     def generator(self, device: torch.device) -> torch.Generator:
@@ -151,7 +152,7 @@ def target_distribution(raw: torch.Tensor, requests: Sequence[Request]) -> torch
         return logits
     probs = _exp_shifted(_scaled(logits, params))
     if any(greedy):
-        probs = torch.where(torch.tensor(greedy, device=raw.device)[:, None], logits, probs)
+        probs = torch.where(to_device(greedy, torch.bool, raw.device)[:, None], logits, probs)
     return probs
 
 
@@ -164,7 +165,7 @@ def _sample_rows(raw: torch.Tensor, requests: Sequence[Request], grammar, unifor
         return _argmax(logits)
     token_ids = inverse_cdf(_exp_shifted(_scaled(logits, params)), uniforms)
     if any(greedy):
-        token_ids = torch.where(torch.tensor(greedy, device=raw.device), _argmax(logits), token_ids)
+        token_ids = torch.where(to_device(greedy, torch.bool, raw.device), _argmax(logits), token_ids)
     return token_ids
 
 
@@ -272,7 +273,7 @@ def _token_logprob_table(raw: torch.Tensor, params, token_ids: torch.Tensor, k: 
     """The logprob table (_logprob_table) of the chunk's rows whose request asked for logprobs, top k each."""
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     if len(wanted) < len(params):
-        rows = torch.tensor(wanted, device=raw.device)
+        rows = to_device(wanted, torch.long, raw.device)
         raw, token_ids = raw[rows], token_ids[rows]
     return _logprob_table(raw, torch.logsumexp(raw, dim=-1), token_ids, k)
 
@@ -324,7 +325,7 @@ def _entries(table: list[list[float]]) -> list[TokenLogprobs]:
 
 # -- logits processors (in place on [B, V]) ---------------------------------------------------------
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]  # [B, 1]
+    return to_device(values, like.dtype, like.device)[:, None]  # [B, 1]
 
 
 def _apply_logit_bias(logits: torch.Tensor, params) -> None:
@@ -334,8 +335,8 @@ def _apply_logit_bias(logits: torch.Tensor, params) -> None:
             if token_id < logits.shape[1]:
                 rows.append(i), cols.append(token_id), biases.append(bias)
     if rows:
-        index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-        logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
+        index = (to_device(rows, torch.long, logits.device), to_device(cols, torch.long, logits.device))
+        logits.index_put_(index, to_device(biases, logits.dtype, logits.device), accumulate=True)
 
 
 def _apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
@@ -347,7 +348,7 @@ def _apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None
             cols += banned
     if rows:
         banned = logits.clone()
-        banned[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = _NEG_INF
+        banned[to_device(rows, torch.long, logits.device), to_device(cols, torch.long, logits.device)] = _NEG_INF
         # A grammar that allows only EOS wins over min_tokens: such rows keep their logits.
         logits.copy_(torch.where(banned.isneginf().all(dim=-1, keepdim=True), logits, banned))
 
@@ -360,7 +361,7 @@ def _occurrences(token_lists: list[Sequence[int]], vocab: int, device) -> tuple[
     if flat and (min(flat) < 0 or max(flat) >= vocab):
         keep = (cols >= 0) & (cols < vocab)
         rows, cols = rows[keep], cols[keep]
-    return rows.to(device), cols.to(device)
+    return to_device(rows, torch.long, device), to_device(cols, torch.long, device)
 
 
 def _token_counts(logits: torch.Tensor, token_lists: list[Sequence[int]]) -> torch.Tensor:
@@ -408,7 +409,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, params) -> None:
     # A GPU sorts whole rows fast, and checking the candidates' cover would cost it a host sync.
     candidates = TOP_P_CANDIDATES if logits.device.type == "cpu" else vocab
     width = min(vocab, max(k[i] if k[i] < vocab else candidates for i in rows))
-    index = torch.tensor(rows, device=logits.device)
+    index = to_device(rows, torch.long, logits.device)
     top_p = _column([params[i].top_p if params[i].top_p < 1.0 else float("inf") for i in rows], logits)  # inf: off
     kept, covered = _top_k_top_p_rows(logits[index], _column([k[i] for i in rows], logits), top_p, width)
     top_p_alone = any(k[i] == vocab for i in rows)  # only such rows can be uncovered (never on a GPU: width = vocab)

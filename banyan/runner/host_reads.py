@@ -32,11 +32,3 @@ class HostReads:
         self.step.append(what)
         return tensor.tolist()
 
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on `device`, without a wait: torch.tensor(values, device="cuda") copies from pageable
-    memory and then synchronizes the stream (a hidden read's wait: the host stops until the forward queued before
-    has run). Through pinned memory the copy is queued like a kernel. On a CPU: torch.tensor."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)

@@ -28,9 +28,9 @@ from banyan.runner.cpu_step import CpuDecodeStep
 from banyan.runner.device import attention_backend, default_dtype, resolve_device, resolve_dtype
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from banyan.runner.drafter import NetworkDrafter
-from banyan.runner.host_reads import HostReads, to_device
+from banyan.runner.host_reads import HostReads
 from banyan.runner.piecewise_graphs import PiecewiseGraphs, piecewise_capable, token_buckets
-from banyan.forward_batch import ForwardBatch
+from banyan.forward_batch import ForwardBatch, to_device
 from banyan.runner.memory import (GiB, KVCapacity, cpu_kv_budget, lazily_zeroed, pages_for_budget, profile_batch,
                                   profile_cuda_forward)
 from banyan.runner.weights import ModelSource
