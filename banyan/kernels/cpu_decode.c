@@ -176,7 +176,32 @@ static inline void weighted_add(const float *p, const float *v, const uint32_t *
     for (int r = 0; r < lanes; r++) _mm256_storeu_ps(o + 8 * r, acc[r]);
 }
 
+/* weighted_add for NH (1 to 3) heads at once over width <= 32 floats: o[h] += sum_j p[h][j] * v[slot[j]] in j order,
+ * each V row loaded once for every head (the same FMAs in the same order for each output, so the same bits). */
+static inline __attribute__((always_inline)) void weighted_add_heads(const float *const p[3], const int NH, const float *v,
+                                                                     const uint32_t *slot, size_t token, int n, const int lanes,
+                                                                     float *const o[3]) {
+    __m256 acc[3][4];
+    for (int h = 0; h < NH; h++)
+        for (int r = 0; r < lanes; r++) acc[h][r] = _mm256_loadu_ps(o[h] + 8 * r);
+    for (int j = 0; j < n; j++) {  /* 12 sums, 3 weights and a V vector: the 16 registers */
+        const float *row = v + slot[j] * token;
+        __m256 w[3];
+        for (int h = 0; h < NH; h++) w[h] = _mm256_set1_ps(p[h][j]);
+        for (int r = 0; r < lanes; r++) {
+            const __m256 vr = _mm256_loadu_ps(row + 8 * r);
+            for (int h = 0; h < NH; h++) acc[h][r] = _mm256_fmadd_ps(w[h], vr, acc[h][r]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int r = 0; r < lanes; r++) _mm256_storeu_ps(o[h] + 8 * r, acc[h][r]);
+}
+
 #define V_BLOCK 32 /* keys whose V rows serve every head of a group from L1 (32 x 64 floats: 8 KiB) */
+
+/* Query rows of one sequence that go through the keys together (a prefill chunk's rows; a decode row is a tile
+ * alone). Must match banyan/kernels/cpu_decode.py's ATTENTION_TILE, which sizes the scratch. */
+#define Q_TILE 8
 
 /* Causal attention of n query rows over a paged cache [pages, P, KVH, D]. Query row i is q row rows[i] (rows
  * q_stride floats apart, heads D apart), at position positions[i] of the sequence whose pages are
@@ -186,53 +211,103 @@ static inline void weighted_add(const float *p, const float *v, const uint32_t *
  *     s_t = scale * <q, k_t>      p_t = exp(s_t - max s)      out row rows[i] = sum_t p_t v_t / sum_t p_t
  *
  * each sum taken in position order, each dot product in one fixed tree. The H / KVH query heads of a KV head
- * go together, so each K and V row is read from memory once for all of them. out [T, H, D]; scratch: threads *
- * (H / KVH + 1) * max_keys floats (each head's scores, the slots), max_keys at least the keys any row sees.
- * D a multiple of 8. */
+ * go together, so each K and V row is read from memory once for all of them; so do up to Q_TILE consecutive rows
+ * of one sequence (a prefill chunk), which read the keys of all of them once: a row's numbers are the same as
+ * alone, since a score is one key's own dot product (score8 treats its eight keys apart), a row's exponentials
+ * and sums cover exactly its own keys in position order, and only the loads are shared. out [T, H, D]; scratch:
+ * threads * (Q_TILE * H / KVH + 1) * max_keys floats (each row and head's scores, the slots), max_keys at least
+ * the keys a tile spans (the largest position + 1). D a multiple of 8. */
 void paged_attention(const float *q, int q_stride, const float *k_cache, const float *v_cache,
                      const int32_t *tables, int table_stride, const int32_t *rows, const int32_t *seq_of_row,
                      const int32_t *positions, int n, int H, int KVH, int D, int P, int window, float scale,
                      float *out, float *scratch, int max_keys, int threads) {
     const int group = H / KVH;
     const size_t token = (size_t)KVH * D;
+    int tiles = 0, *tile_start = (int *)__builtin_alloca(sizeof(int) * (n + 1));
+    for (int i = 0; i < n; i++)  /* consecutive rows of one sequence, Q_TILE at most */
+        if (i == 0 || seq_of_row[i] != seq_of_row[i - 1] || i - tile_start[tiles - 1] == Q_TILE) tile_start[tiles++] = i;
+    tile_start[tiles] = n;
 #pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
-    for (int i = 0; i < n; i++) {
+    for (int tile = 0; tile < tiles; tile++) {
         for (int kh = 0; kh < KVH; kh++) {
-            const int pos = positions[i], first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-            const int keys = pos - first + 1;
-            const int32_t *table = tables + (size_t)seq_of_row[i] * table_stride;
-            const float *qr = q + (size_t)rows[i] * q_stride + (size_t)kh * group * D;
+            const int i0 = tile_start[tile], rows_here = tile_start[tile + 1] - i0;
+            int first[Q_TILE], base = INT32_MAX, top = 0;
+            for (int t = 0; t < rows_here; t++) {
+                const int pos = positions[i0 + t];
+                first[t] = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+                base = first[t] < base ? first[t] : base;
+                top = pos > top ? pos : top;
+            }
+            const int span = top - base + 1;  /* the keys any row of the tile sees: [base, top] */
+            const int32_t *table = tables + (size_t)seq_of_row[i0] * table_stride;
             const float *k = k_cache + (size_t)kh * D, *v = v_cache + (size_t)kh * D;
-            float *p = scratch + (size_t)omp_get_thread_num() * (group + 1) * max_keys;
-            float *o = out + ((size_t)rows[i] * H + (size_t)kh * group) * D;
-            uint32_t *slot = (uint32_t *)(p + (size_t)group * max_keys);
-            for (int j = 0, page = first / P, at = first % P; j < keys; j++) {  /* one division, not one a key */
+            float *p = scratch + (size_t)omp_get_thread_num() * (Q_TILE * group + 1) * max_keys;  /* [t][g][span] */
+            uint32_t *slot = (uint32_t *)(p + (size_t)Q_TILE * group * max_keys);
+            for (int j = 0, page = base / P, at = base % P; j < span; j++) {  /* one division, not one a key */
                 slot[j] = (uint32_t)table[page] * P + at;
                 if (++at == P) at = 0, page++;
             }
-            for (int j = 0; j < keys; j += 8) {
-                const int m = keys - j < 8 ? keys - j : 8;
+            /* every row's scores over the whole span (the few keys a row does not see, past its position or before its
+             * window, are computed and never read) */
+            for (int j = 0; j < span; j += 8) {
+                const int m = span - j < 8 ? span - j : 8;
                 const float *kr[8];
                 for (int u = 0; u < 8; u++) kr[u] = k + slot[j + (u < m ? u : 0)] * token;
-                for (int g = 0; g < group; g++) score8(qr + (size_t)g * D, kr, m, D, scale, p + (size_t)g * max_keys + j);
-            }
-            for (int g = 0; g < group; g++) {
-                float *pg = p + (size_t)g * max_keys;
-                exp_shifted(pg, keys, max_of(pg, keys));
-            }
-            for (int d = 0; d < group * D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
-            for (int c = 0; c < D; c += 64)
-                for (int j = 0; j < keys; j += V_BLOCK)
+                for (int t = 0; t < rows_here; t++) {
+                    const float *qr = q + (size_t)rows[i0 + t] * q_stride + (size_t)kh * group * D;
                     for (int g = 0; g < group; g++)
-                        weighted_add(p + (size_t)g * max_keys + j, v + c, slot + j, token,
-                                     keys - j < V_BLOCK ? keys - j : V_BLOCK, D - c < 64 ? D - c : 64, o + (size_t)g * D + c);
-            for (int g = 0; g < group; g++) {
-                const float *pg = p + (size_t)g * max_keys;
-                float total = 0.0f;
-                for (int j = 0; j < keys; j++) total += pg[j];
-                const __m256 inv = _mm256_set1_ps(1.0f / total);
-                for (int d = 0; d < D; d += 8)
-                    _mm256_storeu_ps(o + (size_t)g * D + d, _mm256_mul_ps(_mm256_loadu_ps(o + (size_t)g * D + d), inv));
+                        score8(qr + (size_t)g * D, kr, m, D, scale, p + ((size_t)t * group + g) * max_keys + j);
+                }
+            }
+            for (int t = 0; t < rows_here; t++) {
+                const int lo = first[t] - base, keys = positions[i0 + t] - first[t] + 1;
+                for (int g = 0; g < group; g++) {
+                    float *pg = p + ((size_t)t * group + g) * max_keys + lo;
+                    exp_shifted(pg, keys, max_of(pg, keys));
+                }
+                float *o = out + ((size_t)rows[i0 + t] * H + (size_t)kh * group) * D;
+                for (int d = 0; d < group * D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
+            }
+            const int cw = group > 1 ? 32 : 64;  /* the output columns at a time: 8 registers for one head, 4 for more */
+            for (int c = 0; c < D; c += cw)
+                for (int j = 0; j < span; j += V_BLOCK) {
+                    const int j_end = span - j < V_BLOCK ? span : j + V_BLOCK, width = D - c < cw ? D - c : cw;
+                    for (int t = 0; t < rows_here; t++) {  /* each row's keys of this block, in position order */
+                        const int lo = first[t] - base, hi = positions[i0 + t] - base + 1;
+                        const int from = j > lo ? j : lo, to = j_end < hi ? j_end : hi;
+                        if (from >= to) continue;
+                        float *o = out + ((size_t)rows[i0 + t] * H + (size_t)kh * group) * D;
+                        if (group == 1) {
+                            weighted_add(p + (size_t)t * max_keys + from, v + c, slot + from, token, to - from, width, o + c);
+                            continue;
+                        }
+                        for (int g = 0; g < group; g += 3) {
+                            const float *ph[3];
+                            float *oh[3];
+                            for (int h = 0; h < 3; h++) {
+                                const int gh = g + h < group ? g + h : g;
+                                ph[h] = p + ((size_t)t * group + gh) * max_keys + from;
+                                oh[h] = o + (size_t)gh * D + c;
+                            }
+                            const int nh = group - g < 3 ? group - g : 3, n = to - from;
+                            if (width == 32 && nh == 3) weighted_add_heads(ph, 3, v + c, slot + from, token, n, 4, oh);
+                            else if (width == 32 && nh == 2) weighted_add_heads(ph, 2, v + c, slot + from, token, n, 4, oh);
+                            else
+                                for (int h = 0; h < nh; h++) weighted_add(ph[h], v + c, slot + from, token, n, width, oh[h]);
+                        }
+                    }
+                }
+            for (int t = 0; t < rows_here; t++) {
+                const int lo = first[t] - base, keys = positions[i0 + t] - first[t] + 1;
+                float *o = out + ((size_t)rows[i0 + t] * H + (size_t)kh * group) * D;
+                for (int g = 0; g < group; g++) {
+                    const float *pg = p + ((size_t)t * group + g) * max_keys + lo;
+                    float total = 0.0f;
+                    for (int j = 0; j < keys; j++) total += pg[j];
+                    const __m256 inv = _mm256_set1_ps(1.0f / total);
+                    for (int d = 0; d < D; d += 8)
+                        _mm256_storeu_ps(o + (size_t)g * D + d, _mm256_mul_ps(_mm256_loadu_ps(o + (size_t)g * D + d), inv));
+                }
             }
         }
     }

@@ -23,6 +23,14 @@ from banyan.kernels import cpu_gemv
 
 DISABLE_ENV = "BANYAN_DISABLE_FUSED_DECODE"
 
+ATTENTION_TILE = 8
+"""Query rows of one sequence paged_attention takes through the keys together (cpu_decode.c's Q_TILE)."""
+
+
+def attention_scratch(threads: int, group: int, max_keys: int) -> int:
+    """Floats of scratch paged_attention needs: per thread, each tile row and query head's scores and the slots."""
+    return threads * (ATTENTION_TILE * group + 1) * max_keys
+
 
 class DecodeKernels:
     """Bindings of cpu_decode.c. Tensors are float32 (int64/int32 where said) and contiguous unless a row
@@ -74,7 +82,7 @@ class DecodeKernels:
         heads, dim = q.shape[1:]
         page_size, kv_heads = k_cache.shape[1:3]
         threads = torch.get_num_threads()
-        room = threads * (heads // kv_heads + 1) * rows.max_keys  # each head's scores and the slots, per thread
+        room = attention_scratch(threads, heads // kv_heads, rows.max_keys)
         if rows.scratch is None or rows.scratch.numel() < room:
             rows.scratch = torch.empty(room, dtype=torch.float32)
         tables = rows.tables

@@ -21,7 +21,7 @@ import itertools
 import torch
 
 from banyan.forward_batch import ForwardBatch
-from banyan.kernels import cpu_decode_layers, cpu_gemv
+from banyan.kernels import cpu_decode, cpu_decode_layers, cpu_gemv
 from banyan.kernels.cpu_decode_layers import LinearOperands
 from banyan.layers.attention.torch_backend import TorchAttentionBackend, paged_rows
 from banyan.models.blocks import CausalLM, DecoderLayer, GatedMLP, RopeAttention
@@ -70,7 +70,7 @@ class CpuDecodeStep:
         starts = [0, *itertools.accumulate(fb.query_lens)]  # the host copy: no read of query_start_loc
         rows = paged_rows(fb, starts, MAX_ROWS)  # every row: none has more than MAX_ROWS new rows
         threads = torch.get_num_threads()
-        room = threads * (self.group + 1) * rows.max_keys
+        room = cpu_decode.attention_scratch(threads, self.group, rows.max_keys)
         if self.attn_scratch.numel() < room:
             self.attn_scratch = torch.empty(2 * room, dtype=torch.float32)
         s = self.step

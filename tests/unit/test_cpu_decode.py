@@ -168,6 +168,31 @@ def test_a_rows_attention_does_not_depend_on_the_rows_beside_it():
 
 
 @needs_kernels
+@pytest.mark.parametrize("window", [None, 3, 7])
+@pytest.mark.parametrize("page_size,kv_heads,group", [(1, 1, 4), (4, 3, 3), (16, 2, 1)])
+def test_a_prefill_chunks_rows_go_through_the_keys_together_with_the_bits_of_each_row_alone(page_size, kv_heads,
+                                                                                           group, window):
+    """Rows of one sequence share their key reads in tiles of ATTENTION_TILE; every row keeps its own keys and order:
+    chunks longer and shorter than a tile, after cached prefixes ending on and inside page edges, a window shorter
+    than a tile, GQA, decode rows between them."""
+    tile = cpu_decode.ATTENTION_TILE
+    specs = [(0, 2 * tile + 1), (page_size * 2, tile), (5, 1), (page_size * 3 - 1, tile + 2), (0, tile - 1), (40, 3)]
+    heads, dim = kv_heads * group, 64
+    q, k_cache, v_cache, table, seq_of_row, positions = paged_case(specs, page_size, kv_heads, heads, dim, 7)
+    together = torch.full_like(q, float("nan"))
+    every = list(range(len(positions)))
+    KERNELS.paged_attention(q, k_cache, v_cache, together, cpu_decode.PagedRows(every, seq_of_row, positions, table),
+                            dim**-0.5, window)
+    for r in every:
+        alone = torch.full_like(q, float("nan"))
+        rows = cpu_decode.PagedRows([r], [seq_of_row[r]], [positions[r]], table)
+        KERNELS.paged_attention(q, k_cache, v_cache, alone, rows, dim**-0.5, window)
+        assert torch.equal(alone[r], together[r]), f"row {r} (position {positions[r]})"
+    expected = sdpa_reference(q, k_cache, v_cache, table, specs, dim**-0.5, window)
+    torch.testing.assert_close(together, expected, atol=2e-6, rtol=1e-5)
+
+
+@needs_kernels
 @pytest.mark.parametrize("window", [None, 6])
 def test_torch_backend_sends_decode_and_verify_rows_to_the_kernel(window):
     """A step of decode rows, verify-sized chunks, a short and a long prefill chunk: rows of requests with at
