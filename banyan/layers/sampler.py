@@ -76,6 +76,8 @@ class Sampler:
         to_host: reads device tensors (default: tolist); called once for the ids, once more for any logprobs."""
         to_host = to_host or read_list
         raw = logits[:, : self.vocab_size].float()  # drop padded vocabulary columns
+        if grammar is None and all(_plain_greedy(r) for r in requests):  # each row's argmax and nothing else
+            return SamplerOutput(_argmax(raw).tolist(), [None] * len(requests), [None] * len(requests))
         uniforms = self._uniforms(requests, raw.device)  # drawn for the whole batch: chunking changes nothing
         params = [r.sampling_params for r in requests]
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -194,6 +196,12 @@ def _processed(raw: torch.Tensor, requests: Sequence[Request], grammar) -> torch
     _apply_min_tokens(logits, requests)
     _apply_penalties(logits, requests)
     return logits
+
+
+def _plain_greedy(request: Request) -> bool:
+    """Greedy, without logprobs nor anything that changes the logits: its token is the raw logits' argmax (the
+    fast path of a batch-1 or all-greedy step, which skips the chunks, the per-row lists and the logprobs pass)."""
+    return request.sampling_params.temperature == 0.0 and request.sampling_params.logprobs is None and not _has_processors(request)
 
 
 def _has_processors(request: Request) -> bool:

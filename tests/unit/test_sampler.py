@@ -332,6 +332,22 @@ def test_greedy_rows_take_the_same_tokens_on_every_path(params):
         assert alone.logprobs == mixed.logprobs[:20] == chunked.logprobs[:20]
 
 
+def test_a_plain_greedy_step_takes_the_tokens_of_the_full_path():
+    """Greedy rows without logprobs or logit processors skip to the argmax (the batch-1 fast path); a row asking for
+    logprobs sends the batch through the full path: the same tokens, ties and NaN included, padded columns ignored."""
+    logits = torch.randn(6, BLOCK * 2 + 8, generator=torch.Generator().manual_seed(4))
+    logits[1, [3, BLOCK + 5]] = 9.0  # a tie across blocks: the first
+    logits[2, 7] = float("nan")  # NaN counts as the max
+    logits[3, -4:] = 99.0  # padded vocabulary columns
+    vocab = BLOCK * 2 + 4
+    plain = Sampler(vocab)(logits, [make_request(rid=f"g{i}", temperature=0.0) for i in range(6)])
+    full = Sampler(vocab)(logits, [make_request(rid=f"g{i}", temperature=0.0, logprobs=0 if i == 5 else None)
+                                   for i in range(6)])
+    alone = [Sampler(vocab)(logits[i : i + 1], [make_request(temperature=0.0)]).token_ids[0] for i in range(6)]
+    assert plain.token_ids == full.token_ids == alone == logits[:, :vocab].argmax(-1).tolist()
+    assert plain.logprobs == plain.chosen_logprobs == [None] * 6
+
+
 def test_grammar_rows_follow_their_chunk():
     vocab = 64
     bitmask = allocate_bitmask(4, vocab)
