@@ -161,7 +161,7 @@ class ModelConfig:
     """Each request's output the same whatever else is in the batch and however its prompt is cut into chunks
     (as vLLM's VLLM_BATCH_INVARIANT): every matmul row and attention row goes through banyan's CPU kernels in one
     fixed order. Needs an x86 CPU with AVX2, a float32 model and none/fp16/int8/int4/gguf weights. Off by default:
-    float32 models run as fast or faster with it, but the default GGUF mix's offline throughput is 0.85x on an
+    float32 models lose at most about 5% with it, but the default GGUF mix's offline throughput is 0.8x on an
     AVX2-only CPU (its integer kernels against FBGEMM's fp16 GEMM; docs/quantization.md)."""
     pooling: str | None = None
     """How embedding requests pool the last hidden states: last (the last token's) or mean (over the input);
