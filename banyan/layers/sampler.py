@@ -77,7 +77,7 @@ class Sampler:
         to_host = to_host or read_list
         raw = logits[:, : self.vocab_size].float()  # drop padded vocabulary columns
         if grammar is None and all(_plain_greedy(r) for r in requests):  # each row's argmax and nothing else
-            return SamplerOutput(_argmax(raw).tolist(), [None] * len(requests), [None] * len(requests))
+            return SamplerOutput(to_host(_argmax(raw), "sampled ids"), [None] * len(requests), [None] * len(requests))
         uniforms = self._uniforms(requests, raw.device)  # drawn for the whole batch: chunking changes nothing
         params = [r.sampling_params for r in requests]
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
