@@ -226,14 +226,14 @@ class SchedulerConfig:
     """Time-per-output-token target of requests whose body sets no slo.tpot_ms (default: none)."""
     enable_jump_forward: bool = True
     """Structured output: append the tokens a grammar forces (JSON keys, punctuation) without a forward pass each."""
+    shared_prefix_wait_tokens: int = 32
+    """New requests sharing an uncached prompt prefix compute it once: a request waits while another one's prefill will
+    cache at least this many tokens of its prompt (whole pages), then reuses them. 0: never wait (SGLang's is 32)."""
 
     def __post_init__(self):
-        if self.max_num_seqs < 1:
-            raise InvalidParameterError("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise InvalidParameterError(
-                "max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}"
-            )
+        for name, least in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("shared_prefix_wait_tokens", 0)):
+            if getattr(self, name) < least:
+                raise InvalidParameterError(name, f"must be >= {least}, got {getattr(self, name)}")
         if self.policy not in ("fcfs", "priority", "slo"):
             raise InvalidParameterError("policy", f"must be fcfs, priority or slo, got {self.policy!r}")
         for name in ("default_ttft_slo_ms", "default_tpot_slo_ms"):

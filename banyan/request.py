@@ -104,7 +104,7 @@ class Request:
         self.sampling_params = sampling_params
         self.priority = priority
         self.cache_salt = cache_salt
-        self.group_id = group_id  # siblings of one n > 1 request share their prompt's pages
+        self.group_id = group_id  # siblings of one n > 1 request (they share their prompt, so its pages)
         self.seq_no = 0  # arrival order in the scheduler, breaks time ties
         self.max_tokens = max_tokens  # resolved against max_model_len by the engine
         self.eos_token_ids = frozenset(() if sampling_params.ignore_eos else eos_token_ids)

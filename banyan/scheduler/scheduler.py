@@ -10,6 +10,8 @@ that requests catch up:
 A prompt longer than the budget is spread over steps (chunked prefill); a request readmitted
 after preemption recomputes from its cached prefix the same way. When pages run out, the request
 that would be served last is preempted (its pages freed, recomputed later).
+New requests that share a prefix nobody has cached yet compute it once: the first admitted computes it, the others
+wait in the queue until its pages are in the radix tree, then start from the cache hit (scheduler/prefix.py).
 
 A structured-output request first waits for its grammar (WAITING_FOR_GRAMMAR, compiled off this
 thread) and joins the waiting queue when it is ready; a failed compile ends it alone. After each
@@ -46,6 +48,7 @@ from banyan.kv_cache import KVCacheManager, PrefixMatch
 from banyan.request import Request, RequestStatus, TokenLogprobs
 from banyan.scheduler.batch import Batch, SampledToken, ScheduledRequest, StepResult
 from banyan.scheduler.policy import SchedulingPolicy
+from banyan.scheduler.prefix import PrefixLeaders, matchable_tokens
 from banyan.structured.backend import guarded
 
 if TYPE_CHECKING:
@@ -206,16 +209,16 @@ class Scheduler:
         self._jump_forward(request)
 
     def _admit_waiting(self, batch: Batch, budget: int) -> None:
-        prefilling_groups = {r.group_id for r in self.running if r.group_id and not r.is_prefill_done}
+        leaders = self._prefix_leaders()
         for request in self.policy.admission_order(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            if request.group_id is not None and request.group_id in prefilling_groups:
-                continue  # a sibling is computing the shared prompt; reuse its pages next step
+            namespace, matchable = self._namespace(request), matchable_tokens(request)
+            if leaders is not None and leaders.leader_of(request, namespace, matchable) is not None:
+                continue  # another request is computing pages of its prompt: reuse them once cached (prefix.py)
             if request.lora_id and not self._admit_adapter(request, batch):
                 continue  # its adapter is loading, or every slot is pinned: later requests may go ahead
-            # a mean-pooled embedding reads every position's hidden state: cached positions have none
-            prefix = PrefixMatch([], 0) if request.pools_every_token else self._cached_prefix(request)
+            prefix = self._cached_prefix(request, matchable)
             num_new = request.num_tokens - prefix.num_tokens
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -228,8 +231,19 @@ class Scheduler:
             self._start(request, prefix.num_tokens)
             batch.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
-            if request.group_id is not None and prefix.num_tokens < self._shareable_tokens(request):
-                prefilling_groups.add(request.group_id)
+            if leaders is not None:
+                leaders.add(request, namespace)
+
+    def _prefix_leaders(self) -> PrefixLeaders | None:
+        """The running requests still computing their prompt, as leaders of the shared-prefix wait; None when the
+        wait is off (or there is no prefix cache to wait for)."""
+        if not (self.config.shared_prefix_wait_tokens and self.kv.enable_prefix_caching):
+            return None
+        leaders = PrefixLeaders(self.kv.page_size, self.config.shared_prefix_wait_tokens)
+        for request in self.running:
+            if not request.is_prefill_done:
+                leaders.add(request, self._namespace(request))
+        return leaders
 
     def _admit_adapter(self, request: Request, batch: Batch) -> bool:
         """Pin the request's LoRA adapter in a slot; an adapter that failed to load ends the request."""
@@ -309,21 +323,10 @@ class Scheduler:
                 return
         self.kv.trim(request.request_id, request.num_computed_tokens)
 
-    def _cached_prefix(self, request: Request) -> PrefixMatch:
-        # Never match the whole sequence: the last token must run to produce logits.
-        limit = request.num_tokens - 1
-        if request.prompt_logprobs is not None:
-            # Token i's log-probability comes from position i - 1's logits, and cached positions have none:
-            # the cache may serve only what lies before the first position still wanted.
-            wanted = max(request.sampling_params.prompt_logprobs_start, len(request.prompt_logprobs))
-            limit = min(limit, wanted - 1)
-        if limit <= 0:
+    def _cached_prefix(self, request: Request, matchable: int) -> PrefixMatch:
+        if matchable <= 0:
             return PrefixMatch([], 0)
-        return self.kv.match_prefix(request.all_token_ids[:limit], self._namespace(request))
-
-    def _shareable_tokens(self, request: Request) -> int:
-        """Prompt tokens a sibling could take from the cache: whole pages, short of the last token."""
-        return (request.num_prompt_tokens - 1) // self.kv.page_size * self.kv.page_size
+        return self.kv.match_prefix(request.all_token_ids[:matchable], self._namespace(request))
 
     def _start(self, request: Request, num_cached: int) -> None:
         self.waiting.remove(request)

@@ -191,7 +191,7 @@ def test_requests_wait_for_their_grammar_then_run(llm):
 
 
 def test_preemption_keeps_the_matcher(model_dir):
-    small = make_llm(model_dir, num_pages=48)
+    small = make_llm(model_dir, num_pages=44)  # 43 hold one request; the 6 share their prompt's pages
     spec = {"json": SCHEMAS["nested"], "disable_any_whitespace": True}
     params = [constrained(spec, max_tokens=150, seed=i) for i in range(6)]
     outputs = small.generate(["Reply in JSON, please, now."] * 6, params, use_tqdm=False)

@@ -17,10 +17,10 @@ from banyan.structured import GrammarMatcher
 NEXT_TOKEN = 7
 
 
-def make_scheduler(page_size=4, num_pages=64, max_num_batched_tokens=64, max_num_seqs=16, policy="fcfs", max_model_len=256, prefix_caching=True, jump_forward=True):
+def make_scheduler(page_size=4, num_pages=64, max_num_batched_tokens=64, max_num_seqs=16, policy="fcfs", max_model_len=256, prefix_caching=True, jump_forward=True, prefix_wait_tokens=32):
     kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=prefix_caching)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, policy=policy,
-                             enable_jump_forward=jump_forward)
+                             enable_jump_forward=jump_forward, shared_prefix_wait_tokens=prefix_wait_tokens)
     return Scheduler(config, kv, max_model_len)
 
 
@@ -204,7 +204,7 @@ def test_max_model_len_ends_a_request():
 
 
 def test_siblings_share_the_prompt_pages():
-    s = make_scheduler(page_size=4)
+    s = make_scheduler(page_size=4, prefix_wait_tokens=4)  # they wait for any whole page (the shared-prefix wait)
     prompt = make_request(prompt_len=13).prompt_token_ids
     kids = [make_request(prompt_len=13, prefix=prompt, group="g", arrival=float(i)) for i in range(3)]
     for k in kids:
