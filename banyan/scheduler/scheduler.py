@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from banyan.config import SchedulerConfig
 from banyan.errors import CacheCapacityError, error_info
-from banyan.kv_cache import KVCacheManager, PrefixMatch
+from banyan.kv_cache import KVCacheManager
 from banyan.request import Request, RequestStatus, TokenLogprobs
 from banyan.scheduler.batch import Batch, SampledToken, ScheduledRequest, StepResult
 from banyan.scheduler.policy import SchedulingPolicy
@@ -218,7 +218,7 @@ class Scheduler:
                 continue  # another request is computing pages of its prompt: reuse them once cached (prefix.py)
             if request.lora_id and not self._admit_adapter(request, batch):
                 continue  # its adapter is loading, or every slot is pinned: later requests may go ahead
-            prefix = self._cached_prefix(request, matchable)
+            prefix = self.kv.match_prefix(request.all_token_ids[:matchable], namespace)
             num_new = request.num_tokens - prefix.num_tokens
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -322,11 +322,6 @@ class Scheduler:
             if request.is_finished:
                 return
         self.kv.trim(request.request_id, request.num_computed_tokens)
-
-    def _cached_prefix(self, request: Request, matchable: int) -> PrefixMatch:
-        if matchable <= 0:
-            return PrefixMatch([], 0)
-        return self.kv.match_prefix(request.all_token_ids[:matchable], self._namespace(request))
 
     def _start(self, request: Request, num_cached: int) -> None:
         self.waiting.remove(request)
