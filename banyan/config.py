@@ -227,8 +227,7 @@ class SchedulerConfig:
     enable_jump_forward: bool = True
     """Structured output: append the tokens a grammar forces (JSON keys, punctuation) without a forward pass each."""
     shared_prefix_wait_tokens: int = 32
-    """New requests sharing an uncached prompt prefix compute it once: a request waits while another one's prefill will
-    cache at least this many tokens of its prompt (whole pages), then reuses them. 0: never wait (SGLang's is 32)."""
+    """A new request waits to reuse what a prefill will cache if that is this many of its uncached tokens (0: never)."""
 
     def __post_init__(self):
         for name, least in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("shared_prefix_wait_tokens", 0)):
