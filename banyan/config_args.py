@@ -182,11 +182,12 @@ def parse_size(text: str) -> int:
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """The string under each dataclass field, which the CLI shows as that flag's help (cached: reading the
-    source costs milliseconds per class, and every subcommand's parser asks again)."""
+    source costs milliseconds per class, and every subcommand's parser asks again). A "%" is doubled: argparse
+    formats help text with %, so "5% w" would end every --help in a ValueError."""
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {}
     for node, following in itertools.pairwise(body):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)):
-            docs[node.target.id] = " ".join(str(following.value.value).split())
+            docs[node.target.id] = " ".join(str(following.value.value).split()).replace("%", "%%")
     return docs

@@ -201,16 +201,13 @@ def _processed(raw: torch.Tensor, requests: Sequence[Request], grammar) -> torch
 def _plain_greedy(request: Request) -> bool:
     """Greedy, without logprobs nor anything that changes the logits: its token is the raw logits' argmax (the
     fast path of a batch-1 or all-greedy step, which skips the chunks, the per-row lists and the logprobs pass)."""
-    return request.sampling_params.temperature == 0.0 and request.sampling_params.logprobs is None and not _has_processors(request)
+    p = request.sampling_params
+    return p.temperature == 0.0 and p.logprobs is None and not _has_processors(request)
 
 
 def _has_processors(request: Request) -> bool:
     p = request.sampling_params
-    return bool(
-        p.logit_bias
-        or request.num_output_tokens < p.min_tokens
-        or p.has_penalties
-    )
+    return bool(p.logit_bias or request.num_output_tokens < p.min_tokens or p.has_penalties)
 
 
 def _scaled(logits: torch.Tensor, params) -> torch.Tensor:

@@ -77,3 +77,20 @@ def test_repeatable_flags_keep_their_default_unless_given():
     args = build_parser().parse_args(["bench", "compare", "--concurrencies", "2", "--concurrencies", "8"])
     cfg = config_from_args(CompareConfig, args)
     assert cfg.concurrencies == (2, 8) and cfg.peers == CompareConfig().peers
+
+
+def _subparsers(parser):
+    for action in parser._actions:
+        if action.__class__.__name__ == "_SubParsersAction":
+            for sub in action.choices.values():
+                yield sub
+                yield from _subparsers(sub)
+
+
+def test_every_commands_help_prints_whatever_its_docstrings_say():
+    """argparse %-formats help text: a docstring saying "5% w" once made every --help a ValueError."""
+    parser = build_parser()
+    commands = [parser, *_subparsers(parser)]
+    assert len(commands) > 5
+    for command in commands:
+        assert command.format_help()
