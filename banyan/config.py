@@ -272,8 +272,10 @@ class ParallelConfig:
     attention and one after the MLP; gloo on CPU, NCCL on GPUs (docs/parallel.md)."""
     pipeline_parallel_size: int = 1
     """Processes that each hold a contiguous range of the layers (a stage), hidden states passed from one to the
-    next in micro-batches so stages overlap; with tensor_parallel_size T, each stage is T processes
-    (docs/parallel.md)."""
+    next; with tensor_parallel_size T, each stage is T processes (docs/parallel.md)."""
+    pipeline_micro_batches: int | None = None
+    """Micro-batches (whole requests, about equal tokens) a step's batch is cut into for the pipeline; default one per
+    stage, so stage k runs micro-batch m while stage k+1 runs m-1; 1: the whole batch one stage after another."""
     data_parallel_size: int = 1
     """Engine cores, each a whole copy of the model, behind one API server; a router picks one per request
     (banyan serve only)."""
@@ -301,8 +303,8 @@ class ParallelConfig:
     puts on a node (distributed/ray_cluster.replicas_per_node)."""
 
     def __post_init__(self):
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-            if getattr(self, name) < 1:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "pipeline_micro_batches"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidParameterError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.router_policy is not None and self.router_policy not in ROUTER_POLICIES:
             raise UnknownChoiceError("router_policy", self.router_policy, list(ROUTER_POLICIES))

@@ -6,7 +6,8 @@ hidden states travel rank 0 -> 1 -> ... -> last -> rank 0, one micro-batch after
     rank 1:                  ─recv─► stage 1 ─send─►
     rank 2:                                  ─recv─► stage 2 ─send─► rank 0
 
-A step's ForwardBatch is cut into micro-batches of whole requests (about equal tokens, at most one per stage):
+A step's ForwardBatch is cut into micro-batches of whole requests (about equal tokens; one per stage unless
+--pipeline-micro-batches says otherwise, never more than requests):
 
     time ->     mb0      mb1      mb2
     rank 0:   [ s0 ]   [ s0 ]   [ s0 ]
@@ -86,6 +87,8 @@ class Pipeline:
     arch: ModelArch
     stages: int
     tp: TensorParallel | None = None
+    num_micro_batches: int | None = None  # None: one per stage
+
 
     @property
     def tp_size(self) -> int:
@@ -130,7 +133,7 @@ class Pipeline:
         return self.group.agree_min(value)
 
     def micro_batches(self, fb: ForwardBatch) -> list[ForwardBatch]:
-        bounds = micro_batch_bounds(fb.query_lens, min(self.stages, fb.num_seqs))
+        bounds = micro_batch_bounds(fb.query_lens, min(self.num_micro_batches or self.stages, fb.num_seqs))
         return [split(fb, a, b) for a, b in zip(bounds, bounds[1:])]
 
     def run_layers(self, model: nn.Module, x: torch.Tensor, kv_caches, mb: ForwardBatch) -> torch.Tensor:

@@ -85,7 +85,7 @@ def placement(parallel: ParallelConfig, group: TPGroup, arch) -> TensorParallel 
         return TensorParallel(group, arch)
     stage, t = divmod(group.rank, tp)
     shard = TensorParallel(group.subgroup(f"stage{stage}", t, tp), arch) if tp > 1 else None
-    return Pipeline(group, arch, pp, shard)
+    return Pipeline(group, arch, pp, shard, parallel.pipeline_micro_batches)
 
 
 class ParallelRunner(ModelRunner):

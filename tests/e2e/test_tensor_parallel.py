@@ -76,10 +76,12 @@ def test_llama_same_tokens_and_logits_as_one_process(tiny_llama, tp):
     llm.engine.close()
 
 
-def test_pipeline_stages_give_the_same_tokens_and_logits(tiny_llama):
-    """Two stages of one layer each; micro-batches of whole requests pass through them."""
+@pytest.mark.parametrize("micro_batches", [None, 1, 3])
+def test_pipeline_stages_give_the_same_tokens_and_logits(tiny_llama, micro_batches):
+    """Two stages of one layer each; micro-batches of whole requests pass through them: one per stage (the
+    default: stage 1 runs micro-batch m while stage 0 runs m+1), the whole batch at once, or more than stages."""
     path, prompts, want = tiny_llama
-    llm = make_llm(path, pp=2)
+    llm = make_llm(path, pp=2, pipeline_micro_batches=micro_batches)
     assert_same(run(llm, prompts), want)
     assert llm.engine.stats().num_preemptions > 0
     llm.engine.kv.check_integrity()

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from banyan.config import ModelArch
+from banyan.config import ModelArch, ParallelConfig
 from banyan.distributed.pipeline import check_stages, micro_batch_bounds, split, stage_ranges
 from banyan.distributed.tensor_parallel import ShardPlan, WeightShard, check_sizes, shard_arch
 from banyan.errors import InvalidParameterError
@@ -93,6 +93,9 @@ def test_micro_batches_cut_whole_requests_of_about_equal_tokens():
     assert micro_batch_bounds([1, 1, 1, 1], 2) == [0, 2, 4]
     assert micro_batch_bounds([30, 1, 1, 1], 2) == [0, 1, 4]
     assert micro_batch_bounds([5], 2) == [0, 1]
+    assert micro_batch_bounds([2, 2, 2, 2, 2, 2], 3) == [0, 2, 4, 6]  # --pipeline-micro-batches 3 on two stages
+    with pytest.raises(InvalidParameterError, match="pipeline_micro_batches: must be >= 1, got 0"):
+        ParallelConfig(pipeline_parallel_size=2, pipeline_micro_batches=0)
     fb = decode_step(encode_step(ForwardBatch(
         input_ids=torch.tensor([5, 6, 7, 8]), positions=torch.tensor([0, 1, 2, 9]),
         slot_mapping=torch.tensor([40, 41, 42, 13]), query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32),
