@@ -45,8 +45,9 @@ class ModelSwap(BaseModel):
 
 
 class AdminModel(BaseModel):
-    """One served model as the operator sees it; memory_bytes: what its core holds now (RSS; the estimate while
-    loading), memory_estimate_bytes: what the budget counts for it."""
+    """One served model as the operator sees it; memory_bytes: what its cores and their tensor/pipeline-parallel
+    workers on this host hold now (RSS; the estimate while loading), memory_estimate_bytes: what the budget counts
+    for it."""
 
     name: str
     model: str

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from banyan.ipc.client import EngineClient
 from banyan.ipc.dp_client import DataParallelClient
 from banyan.server.metrics import ServerMetrics
-from banyan.server.model_memory import Holding, MemoryEstimate, resident_bytes
+from banyan.server.model_memory import Holding, MemoryEstimate, tree_resident_bytes
 from banyan.server.model_specs import ModelSpec
 from banyan.server.serving import OpenAIServing
 
@@ -47,9 +47,9 @@ class ModelEntry:
 
     @property
     def resident(self) -> int:
-        """What its cores on this host hold now (RSS, summed over data-parallel replicas; 0 before they started and
-        after they exited)."""
-        return sum(map(resident_bytes, self.client.local_pids)) if self.client is not None else 0
+        """What its cores on this host hold now with their tensor/pipeline-parallel workers (RSS, summed over
+        data-parallel replicas; 0 before they started and after they exited)."""
+        return sum(map(tree_resident_bytes, self.client.local_pids)) if self.client is not None else 0
 
     def holding(self) -> Holding:
         return Holding(self.name, self.estimate.total, self.resident)
@@ -87,12 +87,12 @@ class ModelEntry:
 
 def replica_entries(client: DataParallelClient) -> list[dict]:
     """Each data-parallel replica in GET /admin/models' entry: state, restarts, its core's pid, memory and KV cache
-    (memory_bytes: None for a core on another host; 0 while it is down)."""
+    (memory_bytes: its core's and workers' RSS; None for a core on another host; 0 while it is down)."""
     entries = []
     for index, (replica, health) in enumerate(zip(client.replicas, client.health)):
         info, pids = replica.info, replica.local_pids
         entries.append({"replica": index, "state": health.state, "pid": replica.pid,
-                        "memory_bytes": sum(map(resident_bytes, pids)) if pids or health.state != "up" else None,
+                        "memory_bytes": sum(map(tree_resident_bytes, pids)) if pids or health.state != "up" else None,
                         "kv_cache_tokens": info.num_pages * info.page_size if info is not None else None,
                         "restarts": health.restarts, "failed_starts": health.failed_starts,
                         "last_error": health.last_error})

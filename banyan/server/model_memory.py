@@ -198,6 +198,30 @@ def gpu_total_bytes() -> int | None:
         return None
 
 
+def tree_resident_bytes(pid: int) -> int:
+    """What an engine core holds with its tensor/pipeline-parallel workers (its child processes): their RSS summed
+    (a worker Ray placed is a Ray actor's child, not the core's: not counted here)."""
+    return sum(map(resident_bytes, process_tree(pid)))
+
+
+def process_tree(pid: int, proc: Path = Path("/proc")) -> list[int]:
+    """`pid` and its descendants, found by each process's parent in /proc/<pid>/stat (/proc/<pid>/task/*/children
+    needs a kernel option some hosts lack)."""
+    children: dict[int, list[int]] = {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            try:  # "<pid> (<comm, which may hold spaces and parentheses>) <state> <ppid> ..."
+                parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):  # it exited meanwhile
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
 def resident_bytes(pid: int) -> int:
     """A process's resident memory (0 once it has exited, or where /proc is absent)."""
     try:
