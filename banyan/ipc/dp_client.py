@@ -211,15 +211,18 @@ class DataParallelClient:
         EngineDeadError or TimeoutError it gave."""
         return await asyncio.gather(*(r.kv_report(timeout) for r in self.replicas), return_exceptions=True)
 
-    async def profile(self, start: bool, directory: str = "", timeout: float = 600.0) -> m.ProfileStatus:
-        """The torch profiler of the first live replica."""
-        return await self._first_alive().profile(start, directory, timeout)
+    async def profiles(self, start: bool, directory: str = "",
+                       timeout: float = 600.0) -> list[m.ProfileStatus | Exception | None]:
+        """Start or stop every live replica's torch profiler at once (each core writes its own trace, named by its
+        pid); per replica its ProfileStatus, the EngineDeadError or TimeoutError it gave, or None while it is down."""
+        alive = self.alive()
+        if not any(alive):
+            raise EngineDeadError("every data-parallel replica is gone")
 
-    def _first_alive(self) -> EngineClient:
-        for replica, ok in zip(self.replicas, self.alive()):
-            if ok:
-                return replica
-        raise EngineDeadError("every data-parallel replica is gone")
+        async def control(replica: EngineClient, up: bool) -> m.ProfileStatus | None:
+            return await replica.profile(start, directory, timeout) if up else None
+
+        return await asyncio.gather(*map(control, self.replicas, alive), return_exceptions=True)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _replica_died(self, index: int, reason: str) -> None:

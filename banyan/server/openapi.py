@@ -226,11 +226,13 @@ class VersionResponse(BaseModel):
 
 
 class ProfileResponse(BaseModel):
-    """Whether the engine cores' profilers run now; /stop_profile: the traces written, per model (`trace`: the first)."""
+    """Whether the engine cores' profilers run now; /stop_profile: the traces written, per model (`trace`: the first),
+    and for a model with data-parallel replicas each replica's (null: down, or its profiler was not running)."""
 
     profiling: bool
     trace: str | None = None
     traces: dict[str, str] | None = None
+    replica_traces: dict[str, list[str | None]] | None = None
 
 
 class ReplicaKvReport(BaseModel):

@@ -5,9 +5,12 @@
     POST /stop_profile    -> 200 {"profiling": false, "trace": "<profile_dir>/banyan-core-<pid>-<time>.pt.trace.json",
                                   "traces": {"<model>": "<that path>", ...}}
 
-Every ready model's core is profiled (one trace each; `trace` is the first). Without --profile-dir both answer
-400 saying so; a second start (or a stop with none running) is a 409. Each trace is written by its core process,
-on the core's machine (ipc/profiler.py).
+Every ready model's core is profiled (one trace each; `trace` is the first), and with data-parallel replicas every
+live replica's core, each into its own file (its pid in the name): `traces` names the first replica's, and
+`replica_traces` {"<model>": [replica 0's path, replica 1's, ...]} each one's (null for a replica down, or whose
+profiler was not running: a core restarted meanwhile). Without --profile-dir both answer 400 saying so; a start or
+stop that no core of a model could do is a 409 (started twice, stopped while not running) or a 500. Each trace is
+written by its core process, on the core's machine (ipc/profiler.py).
 """
 
 from __future__ import annotations
@@ -15,38 +18,59 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from banyan.ipc import messages as m
 from banyan.ipc.client import EngineClient, EngineDeadError
+from banyan.ipc.dp_client import DataParallelClient
 from banyan.server.errors import APIError
 
 logger = logging.getLogger("banyan.server")
 
-START_DOC = "Admin key only. Start the torch profiler of every model's engine core (needs --profile-dir)."
-STOP_DOC = "Admin key only. Stop the engine cores' torch profilers and write one trace per core into --profile-dir."
+START_DOC = ("Admin key only. Start the torch profiler of every model's engine core, every data-parallel replica's "
+             "(needs --profile-dir).")
+STOP_DOC = ("Admin key only. Stop the engine cores' torch profilers and write one trace per core (per data-parallel "
+            "replica) into --profile-dir.")
 
 
-async def control_profilers(clients: dict[str, EngineClient], profile_dir: str | None, start: bool) -> dict:
+async def control_profilers(clients: dict[str, EngineClient | DataParallelClient], profile_dir: str | None,
+                            start: bool) -> dict:
     """clients: model name -> its engine client (the ready models)."""
     if profile_dir is None:
         raise APIError(400, "profiling is off: start the server with --profile-dir DIR", code="profiling_disabled")
-    traces = {}
+    traces, replica_traces = {}, {}
     for name, client in clients.items():
-        path = await _control(client, profile_dir, start)
-        if path is not None:
+        paths = await _control(client, profile_dir, start)
+        for path in filter(None, paths):
             logger.info("profiler trace of %s written to %s", name, path)
-            traces[name] = path
+        if isinstance(client, DataParallelClient):
+            replica_traces[name] = paths
+        if any(paths):
+            traces[name] = next(filter(None, paths))
     if start:
         return {"profiling": True}
-    return {"profiling": False, "trace": next(iter(traces.values()), None), "traces": traces}
+    return {"profiling": False, "trace": next(iter(traces.values()), None), "traces": traces,
+            **({"replica_traces": replica_traces} if replica_traces else {})}
 
 
-async def _control(client: EngineClient, profile_dir: str, start: bool) -> str | None:
+async def _control(client: EngineClient | DataParallelClient, profile_dir: str, start: bool) -> list[str | None]:
+    """Each core's trace path (stop; None where it wrote none), once at least one core did what was asked."""
     try:
-        status = await client.profile(start, profile_dir)
+        if isinstance(client, DataParallelClient):
+            answers = await client.profiles(start, profile_dir)
+        else:
+            answers = [await client.profile(start, profile_dir)]
     except (EngineDeadError, asyncio.TimeoutError):
+        answers = []
+    statuses = [a for a in answers if isinstance(a, m.ProfileStatus)]
+    if not statuses:
         raise APIError(503, "the engine core did not answer", type="server_error", code="engine_unavailable",
-                       retry_after=5) from None
-    if status.error is not None:
+                       retry_after=5)
+    done = [s for s in statuses if s.error is None]
+    for status in statuses:
+        if status.error is not None and done:  # another core did it: say why this one did not, go on
+            logger.warning("a data-parallel replica's profiler: %s", status.error)
+    if not done:
+        status = statuses[0]
         if status.conflict:
             raise APIError(409, status.error, code="profiler_state")
         raise APIError(500, f"the profiler failed: {status.error}", type="server_error", code="profiler_failed")
-    return status.trace_path
+    return [a.trace_path if isinstance(a, m.ProfileStatus) and a.error is None else None for a in answers]
