@@ -94,7 +94,7 @@ class EngineClient:
         self._encoder = m.encoder()
         self._decoder = m.client_decoder()
 
-        config = _joined_to_ray(config)  # first: a refused Ray address leaves no sockets behind
+        config = joined_to_ray(config)  # first: a refused Ray address leaves no sockets behind
         self._ctx = zmq.asyncio.Context()
         self._input = self._ctx.socket(zmq.PUSH)
         self._output = self._ctx.socket(zmq.PULL)
@@ -369,7 +369,7 @@ class EngineClient:
                 future.set_exception(EngineDeadError(reason))
 
 
-def _joined_to_ray(config: EngineConfig) -> EngineConfig:
+def joined_to_ray(config: EngineConfig) -> EngineConfig:
     """With a Ray backend: this process joins the cluster, and the config names its address, so that a core started
     from here (and its workers) join the same one; with Ray placing the replicas, it also says how many may share a
     node (each core sizes its KV pool from its node's memory, shared with only those)."""

@@ -79,9 +79,11 @@ def estimate_memory(engine: EngineConfig, arch: ModelArch, path: Path, on_gpu: b
     weights = params * _bytes_per_parameter(engine, arch, is_gguf, on_gpu)
     if is_gguf and engine.model.quantization in (None, "gguf") and not on_gpu:
         weights = file_bytes + (2 * params if engine.model.quantization is None else 0)  # compact + fp16 copies
-    # Data parallel: that many whole copies; tensor parallel: the weights split, but each rank its own KV budget
-    # (its KV heads of every page) and its own process.
-    replicas, ranks = engine.parallel.data_parallel_size, engine.parallel.tensor_parallel_size
+    # Data parallel: that many whole copies, those on this host (Ray may place the others on other nodes); tensor and
+    # pipeline parallel: the weights split, but each rank its own KV budget (its part of every page) and process.
+    parallel = engine.parallel
+    replicas = parallel.replicas_on_host or parallel.data_parallel_size
+    ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
     return MemoryEstimate(int(weights) * replicas, kv_cache_bytes(engine, arch, on_gpu) * ranks * replicas,
                           ((0 if on_gpu else CORE_PROCESS_BYTES) * ranks + (file_bytes if is_gguf else 0)) * replicas)
 

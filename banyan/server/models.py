@@ -30,7 +30,7 @@ from starlette.requests import Request
 from banyan.checkpoint import open_checkpoint, resolve_model
 from banyan.config import EngineConfig, ServerConfig
 from banyan.errors import BanyanError
-from banyan.ipc.client import EngineClient
+from banyan.ipc.client import EngineClient, joined_to_ray
 from banyan.server.auth import ANONYMOUS, RateLimiter, Tenant
 from banyan.server.errors import APIError, model_not_found
 from banyan.server.metrics import ServerMetrics, render_all
@@ -272,6 +272,8 @@ class ModelRegistry:
             checkpoint = await asyncio.to_thread(open_checkpoint, spec.source, model.trust_remote_code, model.tokenizer)
         except BanyanError as e:
             raise APIError(400, f"cannot load {spec.source!r}: {e}", param="model", code="model_load_failed") from None
+        if spec.engine.parallel.data_parallel_backend == "ray":  # count (and tell the cores) the replicas on a node
+            spec = await asyncio.to_thread(_counted_per_node, spec)
         gpu = runs_on_gpu(spec.engine)
         spec = self._with_share(spec, checkpoint, path, gpu)
         if check_memory and not gpu:
@@ -401,6 +403,17 @@ def sticky_user(body: dict, tenant: Tenant) -> str | None:
     if isinstance(user, str) and user:
         return "user:" + user
     return None if tenant is ANONYMOUS else "tenant:" + tenant.tenant_id
+
+
+def _counted_per_node(spec: ModelSpec) -> ModelSpec:
+    """With Ray placing the replicas: the spec joined to the cluster, naming the most replicas one node may hold
+    (replicas_on_host), so that its estimate counts those on this host as each core's KV sizing does; unchanged when
+    the cluster cannot be joined (the core's start then fails with the reason)."""
+    try:
+        return dataclasses.replace(spec, engine=joined_to_ray(spec.engine))
+    except Exception as e:  # noqa: BLE001 - reported by the start that follows
+        logger.warning("model %r: the Ray cluster could not be joined to count its replicas per node: %s", spec.name, e)
+        return spec
 
 
 def _cpu_cache_pinned(spec: ModelSpec) -> ModelSpec:

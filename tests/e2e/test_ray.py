@@ -15,12 +15,14 @@ import httpx
 import pytest
 
 from banyan import LLM, SamplingParams
+from banyan.checkpoint import open_checkpoint
 from banyan.config_args import config_from_kwargs
 from banyan.errors import WorkerError
 from banyan.ipc.client import EngineDeadError
 from banyan.ipc.dp_client import DataParallelClient
 from banyan.ipc.messages import AddRequest
-from tests.e2e.test_data_parallel import replica_series
+from banyan.server.model_memory import estimate_memory
+from tests.e2e.test_data_parallel import admin_entry, replica_series
 from tests.factories import write_model_dir
 from tests.server_process import start_server
 
@@ -177,8 +179,13 @@ def test_tensor_parallel_across_nodes_gives_one_process_tokens_and_a_lost_worker
 @pytest.mark.long  # the DP test above covers placement and a lost replica in CI
 def test_banyan_serve_joins_the_cluster_at_ray_address_and_places_its_replicas_there(model_dir, cluster):
     server = start_server(model_dir, "--data-parallel-size", "2", "--data-parallel-backend", "ray",
-                          "--ray-address", cluster.address, "--kv-cache-memory", "4MiB", ready_timeout=300)
+                          "--ray-address", cluster.address, "--kv-cache-memory", "4MiB", "--admin-api-key", "admin-key",
+                          ready_timeout=300)
     try:
+        # One core per one-CPU node: the memory estimate counts one replica on this host, not two.
+        one_replica = estimate_memory(config_from_kwargs({"model": str(model_dir), "kv_cache_memory": 4 << 20}),
+                                      open_checkpoint(str(model_dir), False, None).arch, model_dir, False)
+        assert admin_entry(server.base_url)["memory_estimate_bytes"] == one_replica.total
         for i in range(4):
             body = {"prompt": f"hello {i}", "max_tokens": 3}
             r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
