@@ -67,17 +67,17 @@ class RayProcess:
 
     stderr = None  # the log lines go to the actor's log, which Ray forwards to the driver's stderr
 
-    def __init__(self, args: list[str], options: dict):
+    def __init__(self, args: list[str], options: dict, env: dict[str, str] | None = None):
         import ray
 
-        self.args, self.options, self.returncode = list(args), options, None
+        self.args, self.options, self.env, self.returncode = list(args), options, env or {}, None
         self._ray = ray
         self._placements = 0
         self._place()
 
     def _place(self) -> None:
         self._placements += 1
-        self._actor = _host_class().options(max_restarts=0, max_concurrency=3, **self.options).remote(self.args)
+        self._actor = _host_class().options(max_restarts=0, max_concurrency=3, **self.options).remote(self.args, self.env)
         self._done = self._actor.wait.remote()
         self._pid = self._actor.pid.remote()
 
@@ -145,11 +145,13 @@ class RayProcess:
 
 class ProcessHost:
     """The Ray actor behind a RayProcess: starts this node's banyan by file path with `--parent-pid` its own pid, so
-    the process dies with the actor (core_launch.py ties it before anything slow), and keeps its last log lines."""
+    the process dies with the actor (core_launch.py ties it before anything slow), and keeps its last log lines.
+    `env`: added to the process's environment (its socket keys, distributed/curve.py)."""
 
-    def __init__(self, args: list[str]):
+    def __init__(self, args: list[str], env: dict[str, str]):
         cmd = [sys.executable, str(CORE_LAUNCH), *args, "--parent-pid", str(os.getpid())]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     env={**os.environ, **env})
         self.tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         threading.Thread(target=self._pump, daemon=True).start()
 

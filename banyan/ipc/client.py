@@ -40,6 +40,7 @@ import zmq.asyncio
 
 from banyan.config import EngineConfig
 from banyan.distributed import ray_cluster
+from banyan.distributed.curve import Guard
 from banyan.errors import BanyanError, ErrorInfo
 from banyan.ipc import core_launch
 from banyan.ipc import messages as m
@@ -98,10 +99,12 @@ class EngineClient:
         self._ctx = zmq.asyncio.Context()
         self._input = self._ctx.socket(zmq.PUSH)
         self._output = self._ctx.socket(zmq.PULL)
-        on_ray = config.parallel.data_parallel_backend == "ray"
-        addresses = [_bind(self._input, ipc_dir, "input", on_ray), _bind(self._output, ipc_dir, "output", on_ray)]
+        # a core on a Ray node connects over TCP: CURVE, admitting only the keys it is given (distributed/curve.py)
+        self._guard = Guard(self._ctx) if config.parallel.data_parallel_backend == "ray" else None
+        addresses = [_bind(sock, ipc_dir, name, self._guard) for sock, name in ((self._input, "input"),
+                                                                                (self._output, "output"))]
         self._output_now = zmq.Socket.shadow(self._output.underlying)  # the same socket, read without futures
-        self._proc = _spawn(config, *addresses, fault, log_format)
+        self._proc = _spawn(config, *addresses, fault, log_format, self._guard)
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._stderr_pump = threading.Thread(target=_pump_stderr, args=(self._proc, self._stderr_tail), daemon=True)
         self._stderr_pump.start()
@@ -269,6 +272,8 @@ class EngineClient:
         self._fail_all("the engine is shut down")
         self._input.close(linger=0)
         self._output.close(linger=0)
+        if self._guard is not None:
+            self._guard.stop()
         self._ctx.term()
         self._finalizer()
         self._stderr_pump.join(timeout=1.0)
@@ -381,18 +386,19 @@ def joined_to_ray(config: EngineConfig) -> EngineConfig:
     return config.replace(parallel=parallel)
 
 
-def _bind(sock: zmq.Socket, ipc_dir: str, name: str, on_ray: bool) -> str:
-    """Bind a socket for the core to connect to: a file in the private ipc dir, or for a core on a Ray node, a TCP
-    port on this node's address (any free one). Returns the address."""
-    if not on_ray:
+def _bind(sock: zmq.Socket, ipc_dir: str, name: str, guard: Guard | None) -> str:
+    """Bind a socket for the core to connect to: a file in the private ipc dir, or for a core on a Ray node (guard),
+    a TCP port on this node's address (any free one), CURVE-secured. Returns the address."""
+    if guard is None:
         sock.bind(f"ipc://{ipc_dir}/{name}")
         return f"ipc://{ipc_dir}/{name}"
+    guard.serve(sock)
     sock.bind(f"tcp://{ray_cluster.node_address()}:*")
     return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
 
 def _spawn(config: EngineConfig, input_address: str, output_address: str, fault: str | None,
-           log_format: str = "text") -> subprocess.Popen | ray_cluster.RayProcess:
+           log_format: str = "text", guard: Guard | None = None) -> subprocess.Popen | ray_cluster.RayProcess:
     """Start the core with a plain command line (nothing pickled), by the file path of core_launch.py: locally
     our own, so it imports this very banyan package (never one in the working directory) and dies with us; with
     --data-parallel-backend ray, its node's, run by an actor that Ray places (the core dies with the actor, the
@@ -400,7 +406,7 @@ def _spawn(config: EngineConfig, input_address: str, output_address: str, fault:
     args = ["--config-json", msgspec.json.encode(config).decode(), "--input", input_address, "--output",
             output_address, "--log-format", log_format] + (["--fault", fault] if fault else [])  # fmt: skip
     if config.parallel.data_parallel_backend == "ray":
-        return ray_cluster.RayProcess(args, ray_cluster.core_options(config))
+        return ray_cluster.RayProcess(args, ray_cluster.core_options(config), guard.env)
     cmd = [sys.executable, str(Path(core_launch.__file__).resolve()), "--parent-pid", str(os.getpid()), *args]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 

@@ -34,6 +34,7 @@ import msgspec
 import zmq
 
 from banyan.config import EngineConfig
+from banyan.distributed.curve import secure_connect
 from banyan.engine.engine import Engine
 from banyan.engine.faults import Fault
 from banyan.errors import BanyanError, InvalidRequestError, error_info
@@ -233,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     input_sock = context.socket(zmq.PULL)
     output_sock = context.socket(zmq.PUSH)
     output_sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-    input_sock.connect(args.input)
-    output_sock.connect(args.output)
+    secure_connect(input_sock, args.input)  # over TCP (a core Ray placed), with the keys in our environment
+    secure_connect(output_sock, args.output)
     try:
         fault = Fault.parse(args.fault) if args.fault else None
         config = msgspec.json.decode(args.config_json, type=EngineConfig)

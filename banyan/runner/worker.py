@@ -49,6 +49,7 @@ import zmq
 from banyan.config import CacheConfig, ModelConfig, ParallelConfig
 from banyan.distributed import ray_cluster
 from banyan.distributed.collectives import STARTUP_TIMEOUT, TPGroup, address_towards
+from banyan.distributed.curve import Guard, secure_connect
 from banyan.distributed.pipeline import Pipeline, check_stages
 from banyan.distributed.tensor_parallel import TensorParallel, check_sizes
 from banyan.errors import InvalidParameterError, WorkerError
@@ -162,14 +163,18 @@ class Workers:
         self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # one subscription message per worker, duplicates too
         self.pub.setsockopt(zmq.SNDHWM, 0)  # never drop a frame for a slow worker
         host = ray_cluster.node_address() if on_ray else "127.0.0.1"
+        self.guard = Guard(self.context) if on_ray else None  # TCP between nodes: CURVE (distributed/curve.py)
+        if self.guard is not None:
+            self.guard.serve(self.pub)
         self.pub.bind(f"tcp://{host}:*" if on_ray else f"ipc://{self.dir}/steps")
         store = TPGroup.host_store(spec.size)
         spec = msgspec.structs.replace(spec, host=host, port=store.port,
                                        steps=self.pub.getsockopt(zmq.LAST_ENDPOINT).decode())
         here = self.ranks_here or [None] * spec.size
-        self.procs = [_spawn(msgspec.structs.replace(spec, rank=rank, ranks_here=here[rank]), self.ray_group, options)
-                      for rank in range(1, spec.size)]
-        self._finalizer = weakref.finalize(self, _reap, self.procs, self.pub, self.context, self.dir, self.ray_group)
+        self.procs = [_spawn(msgspec.structs.replace(spec, rank=rank, ranks_here=here[rank]), self.ray_group, options,
+                             self.guard) for rank in range(1, spec.size)]
+        self._finalizer = weakref.finalize(self, _reap, self.procs, self.pub, self.context, self.dir, self.ray_group,
+                                           self.guard)
         try:
             self._await_subscriptions()
             self.group = TPGroup.over(store, 0, spec.size, device, spec.parallel.distributed_timeout,
@@ -218,7 +223,7 @@ class Workers:
         self._finalizer()
 
 
-def _reap(procs: list, pub: zmq.Socket, context: zmq.Context, directory: str, ray_group=None) -> None:
+def _reap(procs: list, pub: zmq.Socket, context: zmq.Context, directory: str, ray_group=None, guard=None) -> None:
     if any(proc.poll() is None for proc in procs):
         try:
             pub.send(encode_stop(), zmq.NOBLOCK)
@@ -232,19 +237,22 @@ def _reap(procs: list, pub: zmq.Socket, context: zmq.Context, directory: str, ra
             proc.kill()
             proc.wait()
     pub.close(linger=0)
+    if guard is not None:
+        guard.stop()
     context.term()
     shutil.rmtree(directory, ignore_errors=True)
     if ray_group is not None:
         ray_cluster.release(ray_group)
 
 
-def _spawn(spec: WorkerSpec, ray_group=None, ray_options: dict | None = None):
+def _spawn(spec: WorkerSpec, ray_group=None, ray_options: dict | None = None, guard: Guard | None = None):
     """By the file path of our own core_launch.py (this banyan, never one in the working directory); its log
     lines go to our stderr. With --distributed-executor-backend ray: the same command in the rank's bundle of the
     placement group, by its node's banyan, dying with the actor that runs it (ray_cluster.RayProcess)."""
     args = ["--worker", "--spec-json", msgspec.json.encode(spec).decode()]
     if ray_group is not None:
-        return ray_cluster.RayProcess(args, {**ray_options, **ray_cluster.in_bundle(ray_group, spec.rank - 1)})
+        return ray_cluster.RayProcess(args, {**ray_options, **ray_cluster.in_bundle(ray_group, spec.rank - 1)},
+                                      guard.env)
     cmd = [sys.executable, str(CORE_LAUNCH), "--parent-pid", str(os.getpid()), *args]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
@@ -345,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     context = zmq.Context()
     steps = context.socket(zmq.SUB)
     steps.setsockopt(zmq.RCVHWM, 0)
-    steps.connect(spec.steps)
+    secure_connect(steps, spec.steps)  # over TCP (a rank Ray placed), with the keys in our environment
     steps.setsockopt(zmq.SUBSCRIBE, b"")
     device = resolve_device(spec.model.device)
     if device.type == "cuda":
