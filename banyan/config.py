@@ -274,8 +274,8 @@ class ParallelConfig:
     """Processes that each hold a contiguous range of the layers (a stage), hidden states passed from one to the
     next; with tensor_parallel_size T, each stage is T processes (docs/parallel.md)."""
     pipeline_micro_batches: int | None = None
-    """Micro-batches (whole requests, about equal tokens) a step's batch is cut into for the pipeline; default one per
-    stage, so stage k runs micro-batch m while stage k+1 runs m-1; 1: the whole batch one stage after another."""
+    """Micro-batches (whole requests) a step's batch is cut into so pipeline stages overlap; default one per stage
+    where each gets >= 64 tokens (prefill), else 1 (on CPU a decode step cut up costs more than the overlap saves)."""
     data_parallel_size: int = 1
     """Engine cores, each a whole copy of the model, behind one API server; a router picks one per request
     (banyan serve only)."""

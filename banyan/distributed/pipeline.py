@@ -6,8 +6,8 @@ hidden states travel rank 0 -> 1 -> ... -> last -> rank 0, one micro-batch after
     rank 1:                  ─recv─► stage 1 ─send─►
     rank 2:                                  ─recv─► stage 2 ─send─► rank 0
 
-A step's ForwardBatch is cut into micro-batches of whole requests (about equal tokens; one per stage unless
---pipeline-micro-batches says otherwise, never more than requests):
+A step's ForwardBatch is cut into micro-batches of whole requests (about equal tokens; one per stage when each gets
+MIN_MICRO_BATCH_TOKENS, else the whole batch at once; --pipeline-micro-batches N: N; never more than requests):
 
     time ->     mb0      mb1      mb2
     rank 0:   [ s0 ]   [ s0 ]   [ s0 ]
@@ -49,6 +49,20 @@ def check_stages(arch: ModelArch, size: int) -> None:
     if size > arch.num_hidden_layers:
         raise InvalidParameterError("pipeline_parallel_size", f"{size} stages for the model's "
                                     f"{arch.num_hidden_layers} layers: each stage needs one")
+
+
+MIN_MICRO_BATCH_TOKENS = 64
+"""Fewer tokens than this, and a micro-batch costs about what the whole batch does (each one reads its stage's weights
+and pays the per-layer overhead again): by default such a step goes through whole. On the loaded 2-vCPU EPYC, decode
+steps of 8 and 16 requests cut in two ran 0.62-0.99x as fast as whole, prefill steps 0.92-1.19x (benchmarks/README.md);
+64 lies between, untuned."""
+
+
+def micro_batch_count(num_tokens: int, num_seqs: int, stages: int, requested: int | None = None) -> int:
+    """`requested` (--pipeline-micro-batches), else one per stage as long as each gets MIN_MICRO_BATCH_TOKENS; never
+    more than the requests, never fewer than 1."""
+    parts = requested or min(stages, num_tokens // MIN_MICRO_BATCH_TOKENS)
+    return max(1, min(parts, num_seqs))
 
 
 def micro_batch_bounds(query_lens: list[int], parts: int) -> list[int]:
@@ -133,7 +147,8 @@ class Pipeline:
         return self.group.agree_min(value)
 
     def micro_batches(self, fb: ForwardBatch) -> list[ForwardBatch]:
-        bounds = micro_batch_bounds(fb.query_lens, min(self.num_micro_batches or self.stages, fb.num_seqs))
+        parts = micro_batch_count(fb.num_tokens, fb.num_seqs, self.stages, self.num_micro_batches)
+        bounds = micro_batch_bounds(fb.query_lens, parts)
         return [split(fb, a, b) for a, b in zip(bounds, bounds[1:])]
 
     def run_layers(self, model: nn.Module, x: torch.Tensor, kv_caches, mb: ForwardBatch) -> torch.Tensor:

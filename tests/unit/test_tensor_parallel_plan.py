@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from banyan.config import ModelArch, ParallelConfig
-from banyan.distributed.pipeline import check_stages, micro_batch_bounds, split, stage_ranges
+from banyan.distributed.pipeline import (
+    MIN_MICRO_BATCH_TOKENS,
+    check_stages,
+    micro_batch_bounds,
+    micro_batch_count,
+    split,
+    stage_ranges,
+)
 from banyan.distributed.tensor_parallel import ShardPlan, WeightShard, check_sizes, shard_arch
 from banyan.errors import InvalidParameterError
 from banyan.forward_batch import ForwardBatch
@@ -94,6 +101,15 @@ def test_micro_batches_cut_whole_requests_of_about_equal_tokens():
     assert micro_batch_bounds([30, 1, 1, 1], 2) == [0, 1, 4]
     assert micro_batch_bounds([5], 2) == [0, 1]
     assert micro_batch_bounds([2, 2, 2, 2, 2, 2], 3) == [0, 2, 4, 6]  # --pipeline-micro-batches 3 on two stages
+
+
+def test_a_step_is_cut_in_one_micro_batch_per_stage_only_when_each_gets_enough_tokens():
+    assert micro_batch_count(1024, 8, stages=2) == 2  # prefill: stage 1 runs the first half while stage 0 the second
+    assert micro_batch_count(16, 16, stages=2) == 1  # decode: one micro-batch costs about what the whole batch does
+    assert micro_batch_count(2 * MIN_MICRO_BATCH_TOKENS, 2, stages=3) == 2
+    assert micro_batch_count(16, 16, stages=2, requested=3) == 3  # --pipeline-micro-batches
+    assert micro_batch_count(1024, 1, stages=2) == 1  # one request: whole requests only
+    assert micro_batch_count(1024, 2, stages=2, requested=3) == 2  # never more than the requests
     with pytest.raises(InvalidParameterError, match="pipeline_micro_batches: must be >= 1, got 0"):
         ParallelConfig(pipeline_parallel_size=2, pipeline_micro_batches=0)
     fb = decode_step(encode_step(ForwardBatch(
