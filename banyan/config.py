@@ -271,11 +271,9 @@ class ParallelConfig:
     """Processes that each hold a slice of every layer (heads, MLP rows, vocabulary), one all-reduce after the
     attention and one after the MLP; gloo on CPU, NCCL on GPUs (docs/parallel.md)."""
     pipeline_parallel_size: int = 1
-    """Processes that each hold a contiguous range of the layers (a stage), hidden states passed from one to the
-    next; with tensor_parallel_size T, each stage is T processes (docs/parallel.md)."""
+    """Processes that each hold a contiguous range of the layers (a stage); with tensor parallel T, T each."""
     pipeline_micro_batches: int | None = None
-    """Micro-batches (whole requests) a step's batch is cut into so pipeline stages overlap; default one per stage
-    where each gets >= 64 tokens (prefill), else 1 (on CPU a decode step cut up costs more than the overlap saves)."""
+    """Micro-batches per step, so pipeline stages overlap; default: one per stage if each gets 64 tokens, else 1."""
     data_parallel_size: int = 1
     """Engine cores, each a whole copy of the model, behind one API server; a router picks one per request
     (banyan serve only)."""
