@@ -97,14 +97,12 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-        group_id: str | None = None,
         pooling_params: PoolingParams | None = None,
     ):
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.priority = priority
         self.cache_salt = cache_salt
-        self.group_id = group_id  # siblings of one n > 1 request (they share their prompt, so its pages)
         self.seq_no = 0  # arrival order in the scheduler, breaks time ties
         self.max_tokens = max_tokens  # resolved against max_model_len by the engine
         self.eos_token_ids = frozenset(() if sampling_params.ignore_eos else eos_token_ids)

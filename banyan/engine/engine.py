@@ -96,7 +96,6 @@ class Engine:
         priority: int = 0,
         cache_salt: str | None = None,
         slo: Slo | None = None,
-        group_id: str | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
     ) -> Request:
@@ -118,7 +117,6 @@ class Engine:
             arrival_time=arrival_time,
             priority=priority,
             cache_salt=cache_salt,
-            group_id=group_id,
             pooling_params=pooling_params,
         )
         # first: a backend that fails to load queues nothing

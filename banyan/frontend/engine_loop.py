@@ -153,7 +153,7 @@ class EngineLoop:
         try:
             self.engine.check_prompt(ids)
             for s in sequences:
-                added.append(self.engine.add_request(s.request_id, ids, s.params, group_id=s.group_id))
+                added.append(self.engine.add_request(s.request_id, ids, s.params))
         except BanyanError as e:  # refused (a bad prompt or parameter): this request only
             self.engine.abort_requests([r.request_id for r in added])
             submission._finish(None, e)

@@ -183,7 +183,7 @@ class LLM:
         self.engine.check_prompt(token_ids)
         states = [SequenceState(s.index, params, self.tokenizer, token_ids) for s in sequences]
         processor.add(PromptState(request_id, text, token_ids, states, metrics=None), [s.request_id for s in sequences])
-        requests = [self.engine.add_request(s.request_id, token_ids, s.params, priority=priority, group_id=s.group_id,
+        requests = [self.engine.add_request(s.request_id, token_ids, s.params, priority=priority,
                                             lora_request=lora_request) for s in sequences]
         processor.prompts[request_id].metrics = requests[0].metrics
         return request_id

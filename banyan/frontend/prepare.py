@@ -9,7 +9,6 @@
 Fan-out of one prompt (n choices, or best_of candidates of which the n best are returned):
 
     engine request id = f"{key}-{j}"    j = 0 .. num_sequences - 1; the server's key is f"{http key}-{p}"
-    group id          = key             when num_sequences > 1 (siblings share the prompt's pages)
     params            = params.sequence_params(j): seed + j, n = 1, logprobs for ranking best_of
 
 Plain synchronous functions that raise banyan's typed errors (InvalidParameterError, ChatTemplateError):
@@ -59,7 +58,6 @@ class SequenceRequest:
     request_id: str
     index: int
     params: SamplingParams
-    group_id: str | None
 
 
 def tool_calling(tokenizer, chat: ChatInput, *, backend: str, parser: str = "auto",
@@ -121,6 +119,4 @@ def prepare_chat(tokenizer, conversations: Sequence[Sequence[Mapping[str, Any]]]
 
 def fan_out(key: str, params: SamplingParams) -> list[SequenceRequest]:
     """The engine requests of one prompt: one per sequence, each with its own id and seed (see above)."""
-    n = params.num_sequences
-    group = key if n > 1 else None
-    return [SequenceRequest(f"{key}-{j}", j, params.sequence_params(j), group) for j in range(n)]
+    return [SequenceRequest(f"{key}-{j}", j, params.sequence_params(j)) for j in range(params.num_sequences)]

@@ -126,7 +126,6 @@ class EngineCore:
                 arrival_time=msg.arrival_time,
                 priority=msg.priority,
                 cache_salt=msg.cache_salt,
-                group_id=msg.group_id,
                 slo=msg.slo,
                 pooling_params=msg.pooling_params,
                 lora_request=msg.lora_request,

@@ -30,7 +30,6 @@ class AddRequest(msgspec.Struct, tag=True):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
-    group_id: str | None = None
     slo: Slo | None = None
     pooling_params: PoolingParams | None = None
     """Set: an embedding request (its one delta carries the embedding)."""

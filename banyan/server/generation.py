@@ -108,7 +108,7 @@ class Generation:
                 seq = SequenceState(index, s.params, tokenizer, prompt)
                 self.choices.append(Choice(index, s.request_id, p, seq, now))
                 requests.append(AddRequest(s.request_id, prompt, s.params, arrival_time=now, priority=priority,
-                                           cache_salt=cache_salt, group_id=s.group_id, slo=slo,
+                                           cache_salt=cache_salt, slo=slo,
                                            lora_request=lora_request))
         for choice, add in zip(self.choices, requests):
             try:

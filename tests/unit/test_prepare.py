@@ -30,12 +30,12 @@ def test_n_sequences_get_seeds_s_to_s_plus_n_minus_1_and_ids_key_j():
     sequences = fan_out("k", SamplingParams(n=3, seed=7))
     assert [s.request_id for s in sequences] == ["k-0", "k-1", "k-2"]
     assert [s.params.seed for s in sequences] == [7, 8, 9]
-    assert all(s.params.n == 1 and s.group_id == "k" for s in sequences)
+    assert all(s.params.n == 1 for s in sequences)
 
 
-def test_one_sequence_is_the_request_itself_with_no_group():
+def test_one_sequence_is_the_request_itself():
     params = SamplingParams(seed=7)
-    assert [(s.request_id, s.params, s.group_id) for s in fan_out("k", params)] == [("k-0", params, None)]
+    assert [(s.request_id, s.params) for s in fan_out("k", params)] == [("k-0", params)]
 
 
 def test_best_of_candidates_each_compute_the_logprob_they_are_ranked_by():
@@ -49,7 +49,7 @@ def test_seeds_wrap_at_64_bits():
 
 
 def test_the_server_names_engine_requests_key_p_j():
-    """Two prompts x n=2: choice p * n + j runs as `<http id>.<serial>-<p>-<j>`, seeded s + j, grouped per prompt."""
+    """Two prompts x n=2: choice p * n + j runs as `<http id>.<serial>-<p>-<j>`, seeded s + j."""
     added = []
 
     class Client:  # each request ends at once, with no tokens
@@ -69,7 +69,6 @@ def test_the_server_names_engine_requests_key_p_j():
     key = added[0].request_id.rsplit("-", 2)[0]
     assert key.startswith("req.")
     assert [a.request_id for a in added] == [f"{key}-0-0", f"{key}-0-1", f"{key}-1-0", f"{key}-1-1"]
-    assert [a.group_id for a in added] == [f"{key}-0", f"{key}-0", f"{key}-1", f"{key}-1"]
     assert [a.sampling_params.seed for a in added] == [5, 6, 5, 6]
     assert [(c.index, c.request_id) for c in gen.choices] == [(i, a.request_id) for i, a in enumerate(added)]
 

@@ -27,10 +27,10 @@ def make_scheduler(page_size=4, num_pages=64, max_num_batched_tokens=64, max_num
 _ids = iter(range(10**9))
 
 
-def make_request(prompt_len=10, max_tokens=4, prefix=(), priority=0, arrival=None, eos=(), group=None, **params):
+def make_request(prompt_len=10, max_tokens=4, prefix=(), priority=0, arrival=None, eos=(), **params):
     prompt = list(prefix) + [100 + (next(_ids) % 1000) for _ in range(prompt_len - len(prefix))]
     sp = SamplingParams(max_tokens=max_tokens, **params)
-    return Request(f"r{next(_ids)}", prompt, sp, eos_token_ids=eos, max_tokens=max_tokens, priority=priority, arrival_time=arrival, group_id=group)
+    return Request(f"r{next(_ids)}", prompt, sp, eos_token_ids=eos, max_tokens=max_tokens, priority=priority, arrival_time=arrival)
 
 
 def make_requests(n, prompt_len=10, shared_prefix=(), **kw):
@@ -206,7 +206,7 @@ def test_max_model_len_ends_a_request():
 def test_siblings_share_the_prompt_pages():
     s = make_scheduler(page_size=4, prefix_wait_tokens=4)  # they wait for any whole page (the shared-prefix wait)
     prompt = make_request(prompt_len=13).prompt_token_ids
-    kids = [make_request(prompt_len=13, prefix=prompt, group="g", arrival=float(i)) for i in range(3)]
+    kids = [make_request(prompt_len=13, prefix=prompt, arrival=float(i)) for i in range(3)]
     for k in kids:
         s.add_request(k)
     assert set(step(s)) == {kids[0].request_id}  # siblings wait for the shared prompt
