@@ -101,8 +101,7 @@ class Pipeline:
     arch: ModelArch
     stages: int
     tp: TensorParallel | None = None
-    num_micro_batches: int | None = None  # None: one per stage
-
+    num_micro_batches: int | None = None  # None: micro_batch_count's default
 
     @property
     def tp_size(self) -> int:

@@ -245,6 +245,14 @@ class EngineClient:
             finally:
                 self._profile_reply = None
 
+    async def profiles(self, start: bool, directory: str = "",
+                       timeout: float = 600.0) -> list[m.ProfileStatus | Exception]:
+        """`profile` as DataParallelClient.profiles answers: one entry per core, its status or the error it gave."""
+        try:
+            return [await self.profile(start, directory, timeout)]
+        except (EngineDeadError, asyncio.TimeoutError) as e:
+            return [e]
+
     def _send(self, msg: m.ToCore) -> None:
         # Never awaited: the send goes out at once or queues in order, and a dead peer cannot block a
         # caller (its stream fails through the reader instead).

@@ -15,7 +15,6 @@ written by its core process, on the core's machine (ipc/profiler.py).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from banyan.ipc import messages as m
@@ -54,11 +53,8 @@ async def control_profilers(clients: dict[str, EngineClient | DataParallelClient
 async def _control(client: EngineClient | DataParallelClient, profile_dir: str, start: bool) -> list[str | None]:
     """Each core's trace path (stop; None where it wrote none), once at least one core did what was asked."""
     try:
-        if isinstance(client, DataParallelClient):
-            answers = await client.profiles(start, profile_dir)
-        else:
-            answers = [await client.profile(start, profile_dir)]
-    except (EngineDeadError, asyncio.TimeoutError):
+        answers = await client.profiles(start, profile_dir)
+    except EngineDeadError:  # every data-parallel replica is gone
         answers = []
     statuses = [a for a in answers if isinstance(a, m.ProfileStatus)]
     if not statuses:
