@@ -19,13 +19,14 @@ from banyan.layers.attention.base import FP8, AttentionBackend
 
 MIN_CAPABILITY = (8, 0)  # Triton 3 supports NVIDIA GPUs from Ampere on
 FP8_MIN_CAPABILITY = (8, 9)  # Triton converts to float8_e4m3fn only on Ada and Hopper
+NOT_INSTALLED = "backend 'triton' needs the 'triton' package: pip install 'banyan[gpu]'"
 
 
 def import_problem() -> str | None:
     """Why triton's kernels cannot be imported here (None: they can): not installed, or failing to load (a missing
     libcuda, a broken install)."""
     if importlib.util.find_spec("triton") is None:
-        return "backend 'triton' needs the 'triton' package: pip install 'banyan[gpu]'"
+        return NOT_INSTALLED
     try:
         importlib.import_module("banyan.kernels.decode_attention")
     except (ImportError, RuntimeError) as e:
@@ -52,7 +53,7 @@ class TritonAttentionBackend(AttentionBackend):
         if device is not None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             return "'triton' needs a CUDA device (on CPU: 'torch')"
         if importlib.util.find_spec("triton") is None:
-            return "backend 'triton' needs the 'triton' package: pip install 'banyan[gpu]'"
+            return NOT_INSTALLED
         if device is None or device.type != "cuda":
             return None
         return capability_problem(torch.cuda.get_device_capability(device), kv_dtype)
