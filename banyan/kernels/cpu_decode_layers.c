@@ -36,9 +36,9 @@ enum { LINEAR_INT4 = 0, LINEAR_INT8 = 1, LINEAR_FP16 = 2 };
 /* A weight as QuantizedLinear hands it to its narrow kernel (cpu_gemv.c has each layout). */
 typedef struct {
     int kind, out, in, group;  /* LINEAR_*; N, K; int4's group size */
-    const void *q;             /* int4 packed [N, K/2] uint8 | int8 [N, K] | float16 [N, K] */
-    const float *scale;        /* int4 [N, K/group] | int8 [N] | unused */
-    const float *offset;       /* int4 [N, K/group] | unused */
+    const void *q;             /* int4 8 rows interleaved (cpu_gemv.c) | int8 [N, K] | float16 [N, K] */
+    const float *scale;        /* int4 [N8 / 8, K/group, 8] | int8 [N] | unused */
+    const float *offset;       /* int4 [N8 / 8, K/group, 8] | unused */
     const float *bias;         /* [N] or NULL */
 } Linear;
 

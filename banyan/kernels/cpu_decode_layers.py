@@ -37,20 +37,21 @@ class Step(ctypes.Structure):
 
 
 class LinearOperands(NamedTuple):
-    """A weight as its narrow kernel reads it (QuantizedLinear.narrow_operands), and its bias."""
+    """A weight as its narrow kernel reads it (QuantizedLinear.narrow_operands), its shape and its bias."""
 
     kind: str  # a key of KINDS
-    weight: torch.Tensor  # int4 packed [N, K/2] uint8 | int8 [N, K] | float16 [N, K]
+    weight: torch.Tensor  # int4 interleaved (cpu_gemv.InterleavedInt4.packed) | int8 [N, K] | float16 [N, K]
     scale: torch.Tensor | None
     offset: torch.Tensor | None
     group_size: int
     bias: torch.Tensor | None
+    out_features: int
+    in_features: int
 
 
 def linear(op: LinearOperands) -> Linear:
-    out, cols = op.weight.shape
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    return Linear(KINDS[op.kind], out, cols * 2 if op.kind == "int4" else cols, op.group_size, op.weight.data_ptr(),
+    return Linear(KINDS[op.kind], op.out_features, op.in_features, op.group_size, op.weight.data_ptr(),
                   ptr(op.scale), ptr(op.offset), ptr(op.bias))
 
 

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -54,15 +55,12 @@ class CpuKernels:
         self._lib = lib
         self.max_rows = lib.gemv_max_rows()
 
-    def int4(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-             group_size: int) -> torch.Tensor:
-        """x [M, K] float32 contiguous; packed [N, K/2] uint8 in blocks of 32 (see cpu_gemv.c); scale, offset
-        [N, K/group_size] float32."""
-        m, k = x.shape
-        n = packed.shape[0]
-        y, scratch = torch.empty(m, n, dtype=torch.float32), _scratch(m, k)  # held through the call
-        self._lib.int4_gemv(x.data_ptr(), scratch.data_ptr(), packed.data_ptr(), scale.data_ptr(), offset.data_ptr(),
-                            y.data_ptr(), m, n, k, group_size, torch.get_num_threads())
+    def int4(self, x: torch.Tensor, w: InterleavedInt4) -> torch.Tensor:
+        """x [M, K] float32 contiguous; w in the kernel's layout (interleave_int4)."""
+        m = x.shape[0]
+        y, scratch = torch.empty(m, w.out_features, dtype=torch.float32), _scratch(m, w.in_features)  # held through the call
+        self._lib.int4_gemv(x.data_ptr(), scratch.data_ptr(), w.packed.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(),
+                            y.data_ptr(), m, w.out_features, w.in_features, w.group_size, torch.get_num_threads())
         return y
 
     def int8(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -92,6 +90,41 @@ class CpuKernels:
         self._lib.attend_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr(), out.data_ptr(), scratch.data_ptr(),
                               s, rows, ctx, heads, kv_heads, dim, scale, threads)
         return out
+
+
+class InterleavedInt4(NamedTuple):
+    """A 4-bit weight w[n, k] = scale[n, g] * q[n, k] + offset[n, g] (g = k // group_size) in int4_gemv's layout
+    (cpu_gemv.c): 8 rows interleaved a block of 32 at a time, padded to a multiple of 8 rows with zeros."""
+
+    packed: torch.Tensor  # [ceil(N / 8), K / 32 * 128] uint8
+    scale: torch.Tensor  # [ceil(N / 8), groups, 8] float32
+    offset: torch.Tensor  # [ceil(N / 8), groups, 8] float32
+    out_features: int
+    in_features: int
+    group_size: int
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.offset))
+
+
+def interleave_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int) -> InterleavedInt4:
+    """The kernel's layout of a weight packed in blocks of 32 (bytes 16b .. 16b + 15 of row n hold q[n, 32b + j] in the
+    low nibble and q[n, 32b + 16 + j] in the high one, QuantizedLinear's layout), scale and offset [N, groups]."""
+    n, half_k = packed.shape
+    blocks, rows8 = half_k // 16, -(-n // 8)
+    nibbles = packed.view(n, blocks, 16)
+    q = torch.zeros(rows8 * 8, blocks, 32, dtype=torch.uint8)
+    q[:n] = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)  # [N, blocks, 32] in k order
+    # byte 32t + 4r + j of block b of row group G: q[8G + r, 32b + 8t + j] | q[8G + r, 32b + 8t + 4 + j] << 4
+    q = q.view(rows8, 8, blocks, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)  # [G, b, t, r, low/high, j]
+    interleaved = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(rows8, blocks * 128).contiguous()
+
+    def by_row_group(t: torch.Tensor) -> torch.Tensor:
+        padded = torch.zeros(rows8 * 8, t.shape[1], dtype=torch.float32)
+        padded[:n] = t
+        return padded.view(rows8, 8, -1).transpose(1, 2).contiguous()  # [G, groups, 8]
+
+    return InterleavedInt4(interleaved, by_row_group(scale), by_row_group(offset), n, half_k * 2, group_size)
 
 
 def _scratch(m: int, k: int) -> torch.Tensor:

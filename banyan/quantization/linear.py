@@ -12,9 +12,10 @@ merged matrix). `finish_loading()` then picks the kernel and lays the weight out
 The packed integer kernels are taken on CPUs with AVX-512 only: with AVX2 alone PyTorch 2.13 runs
 them as scalar loops, 10-40x slower than a float32 matmul (measured on an AVX2 EPYC). There, int8 and
 int4 layers multiply with banyan's own AVX2 kernel (banyan/kernels/cpu_gemv.c: integer dot products against x
-quantized to int8 per block of 32, as llama.cpp does; 1.2-4x faster than dequantizing at 16-256 rows), every
-row, or with `wide_fp16` up to 8 rows (decode) and wider batches through a float16 copy (FBGEMM's GEMM, faster
-than the kernel there on AVX2). torch._scaled_mm runs on CPU and on CUDA from sm89 (Ada,
+quantized to int8 per block of 32, as llama.cpp does; 1.2-4x faster than dequantizing at 16-256 rows). int4 layers
+take it for every row count (its 8-row interleaved layout is 1.4-1.85x faster than FBGEMM's fp16 GEMM from 8 rows
+to 256 on an AVX2 EPYC); int8 layers every row, or with `wide_fp16` up to 8 rows (decode) and wider batches
+through a float16 copy (FBGEMM's GEMM, faster than the int8 kernel there on AVX2). torch._scaled_mm runs on CPU and on CUDA from sm89 (Ada,
 Hopper) for dimensions that are multiples of 16; elsewhere fp8 is dequantized. FBGEMM's fp16 GEMM
 (`quantized::linear_dynamic_fp16`, in every x86 build of torch) reads half the bytes of a float32
 matmul and converts in registers (F16C): decode, which streams every weight once per step, is
@@ -72,11 +73,13 @@ class QuantizedLinear(nn.Module):
         self.keep_rows = False  # True when tied embeddings read the weight's rows
         self.wide_fp16 = False  # set before finish_loading: keep a float16 copy for wide batches (CPU)
         self.batch_invariant = False  # set before finish_loading: every row through the CPU kernel (row-independent)
+        self.cpu_kernel = True  # set before finish_loading: False leaves banyan's CPU kernel out (the torch paths)
         self.wide = None  # that copy, FBGEMM-packed
         self.gemv = self._narrow = None  # banyan's CPU kernel for a few rows (int8/int4 on AVX2), when it serves
         self.weight = fmt.empty(out_features, in_features, self.dtype, device=torch.get_default_device())
         self.device = self.weight.q.device
         self.packed = self.scale_zeros = self.offset = None  # int4 and fp16, set by finish_loading
+        self.interleaved = None  # int4 in the CPU kernel's layout (cpu_gemv.InterleavedInt4), where the kernel serves
         self.packed_bytes = 0  # of an FBGEMM-packed weight (an opaque object, not a tensor)
         self._matmul = None  # set by finish_loading
         self.input_order = None  # GPTQ act-order: the weight's inputs are stored permuted, x[:, input_order] meets them
@@ -108,15 +111,16 @@ class QuantizedLinear(nn.Module):
             self.packed_kernels = packed_int_kernels_fast(device) and not invariant
         gemv = None
         wanted = kind in ("int8", "int4") and not self.packed_kernels or kind == "fp16" and invariant
-        if wanted and cpu_gemv.supported(device, self.dtype, self.in_features):
+        if wanted and self.cpu_kernel and cpu_gemv.supported(device, self.dtype, self.in_features):
             gemv = cpu_gemv.load()
-        if self.wide_fp16 and kind != "fp16" and fbgemm_fp16_works(device, self.dtype) and not (gemv and invariant):
+        every_row = gemv is not None and (invariant or kind == "int4")  # the kernel takes every row count
+        if self.wide_fp16 and kind != "fp16" and fbgemm_fp16_works(device, self.dtype) and not every_row:
             self.wide = torch.ops.quantized.linear_prepack_fp16(self.weight.dequantize(torch.float32), None)
             self.packed_bytes = self.in_features * self.out_features * 2
         if kind == "int8":
             self._matmul = self._int8_packed if self.packed_kernels else self._int8_dequant
         elif kind == "int4":
-            self._finish_int4()
+            self._finish_int4(gemv)
         elif kind == "fp16":
             self._finish_fp16(device)
         else:
@@ -147,12 +151,13 @@ class QuantizedLinear(nn.Module):
             return None
         kind, w = self.fmt.kind, self.weight
         if kind == "int4":
-            return kind, self.packed, w.scale, self.offset
+            return kind, self.interleaved.packed, self.interleaved.scale, self.interleaved.offset
         return kind, w.q, w.scale if kind == "int8" else None, None
 
     def quantized_bytes(self) -> int:
         held = [self.packed, self.scale_zeros, self.offset, *(vars(self.weight).values() if self.weight is not None else ())]
-        return self.packed_bytes + sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))
+        interleaved = self.interleaved.nbytes() if self.interleaved is not None else 0
+        return self.packed_bytes + interleaved + sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
@@ -169,10 +174,10 @@ class QuantizedLinear(nn.Module):
         return self._chunked_linear(x, lambda rows: q[rows].to(x.dtype)) * self.weight.scale  # scale after the matmul
 
     # -- int4 ---------------------------------------------------------------------------------
-    def _finish_int4(self) -> None:
-        """Pack two 4-bit values a byte: torch's kernel layout, or blocks of 32 (banyan's CPU kernel and
-        dequantizing both read it): bytes 16b..16b+15 of row n hold q[n, 32b + j] (low nibble) and
-        q[n, 32b + 16 + j] (high nibble)."""
+    def _finish_int4(self, gemv: cpu_gemv.CpuKernels | None) -> None:
+        """Pack two 4-bit values a byte: torch's kernel layout, banyan's CPU kernel's (8 rows interleaved, see
+        cpu_gemv.c), or blocks of 32 for dequantizing: bytes 16b..16b+15 of row n hold q[n, 32b + j] (low nibble)
+        and q[n, 32b + 16 + j] (high nibble)."""
         w = self.weight
         if self.packed_kernels and self.out_features % 16 == 0:  # the CPU kernel's tiling needs N % 16 == 0
             self.packed = torch._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
@@ -184,12 +189,15 @@ class QuantizedLinear(nn.Module):
         self.offset = (w.zero - 8 * w.scale).contiguous()  # w = s * q + (z - 8s): one multiply-add per value
         w.q = w.zero = None  # the unpacked values take twice the packed size
         self._matmul = self._int4_dequant
+        if gemv is not None:  # it serves every row count: only its layout is kept
+            self.interleaved = cpu_gemv.interleave_int4(self.packed, w.scale, self.offset, self.fmt.group_size)
+            self.packed = self.offset = w.scale = None
 
     def _int4_packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.fmt.group_size, self.scale_zeros)
 
     def _int4_gemv(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gemv.int4(x, self.packed, self.weight.scale, self.offset, self.fmt.group_size)
+        return self.gemv.int4(x, self.interleaved)
 
     def _int4_dequant(self, x: torch.Tensor) -> torch.Tensor:
         packed, scale, offset, group = self.packed, self.weight.scale, self.offset, self.fmt.group_size

@@ -111,7 +111,8 @@ def _operands(linear: torch.nn.Module) -> LinearOperands | None:
     if narrow is None:
         return None
     kind, weight, scale, offset = narrow
-    return LinearOperands(kind, weight, scale, offset, linear.fmt.group_size or 0, linear.bias)
+    return LinearOperands(kind, weight, scale, offset, linear.fmt.group_size or 0, linear.bias, linear.out_features,
+                          linear.in_features)
 
 
 def _layer(layer: DecoderLayer, k_cache: torch.Tensor, v_cache: torch.Tensor) -> cpu_decode_layers.Layer:

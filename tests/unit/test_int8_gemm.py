@@ -19,8 +19,10 @@ pytestmark = pytest.mark.skipif(cpu_gemv.load() is None or torch.backends.cpu.ge
                                 reason="banyan's CPU kernels need an x86 CPU with AVX2 and a C compiler")
 
 # M: one row, a tile of four, tails of 1-3 rows, more than one tile of weight rows; N: odd counts leave a weight
-# row without its tile partner; K: one block, a few, the default model's 576 and 1536.
-SHAPES = [(1, 1, 32), (3, 7, 96), (4, 2, 64), (5, 33, 160), (8, 16, 576), (13, 9, 1536), (64, 31, 256)]
+# row without its tile partner, and counts that are not a multiple of 8 pad int4's last row group; K: one block,
+# a few, the default model's 576 and 1536.
+SHAPES = [(1, 1, 32), (3, 7, 96), (4, 2, 64), (5, 33, 160), (8, 16, 576), (13, 9, 1536), (64, 31, 256),
+          (150, 12, 1536)]  # 150 rows of 1536: more than one pass over the weights (INT4_PASS_BYTES of x each)
 
 
 def round_x(x: torch.Tensor) -> torch.Tensor:
@@ -42,6 +44,12 @@ def int4_weight(n: int, k: int, group: int, seed: int = 0):
     halves = q.view(n, -1, 2, 16)
     packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, -1).contiguous()
     return q, scale, offset, packed
+
+
+def interleaved(weight, group: int) -> cpu_gemv.InterleavedInt4:
+    """int4_weight's packed blocks, scale and offset in the kernel's layout."""
+    _, scale, offset, packed = weight
+    return cpu_gemv.interleave_int4(packed, scale, offset, group)
 
 
 def int4_reference(x: torch.Tensor, q, scale, offset, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +76,8 @@ def test_int4_kernel_is_the_rounded_product(m, n, k, group):
         pytest.skip("K is not a multiple of the group")
     q, scale, offset, packed = int4_weight(n, k, group)
     x = torch.randn(m, k) * 3
-    assert_close(cpu_gemv.load().int4(x, packed, scale, offset, group), *int4_reference(x, q, scale, offset, group))
+    weight = interleaved((q, scale, offset, packed), group)
+    assert_close(cpu_gemv.load().int4(x, weight), *int4_reference(x, q, scale, offset, group))
 
 
 @pytest.mark.parametrize("m, n, k", SHAPES)
@@ -86,11 +95,11 @@ def test_a_row_has_its_bits_whatever_the_call():
     """Row r of a 37-row call equals the row alone, and inside calls of other sizes at other places: the tiles
     only decide which rows share a loaded block, never a row's own order of sums."""
     kernels = cpu_gemv.load()
-    _, scale, offset, packed = int4_weight(33, 576, 32)
+    weight = interleaved(int4_weight(33, 576, 32), 32)
     q8 = torch.randint(-127, 128, (33, 576), dtype=torch.int8)
     scale8 = torch.rand(33)
     x = torch.randn(37, 576)
-    for multiply in (lambda rows: kernels.int4(rows, packed, scale, offset, 32), lambda rows: kernels.int8(rows, q8, scale8)):
+    for multiply in (lambda rows: kernels.int4(rows, weight), lambda rows: kernels.int8(rows, q8, scale8)):
         whole = multiply(x)
         for r in range(37):
             assert torch.equal(multiply(x[r:r + 1]), whole[r:r + 1])
@@ -100,13 +109,13 @@ def test_a_row_has_its_bits_whatever_the_call():
 
 def test_threads_do_not_change_the_bits():
     kernels, threads = cpu_gemv.load(), torch.get_num_threads()
-    _, scale, offset, packed = int4_weight(65, 256, 32)
+    weight = interleaved(int4_weight(65, 256, 32), 32)
     x = torch.randn(9, 256)
     try:
         torch.set_num_threads(1)
-        one = kernels.int4(x, packed, scale, offset, 32)
+        one = kernels.int4(x, weight)
         torch.set_num_threads(2)
-        assert torch.equal(kernels.int4(x, packed, scale, offset, 32), one)
+        assert torch.equal(kernels.int4(x, weight), one)
     finally:
         torch.set_num_threads(threads)
 
@@ -139,7 +148,7 @@ def test_the_avx512_vnni_build_compiles_and_agrees(monkeypatch, tmp_path):
         return  # compiled only: its code cannot run here
     vnni = cpu_gemv.CpuKernels(ctypes.CDLL(str(library)), "avx512_vnni")
     avx2 = cpu_gemv.CpuKernels(ctypes.CDLL(str(cpu_gemv.build(compiler, "avx2"))), "avx2")
-    _, scale, offset, packed = int4_weight(33, 576, 32)
+    weight = interleaved(int4_weight(33, 576, 32), 32)
     q8, scale8, x = torch.randint(-127, 128, (33, 576), dtype=torch.int8), torch.rand(33), torch.randn(13, 576)
-    assert torch.equal(vnni.int4(x, packed, scale, offset, 32), avx2.int4(x, packed, scale, offset, 32))
+    assert torch.equal(vnni.int4(x, weight), avx2.int4(x, weight))
     assert torch.equal(vnni.int8(x, q8, scale8), avx2.int8(x, q8, scale8))

@@ -108,23 +108,26 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
 @needs_gemv
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_the_default_route_is_within_the_kernels_rounding(checkpoints, name):
-    """Unasked, on an AVX2 CPU, as for a GGUF file: decode rows through banyan's kernel, which rounds x to int8 per
-    block of 32 inputs (measured 0.4-1.6% of a layer's output on these layers, most where symmetric weights cancel;
-    3% allowed), prefill through float16 copies of the same weights (measured under 0.2% at the logits; 1% allowed).
-    These random tiny models amplify a layer's error by their logits (0.5% of noise added to each projection moved
-    them 1.7-3.3%): decode rows measured 1-27% off (the most on the wider gptq-128 model), so only garbage is caught
-    there (50% allowed; measured with a layout read wrong: AWQ's nibbles in plain order, or act-order without
-    permuting x, 120-150% off)."""
+    """Unasked, on an AVX2 CPU, as for a GGUF file: rows through banyan's kernel, which rounds x to int8 per block of
+    32 inputs (measured 0.4-1.6% of a layer's output on these layers, most where symmetric weights cancel; 3%
+    allowed): every row of an int4 layer (the kernel is faster than FBGEMM's fp16 GEMM at any width), decode rows of
+    an int8 one, whose prefill takes a float16 copy of the same weights (measured under 0.2% at the logits; 1%
+    allowed). These random tiny models amplify a layer's error by their logits (0.5% of noise added to each
+    projection moved them 1.7-3.3%): rows through the kernel measured 1.3-6.3% off (the most on the wider gptq-128
+    model), so 15% is allowed there, which still catches a layout read wrong (AWQ's nibbles in plain order, or
+    act-order without permuting x: 120-150% off)."""
     path, reference = checkpoints[name]
     model, weights = load(path), reference_weights(reference)
+    kinds = set()
     for layer_name, layer in model.named_modules():
         if isinstance(layer, QuantizedLinear) and layer.fmt.kind in ("int4", "int8"):
+            kinds.add(layer.fmt.kind)
             x = torch.randn(2, layer.in_features, generator=torch.Generator().manual_seed(1))
             want = x @ layer_weight(weights, layer_name, layer).t()
             assert relative_error(layer(x).flatten(), want.flatten()) < 0.03, layer_name
     got, want = reference_and_banyan_logits(path, reference, model)
-    assert relative_error(got[:12], want[:12]).max() < 0.01
-    assert relative_error(got[12:], want[12:]).max() < 0.5
+    assert relative_error(got[:12], want[:12]).max() < (0.15 if "int4" in kinds else 0.01)  # the prompt's rows
+    assert relative_error(got[12:], want[12:]).max() < 0.15
 
 
 # -- what banyan refuses, by name --------------------------------------------------------------

@@ -18,11 +18,9 @@ INT4_64 = WeightFormat("int4", 64)
 def make_layer(fmt, w, packed=None, out_sizes=None, gemv=False, wide_fp16=False):
     """gemv=False: banyan's AVX2 kernel is left out, so a few rows take the path under test."""
     layer = QuantizedLinear(w.shape[1], w.shape[0], fmt, packed_kernels=packed, out_sizes=out_sizes)
-    layer.wide_fp16 = wide_fp16
+    layer.wide_fp16, layer.cpu_kernel = wide_fp16, gemv
     layer.load_weight(slice(0, None), w, "w")
     layer.finish_loading()
-    if not gemv:
-        layer.gemv = None
     return layer
 
 
@@ -88,8 +86,8 @@ def test_shards_quantized_one_by_one_equal_the_whole_matrix(weight_and_input, fm
     merged.load_weight(slice(0, 64), w[:64], "q")
     merged.load_weight(slice(64, 80), w[64:80], "k")
     merged.load_weight(slice(80, 96), w[80:], "v")
+    merged.cpu_kernel = False
     merged.finish_loading()
-    merged.gemv = None
     torch.testing.assert_close(merged(x), make_layer(fmt, w, packed=False)(x))
 
 
@@ -113,18 +111,30 @@ def test_cpu_gemv_is_close_to_the_dequantized_matmul(weight_and_input, fmt, rows
 
 def _int4_values(layer):
     """The float weight an int4 layer holds, through its dequantizing path (x = I gives W^T)."""
-    layer.gemv, eye = None, torch.eye(layer.in_features)
-    return layer(eye).t()
+    assert layer.gemv is None
+    return layer(torch.eye(layer.in_features)).t()
 
 
 @needs_gemv
-def test_cpu_gemv_takes_a_few_rows_and_the_float16_copy_the_rest(weight_and_input):
+def test_cpu_gemv_takes_a_few_int8_rows_and_the_float16_copy_the_rest(weight_and_input):
     w, _ = weight_and_input
-    layer = make_layer(WeightFormat("int4", 32), w, packed=False, gemv=True, wide_fp16=True)
-    values = _int4_values(make_layer(WeightFormat("int4", 32), w, packed=False))
+    layer = make_layer(INT8, w, packed=False, gemv=True, wide_fp16=True)
+    values = make_layer(INT8, w, packed=False).weight.dequantize()
     wide = torch.randn(layer.gemv.max_rows + 1, 256)
     torch.testing.assert_close(layer(wide), F.linear(wide, values.half().float()), rtol=1e-4, atol=1e-4)
     assert layer.quantized_bytes() > 256 * 96 * 2  # the float16 copy is counted
+
+
+@needs_gemv
+def test_int4_layers_keep_no_float16_copy_the_kernel_takes_every_width(weight_and_input):
+    """The int4 kernel is faster than FBGEMM's fp16 GEMM at every batch width, so a wide batch's rows are those of
+    the kernel too (each row's bits as when it is alone), and the layer holds only the 4-bit weight."""
+    w, _ = weight_and_input
+    layer = make_layer(WeightFormat("int4", 32), w, packed=False, gemv=True, wide_fp16=True)
+    assert layer.wide is None and layer.interleaved is not None
+    wide = torch.randn(layer.gemv.max_rows + 5, 256)
+    assert torch.equal(layer(wide), _rows_alone(layer, wide))
+    assert layer.quantized_bytes() < 256 * 96  # about half a byte a weight and its group scales
 
 
 def _rows_alone(layer, x):
