@@ -157,12 +157,12 @@ class ModelConfig:
     quantization_group_size: int = 32
     """Inputs per int4 scale and zero: 32 (as GGUF's Q4 blocks), 64 or 128 (it must divide every layer's input
     size)."""
-    batch_invariant: bool = False
+    batch_invariant: bool | None = None
     """Each request's output the same whatever else is in the batch and however its prompt is cut into chunks
     (as vLLM's VLLM_BATCH_INVARIANT): every matmul row and attention row goes through banyan's CPU kernels in one
-    fixed order. Needs an x86 CPU with AVX2, a float32 model and none/fp16/int8/int4/gguf weights. Off by default:
-    float32 models lose at most about 5% with it, but the default GGUF mix's offline throughput is 0.8x on an
-    AVX2-only CPU (its integer kernels against FBGEMM's fp16 GEMM; docs/quantization.md)."""
+    fixed order. Needs an x86 CPU with AVX2, a float32 model and none/fp16/int8/int4/gguf weights. Default: on where
+    it was measured to cost at most 10% (AVX2-only x86 CPUs, float32/int8/int4 layers: the default GGUF mix 3%
+    offline; no LoRA nor tensor/pipeline parallelism), off elsewhere; the log says why (docs/quantization.md)."""
     pooling: str | None = None
     """How embedding requests pool the last hidden states: last (the last token's) or mean (over the input);
     default: the model's sentence-transformers pooling config (modules.json, 1_Pooling/config.json) when it has

@@ -42,7 +42,8 @@ class SamplingParams:
     seed: int | None = None
     """Per-request seed: the request's random draws come from its own generator, whatever else is in the batch.
     Its output (and a greedy one) is the same alone and in any batch only where the logits are too: with
-    `batch_invariant` (ModelConfig; CPU). Otherwise the batch picks the kernels and their rounding, and a
+    `batch_invariant` (ModelConfig; CPU, on by default on AVX2-only ones). Otherwise the batch picks the kernels
+    and their rounding, and a
     completion may part from its solo one after some tokens (docs/quantization.md, "Batch invariance")."""
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)

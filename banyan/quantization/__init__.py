@@ -41,7 +41,7 @@ QUANTIZATION_METHODS = (*WEIGHT_KINDS.names(), *FILE_METHODS)
 INT4_GROUP_SIZES = (32, 64, 128)
 
 __all__ = ["FILE_METHODS", "QUANTIZATION_METHODS", "Choice", "QuantizedLinear", "default_method", "finish_loading",
-           "model_weight_bytes", "plan_formats", "quantize_linears", "use_fixed_order"]
+           "model_weight_bytes", "plan_formats", "quantize_linears", "use_fixed_order", "why_not_invariant_by_default"]
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,30 @@ def quantize_linears(model: nn.Module, plan: dict[str, WeightFormat], wide_fp16:
         _replace(model, name, layer)
     if model.arch.tie_word_embeddings and plan.get("lm_head") in (INT8, FP16):
         model.model.embed_tokens = QuantizedEmbedding(model.lm_head)
+
+
+def why_not_invariant_by_default(model: nn.Module, device: torch.device, dtype: torch.dtype,
+                                 plan: dict[str, WeightFormat], attention: str, lora: bool, parallel: bool) -> str | None:
+    """None where batch-invariant mode goes on unasked, else why it stays off. On where its cost was measured at
+    most 10% (docs/quantization.md, 2-vCPU AVX2 EPYC: the default GGUF mix 3% offline, float32 models about 5%,
+    long prefills faster): an x86 CPU with AVX2 and no AVX-512 (unmeasured there, where the defaults are float16
+    weights and torch's packed int kernels), banyan's kernels built, a float32 model whose linear layers are
+    float32, int8 or int4 with inputs in blocks of 32, the torch attention backend, no LoRA (the adapters' matmuls
+    are torch's), no tensor or pipeline parallelism (their collectives sum in their own order)."""
+    reasons = (
+        (device.type != "cpu", "not a CPU"),
+        (torch.backends.cpu.get_cpu_capability() != "AVX2", "its cost is measured on AVX2-only CPUs, not this one"),
+        (dtype != torch.float32, f"{dtype} activations"),
+        (attention != "torch", f"the {attention} attention backend"),
+        (lora, "LoRA adapters"),
+        (parallel, "tensor or pipeline parallelism"),
+        (any(fmt.kind not in ("int4", "int8") for fmt in plan.values()), "fp16 or fp8 weights"),
+        (any(isinstance(m, nn.Linear) and m.in_features % 32 for m in model.modules()), "a layer's inputs are not in blocks of 32"),
+    )
+    blocker = next((why for applies, why in reasons if applies), None)
+    if blocker is None and cpu_gemv.load() is None:
+        return "banyan's CPU kernels are not built here"
+    return blocker
 
 
 def use_fixed_order(model: nn.Module) -> cpu_gemv.CpuKernels:

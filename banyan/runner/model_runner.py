@@ -23,7 +23,7 @@ from banyan.lora.layers import LoRAGroups, LoRAModel
 from banyan.models.registry import get_model_class
 from banyan.quantization.formats import FP16
 from banyan.quantization import (FILE_METHODS, default_method, finish_loading, model_weight_bytes, plan_formats,
-                                 quantize_linears, use_fixed_order)
+                                 quantize_linears, use_fixed_order, why_not_invariant_by_default)
 from banyan.runner.cpu_step import CpuDecodeStep
 from banyan.runner.device import attention_backend, default_dtype, resolve_device, resolve_dtype
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
@@ -71,6 +71,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_num_threads(model_config.num_threads or default_num_threads())
         self.attn = attention_backend(model_config.attention_backend, self.device, self.kv_dtype)
+        self.lora_wanted = lora_config is not None
+        self.batch_invariant = bool(model_config.batch_invariant)  # None (the default) is decided in _load_model
         self.model = self._load_model(source, model_config)
         self.lora = None if lora_config is None else LoRAModel.install(  # before the KV pool is sized: memory
             self.model, lora_config.max_loras, lora_config.max_lora_rank, self.dtype, self.device)
@@ -100,10 +102,15 @@ class ModelRunner:
         started = time.perf_counter()
         with default_dtype(self.dtype), torch.device(self.device):
             model = model_cls(self.shard, self.attn)
+            plan = {} if method is None else plan_formats(model, method, model_config.quantization_group_size,
+                                                          source.compact_formats(), fill=FP16 if choice.mix_fp16 else None)
+            if model_config.batch_invariant is None:
+                blocker = why_not_invariant_by_default(model, self.device, self.dtype, plan, self.attn.name,
+                                                       self.lora_wanted, self.parallel is not None)
+                self.batch_invariant = blocker is None
+                logger.info("batch invariance %s", "on (the default here)" if blocker is None else f"off: {blocker}")
             if method is not None:
-                plan = plan_formats(model, method, model_config.quantization_group_size, source.compact_formats(),
-                                    fill=FP16 if choice.mix_fp16 else None)
-                quantize_linears(model, plan, wide_fp16=choice.mix_fp16, batch_invariant=model_config.batch_invariant)
+                quantize_linears(model, plan, wide_fp16=choice.mix_fp16, batch_invariant=self.batch_invariant)
         compact = method in FILE_METHODS
         # Each tensor read straight onto the device in its stored dtype, copied into its parameter in the model's.
         if self.parallel is not None:
@@ -114,7 +121,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # start-up, not a step: the load's time includes its copies
         self.load_seconds = time.perf_counter() - started
-        if model_config.batch_invariant:
+        if self.batch_invariant:
             if self.attn.name != "torch":
                 raise InvalidParameterError("batch_invariant", f"needs the torch attention backend, not {self.attn.name}")
             self.attn.fixed_order = use_fixed_order(model)  # attention in a fixed order too

@@ -10,6 +10,7 @@ import dataclasses
 import random
 
 import pytest
+import torch
 
 from banyan import LLM, SamplingParams
 from banyan.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -102,18 +103,26 @@ def _generate(llm, prompts, **params):
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("quantization", ["int8", "none"])
-def test_batch_invariant_mode_gives_each_request_its_solo_output(tiny, quantization):
-    """With batch_invariant, a request's greedy tokens are its solo ones in a batch of 12 (more rows than the CPU
-    kernel's 8), with its prompt cut into chunks and after a preemption. Without it int8 breaks this: decode steps
-    of up to 8 rows multiply by x rounded to int8 (banyan's kernel), wider ones by dequantized weights; float32
-    rows move in their last bits with the row count (torch's GEMMs, SDPA), too little to flip this model's tokens."""
+AVX2_ONLY = torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
+@pytest.mark.parametrize("quantization, asked", [
+    ("int8", True), ("none", True),
+    pytest.param("int4", None, marks=pytest.mark.skipif(not AVX2_ONLY, reason="on by default on AVX2-only CPUs")),
+])
+def test_batch_invariant_mode_gives_each_request_its_solo_output(tiny, quantization, asked):
+    """With batch_invariant (asked, or the default on an AVX2-only CPU), a request's greedy tokens are its solo ones
+    in a batch of 12 (more rows than the CPU kernel's 8), with its prompt cut into chunks and after a preemption.
+    Without it int8 breaks this: decode steps of up to 8 rows multiply by x rounded to int8 (banyan's kernel), wider
+    ones by dequantized weights; float32 rows move in their last bits with the row count (torch's GEMMs, SDPA), too
+    little to flip this model's tokens."""
     path, prompts, _ = tiny
     rng = random.Random(1)
     prompts = prompts + [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 11, 23, 38)]
-    config = EngineConfig(model=ModelConfig(str(path), num_threads=1, quantization=quantization, batch_invariant=True),
+    config = EngineConfig(model=ModelConfig(str(path), num_threads=1, quantization=quantization, batch_invariant=asked),
                           cache=CacheConfig(block_size=4))
     llm = LLM.from_config(config)
+    assert llm.engine.runner.batch_invariant
     solo = [_generate(llm, [p])[0] for p in prompts]
     assert _generate(llm, prompts) == solo
     crowded = LLM.from_config(dataclasses.replace(config, cache=CacheConfig(block_size=4, num_pages=40),

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from banyan.errors import InvalidParameterError
-from banyan.quantization import plan_formats, quantize_linears, use_fixed_order
+from banyan.quantization import plan_formats, quantize_linears, use_fixed_order, why_not_invariant_by_default
 from banyan.quantization.formats import FP8, INT8, Int4Weight, Int8Weight, WeightFormat
 from banyan.kernels import cpu_gemv
 from banyan.quantization.linear import FixedOrderLinear, QuantizedLinear
@@ -168,6 +168,30 @@ def test_fixed_order_linear_is_the_float32_matmul_with_rows_independent(weight_a
     assert isinstance(model[0], FixedOrderLinear)
     assert torch.equal(model(x), _rows_alone(model, x))
     torch.testing.assert_close(model(x), F.linear(x, w, model[0].bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("change, blocker", [
+    ({}, None),
+    ({"device": torch.device("meta")}, "not a CPU"),
+    ({"dtype": torch.bfloat16}, "torch.bfloat16 activations"),
+    ({"attention": "triton"}, "the triton attention backend"),
+    ({"lora": True}, "LoRA adapters"),
+    ({"parallel": True}, "tensor or pipeline parallelism"),
+    ({"plan": {"0": WeightFormat("fp16")}}, "fp16 or fp8 weights"),
+    ({"model": torch.nn.Sequential(torch.nn.Linear(48, 8))}, "a layer's inputs are not in blocks of 32"),
+])
+def test_batch_invariance_is_on_by_default_only_where_its_cost_was_measured(change, blocker):
+    """The default (batch_invariant=None) turns the mode on where it costs at most 10% (an AVX2-only x86 CPU, float32
+    model, float32/int8/int4 layers in blocks of 32, torch attention, no LoRA or parallelism); else it names why not."""
+    args = dict(model=torch.nn.Sequential(torch.nn.Linear(64, 8)), device=torch.device("cpu"), dtype=torch.float32,
+                plan={"0": WeightFormat("int4", 32)}, attention="torch", lora=False, parallel=False) | change
+    why = why_not_invariant_by_default(**args)
+    if torch.backends.cpu.get_cpu_capability() != "AVX2" and args["device"].type == "cpu":
+        assert why == "its cost is measured on AVX2-only CPUs, not this one"
+    elif blocker is None and cpu_gemv.load() is None:
+        assert why == "banyan's CPU kernels are not built here"
+    else:
+        assert why == blocker
 
 
 @needs_gemv
