@@ -31,7 +31,8 @@ from banyan.ipc.client import EngineClient, EngineDeadError
 from banyan.server import admin_models, lora_adapters, openapi, playground, profiling
 from banyan.server.audit import AuditLog
 from banyan.server.auth import ANONYMOUS, AdminAuth, ApiKeyAuth, Tenant
-from banyan.server.errors import APIError, error_body, parse_json_body
+from banyan.errors import BanyanError
+from banyan.server.errors import APIError, error_body, from_banyan_error, parse_json_body
 from banyan.server.embeddings import create_embeddings
 from banyan.server.kv_census import kv_census
 from banyan.server.response_store import ResponseStore
@@ -249,6 +250,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, err: APIError) -> JSONResponse:
         return api_error_response(err)
+
+    @app.exception_handler(BanyanError)
+    async def on_banyan_error(request: Request, err: BanyanError) -> JSONResponse:
+        return api_error_response(from_banyan_error(err))  # a typed error an endpoint let through: its own status
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:

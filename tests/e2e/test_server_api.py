@@ -342,6 +342,13 @@ def test_best_of_cannot_stream(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
 
 
+def test_min_tokens_over_the_default_max_tokens_is_400_naming_min_tokens(server):
+    """Completions default to 16 tokens (OpenAI's default): a larger min_tokens alone is the client's error, answered
+    in OpenAI's format (a schema fuzzer once got a 500 here: the typed error escaped the endpoint)."""
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "min_tokens": 6001})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+
+
 def test_priority_is_accepted_and_documented_under_fcfs(server, client):
     out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body={"priority": -5})
     assert out.choices[0].text is not None
