@@ -19,8 +19,7 @@ from banyan.tools.formats import FORMATS as TOOL_FORMATS
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KV_CACHE_DTYPES = ("auto", "fp8")
 DEFAULT_CPU_KV_BYTES = 1 << 30
-"""kv_cache_memory of a CPU model in a server of several models when none is given (a single model's pool is
-sized from free memory: runner/memory.py)."""
+"""kv_cache_memory of a CPU model in a server of several models when none is given (one model's: runner/memory.py)."""
 
 
 @dataclass(frozen=True)
@@ -217,9 +216,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     """Split long prompts across steps to fit the token budget."""
     policy: str = "fcfs"
-    """fcfs (arrival order), priority (lower value first, then arrival) or slo (earliest time-to-first-token
-    deadline first, fair across API keys; a request that can no longer meet its targets is refused at once with
-    503 and Retry-After: docs/reliability.md)."""
+    """fcfs (arrival order), priority (lower value first, then arrival) or slo (earliest time-to-first-token deadline
+    first, fair across API keys; one that can no longer meet its targets: 503, Retry-After, docs/reliability.md)."""
     default_ttft_slo_ms: float | None = None
     """Time-to-first-token target of requests whose body sets no slo.ttft_ms (default: none)."""
     default_tpot_slo_ms: float | None = None
@@ -228,6 +226,8 @@ class SchedulerConfig:
     """Structured output: append the tokens a grammar forces (JSON keys, punctuation) without a forward pass each."""
     shared_prefix_wait_tokens: int = 32
     """A new request waits to reuse what a prefill will cache if that is this many of its uncached tokens (0: never)."""
+    async_scheduling: bool = False
+    """Overlap scheduling: launch each step before reading the last one's sampled ids (for GPUs; docs/gpu.md)."""
 
     def __post_init__(self):
         for name, least in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("shared_prefix_wait_tokens", 0)):

@@ -35,6 +35,11 @@ class Slo(msgspec.Struct, frozen=True):
     """Fairness is per tenant (the API key); None: the anonymous tenant."""
 
 
+PENDING_TOKEN = -1
+"""Async scheduling: an output token sampled on the device but not yet read (scheduler/overlap.py). The next step's
+input row for it is filled on the device; it never reaches a delta, a stop check or the prefix cache."""
+
+
 class RequestStatus(enum.IntEnum):
     """Ordered so that `status > PREEMPTED` means finished."""
 
@@ -157,6 +162,10 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self._all_token_ids.append(token_id)
+
+    def pop_token(self) -> int:
+        """Take back the last token: async scheduling's placeholder, before the sampled token replaces it."""
+        return self._all_token_ids.pop()
 
     # -- state --------------------------------------------------------------------------------
     @property

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from banyan.checkpoint.pooling import model_pooling
 from banyan.config import EngineConfig
 from banyan.engine.grammar import Grammars
+from banyan.engine.overlap import Overlap
 from banyan.engine.speculation import draft_runner_kwargs, open_draft, start_speculation
 from banyan.engine.stats import EngineSnapshot, KvCensus
 from banyan.errors import CacheCapacityError, ContextLengthExceededError, InvalidParameterError, LoRAAdapterError
@@ -34,6 +35,7 @@ from banyan.runner.worker import runner_factory as parallel_runner_factory
 from banyan.runner.weights import open_model
 from banyan.sampling_params import SamplingParams
 from banyan.scheduler import Scheduler
+from banyan.scheduler.overlap import OverlapScheduler, async_scheduling
 from banyan.scheduler.policy import with_defaults
 from banyan.spec.speculator import Speculator
 
@@ -73,7 +75,10 @@ class Engine:
         self.speculator = Speculator(config.speculative) if config.speculative is not None else None
         if self.speculator is not None:
             start_speculation(self.speculator, self.runner, config, limits, draft)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.speculator, self.adapters)
+        overlap = async_scheduling(config)
+        self.scheduler = (OverlapScheduler if overlap else Scheduler)(
+            config.scheduler, self.kv, self.max_model_len, self.speculator, self.adapters)
+        self.overlap = Overlap(self.scheduler, self.runner) if overlap else None  # async scheduling (overlap.py)
         self._spec_logged = (time.monotonic(), self.speculator.stats.copy() if self.speculator is not None else None)
         self._stepped = (0.0, 0, 0.0, 0)  # the last step's start, tokens, drafting seconds and drafts: _time_steps
         self.grammars = Grammars(
@@ -250,8 +255,10 @@ class Engine:
         for hook in self.before_step:
             hook(self)
         self._time_steps()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule()  # async scheduling: the step in flight taken as done
         ended = [make_delta(request) for request in batch.finished]  # never ran
+        if self.overlap is not None and (self.overlap.pending is not None or not batch.is_empty):
+            return ended + [make_delta(request) for request in self.overlap.run(batch)]
         if batch.is_empty:
             if not ended:  # only grammars compiling or adapters loading: wait for one rather than spin
                 self.grammars.wait(self.scheduler.waiting_for_grammar, timeout=0.01)

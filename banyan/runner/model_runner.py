@@ -17,7 +17,7 @@ from banyan.distributed.pipeline import Pipeline
 from banyan.distributed.tensor_parallel import TensorParallel
 from banyan.errors import InvalidParameterError
 from banyan.layers.attention.base import FP8
-from banyan.layers.pooler import PoolRows, pool
+from banyan.layers.pooler import pool
 from banyan.layers.sampler import Sampler, compute_prompt_logprobs, request_generator, target_distribution
 from banyan.lora.layers import LoRAGroups, LoRAModel
 from banyan.models.registry import get_model_class
@@ -29,12 +29,14 @@ from banyan.runner.device import attention_backend, default_dtype, resolve_devic
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from banyan.runner.drafter import NetworkDrafter
 from banyan.runner.host_reads import HostReads
+from banyan.runner.logits_plan import LogitsPlan
+from banyan.runner.overlap import KeepIds, LaunchedStep, PendingIds
 from banyan.runner.piecewise_graphs import PiecewiseGraphs, piecewise_capable, token_buckets
 from banyan.forward_batch import ForwardBatch, to_device
 from banyan.runner.memory import (GiB, KVCapacity, cpu_kv_budget, lazily_zeroed, pages_for_budget, profile_batch,
                                   profile_cuda_forward)
 from banyan.runner.weights import ModelSource
-from banyan.scheduler.batch import Batch, SampledToken, ScheduledRequest, StepResult
+from banyan.scheduler.batch import Batch, SampledToken, StepResult
 from banyan.spec import verify as spec_verify
 from banyan.structured import GrammarBackend, allocate_bitmask, apply_bitmask
 from banyan.structured.bitmask import allow_token, draft_bitmask
@@ -93,6 +95,7 @@ class ModelRunner:
         self.grammar: GrammarBackend | None = None  # fills the masks of rows with a matcher (structured output)
         self._bitmask: torch.Tensor | None = None  # grammar masks, grown on demand
         self.drafter: NetworkDrafter | None = None  # speculation by a network: drafts inside the step
+        self._pinned: torch.Tensor | None = None  # async scheduling on CUDA: sampled ids land here (_pinned_ids)
 
     def _load_model(self, source: ModelSource, model_config: ModelConfig) -> torch.nn.Module:
         model_cls = get_model_class(self.arch.architecture)
@@ -261,21 +264,50 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepResult:
+        return self.finish(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch, previous: PendingIds | None = None) -> LaunchedStep:
+        """The step queued on the device up to its logits, no read. previous: the step before, its sampled ids still
+        on the device (async scheduling): the input rows of its placeholders take them there (runner/overlap.py)."""
         self.to_host.new_step()
         drafting = [item for item in batch.scheduled if item.draft_token_ids] if self.drafter is not None else []
         draft_seconds = self.drafter.draft(drafting) if drafting else 0.0  # placeholders -> the drafter's tokens
         lora = self.lora.prepare(batch) if self.lora is not None else None  # orders the requests by adapter
         fb, plan = self._prepare(batch)
+        if previous is not None:
+            previous.fill(fb.input_ids, batch)
         hidden = self._forward(fb, lora)  # [num_tokens, hidden]
-        masks = self._grammar_masks(plan)  # on a GPU, filled on the CPU while the forward runs
         logits = self.model.compute_logits(hidden[fb.logits_indices])  # [num_logits, vocab] fp32
-        result = self._sample(logits, plan, masks)
+        return LaunchedStep(plan, hidden, logits, drafting, draft_seconds)
+
+    @torch.inference_mode()
+    def finish(self, step: LaunchedStep, keep_ids: bool = False) -> StepResult | PendingIds:
+        """Sample the launched step (rows of requests that ended since it was launched left out). keep_ids: leave the
+        ids on the device and return them pending (the step must have no logprobs, prompt logprobs, drafts or
+        pooling); a step that samples nothing returns its result anyway."""
+        plan = step.plan
+        plan.drop_finished()
+        masks = self._grammar_masks(plan)  # on a GPU, filled on the CPU while the forward runs
+        kept = KeepIds() if keep_ids else None
+        result = self._sample(step.logits, plan, masks, kept or self.to_host)
+        if kept is not None and kept.tensor is not None:
+            return PendingIds(kept.tensor, result, self._pinned_ids(kept.tensor.shape[0]))
         if plan.pool:  # embedding requests: pooled hidden states instead of a token
-            result.pooled = pool(hidden, plan.pool)
-        if drafting:
-            self.drafter.verified(drafting, result.verified)
-        result.draft_seconds = draft_seconds
+            result.pooled = pool(step.hidden, plan.pool)
+        if step.drafting:
+            self.drafter.verified(step.drafting, result.verified)
+        result.draft_seconds = step.draft_seconds
         return result
+
+    def _pinned_ids(self, rows: int) -> torch.Tensor | None:
+        """On CUDA, the pinned host buffer sampled ids are copied into without a wait (one: a step's ids are read
+        before the next step's are copied); None on a CPU."""
+        if self.device.type != "cuda":
+            return None
+        if self._pinned is None or self._pinned.shape[0] < rows:
+            self._pinned = torch.empty(max(rows, self.limits.max_num_seqs), dtype=torch.long, pin_memory=True)
+        return self._pinned
 
     def _forward(self, fb: ForwardBatch, lora: LoRAGroups | None = None) -> torch.Tensor:
         """lora: the rows that run LoRA adapters this step (None: every row runs the base model)."""
@@ -288,7 +320,7 @@ class ModelRunner:
                 return fast.run(fb)
         return self.model(fb, self.kv_caches)
 
-    def _grammar_masks(self, plan: _LogitsPlan) -> tuple[torch.Tensor, list[int]] | None:
+    def _grammar_masks(self, plan: LogitsPlan) -> tuple[torch.Tensor, list[int]] | None:
         """(bitmask, sampler rows): bitmask row j masks sampler row rows[j]. None when no row is constrained."""
         rows = [i for i, request in enumerate(plan.sample_requests) if request.grammar_active]
         if not rows:
@@ -301,10 +333,10 @@ class ModelRunner:
                 allow_token(self._bitmask, j, plan.sample_requests[i].reasoning_may_open[0])
         return self._bitmask, rows
 
-    def _prepare(self, batch: Batch) -> tuple[ForwardBatch, _LogitsPlan]:
+    def _prepare(self, batch: Batch) -> tuple[ForwardBatch, LogitsPlan]:
         P = self.page_size
         ids, positions, slots, query_start, context_lens, tables = [], [], [], [0], [], []
-        plan = _LogitsPlan()
+        plan = LogitsPlan()
         for item in batch.scheduled:
             request, start, end, pages = item.request, item.start, item.end, item.page_ids
             row0 = len(ids)
@@ -338,13 +370,13 @@ class ModelRunner:
         )
         return fb, plan
 
-    def _sample(self, logits: torch.Tensor, plan: _LogitsPlan, masks=None) -> StepResult:
-        """The step's tokens, read first (the one host wait every sampling step makes); prompt logprobs, which only
-        the user reads, after them."""
+    def _sample(self, logits: torch.Tensor, plan: LogitsPlan, masks, to_host) -> StepResult:
+        """The step's tokens, read first through to_host (the one host wait every sampling step makes); prompt
+        logprobs, which only the user reads, after them."""
         result = StepResult()
         if plan.sample_requests:
             rows = to_device(plan.sample_logit_rows, torch.long, logits.device)  # queued: no wait for the forward
-            out = self.sampler(logits[rows], plan.sample_requests, masks, self.to_host)
+            out = self.sampler(logits[rows], plan.sample_requests, masks, to_host)
             for i, request in enumerate(plan.sample_requests):
                 result.sampled[request.request_id] = SampledToken(out.token_ids[i], out.chosen_logprobs[i], out.logprobs[i])
         if plan.verify:
@@ -381,53 +413,3 @@ class ModelRunner:
             to_host=self.to_host,
         )
         return {r.request_id: tokens for r, tokens in zip(requests, out.token_ids)}
-
-
-class _LogitsPlan:
-    """Which hidden rows become logits, and what each logits row is for.
-
-    rows:     hidden-state rows to project, in logits order
-    prompt:   (request, first logits row, count, next-token targets) for prompt logprobs
-    sample:   one logits row per request that samples this step
-    verify:   (request, its drafts, first logits row) for a request that verifies k drafts: k + 1 rows
-    pool:     hidden rows (not logits) each embedding request pools this step
-    """
-
-    def __init__(self):
-        self.rows: list[int] = []
-        self.prompt: list[tuple] = []
-        self.sample_requests: list = []
-        self.sample_logit_rows: list[int] = []
-        self.verify: list[tuple] = []
-        self.pool: list[PoolRows] = []
-
-    def add_prompt_rows(self, item: ScheduledRequest, row0: int) -> None:
-        request = item.request
-        if request.prompt_logprobs is None:
-            return
-        # Position p predicts prompt token p + 1. Positions whose logprobs are already known
-        # (computed before a preemption) are skipped, so recompute never duplicates them.
-        first = max(item.start, len(request.prompt_logprobs) - 1)
-        last = min(item.end, request.num_prompt_tokens - 1)
-        if first >= last:
-            return
-        self.prompt.append((request, len(self.rows), last - first, list(request.all_token_ids[first + 1 : last + 1])))
-        self.rows.extend(range(row0 + first - item.start, row0 + last - item.start))
-
-    def add_verify_rows(self, request, drafts, row: int) -> None:
-        """Hidden rows row .. row + k: the last token's and each draft's, whose logits check the next draft."""
-        self.verify.append((request, drafts, len(self.rows)))
-        self.rows.extend(range(row, row + len(drafts) + 1))
-
-    def add_pool_rows(self, item: ScheduledRequest, row0: int) -> None:
-        """Mean pooling reads every row of the chunk; last-token pooling only the prompt's last, when it runs."""
-        completes = item.end == item.request.num_prompt_tokens
-        if item.request.pools_every_token:
-            self.pool.append(PoolRows(item.request, row0, item.num_new_tokens, item.start, completes))
-        elif completes:
-            self.pool.append(PoolRows(item.request, row0 + item.num_new_tokens - 1, 1, item.start, True))
-
-    def add_sample_row(self, request, row: int) -> None:
-        self.sample_requests.append(request)
-        self.sample_logit_rows.append(len(self.rows))
-        self.rows.append(row)
