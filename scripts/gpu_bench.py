@@ -13,6 +13,7 @@ from its config with random weights made on the device (`load` writes a real bf1
     python scripts/gpu_bench.py throughput --no-piecewise         # ... decode-only steps' graphs alone
     python scripts/gpu_bench.py throughput --kv-cache-dtype fp8   # ... with an fp8 KV cache
     python scripts/gpu_bench.py throughput --quantization fp8     # ... with fp8 weights (per channel, _scaled_mm)
+    python scripts/gpu_bench.py throughput --async-scheduling     # ... each step launched before the last is read
     python scripts/gpu_bench.py hf                                # transformers generate, same shapes
     python scripts/gpu_bench.py table results.jsonl               # the short table
     ... --device cpu --tiny                                       # a smoke run on CPU (triton interpreted)
@@ -61,6 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="throughput: KV cache dtype")
     p.add_argument("--no-piecewise", action="store_true", help="throughput: CUDA graphs for decode-only steps only")
     p.add_argument("--quantization", default="none", choices=["none", "fp8"], help="throughput: weights")
+    p.add_argument("--async-scheduling", action="store_true", help="throughput: overlap scheduling (docs/gpu.md)")
     p.add_argument("--agreement-model", help="equality: a real checkpoint (HF dir) for the fp8 agreement, whose "
                    "logits are not a random model's near-ties (default: the tiny random model)")
     p.add_argument("--load-layers", type=int, default=8, help="load: layers of the 7B shape written (8: 3.3 GiB)")
@@ -107,6 +109,8 @@ EQUALITY = [  # label, dtype, engine A, engine B, must be equal (True, "gpu": on
     # the torch backend is not graph-safe: its steps all go through the piecewise graphs
     ("piecewise graphs == eager, torch", "float32", dict(attention_backend="torch", enforce_eager=True),
      dict(attention_backend="torch"), True),
+    # the next step launched before the last one's ids are read: its placeholders filled on the device
+    ("async scheduling == plain, auto", "float32", {}, dict(async_scheduling=True), True),
     ("CUDA graphs == eager, auto, fp8 weights + fp8 KV", "float32",
      dict(quantization="fp8", kv_cache_dtype="fp8", enforce_eager=True), dict(quantization="fp8", kv_cache_dtype="fp8"),
      False),  # _scaled_mm's kernel may follow the padded row count: last bits, reported only
@@ -223,7 +227,8 @@ def throughput(args) -> list[dict]:
         model=ModelConfig(model=str(path), device=args.device, dtype=dtype, attention_backend=args.backend, seed=0,
                           enforce_eager=args.enforce_eager, quantization=args.quantization),
         cache=CacheConfig(kv_cache_memory=kv_bytes, kv_cache_dtype=args.kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=8192),
+        scheduler=SchedulerConfig(max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=8192,
+                                  async_scheduling=args.async_scheduling),
     )
     t0 = time.perf_counter()
     engine = Engine(config)
@@ -243,11 +248,12 @@ def throughput(args) -> list[dict]:
 
 def variant(args, engine) -> str:
     """The column name: backend (as the engine chose it, after any fallback), which CUDA graphs ran (decode-only
-    steps whole, the others piecewise), fp8 weights, fp8 KV."""
+    steps whole, the others piecewise), fp8 weights, fp8 KV, async scheduling."""
     runner = engine.runner
     graphs = [name for name, on in (("decode", runner.decode_graphs), ("piecewise", runner.piecewise)) if on]
     mode = "+".join(graphs) + " graphs" if graphs else "eager"
     extras = (" fp8-w" if args.quantization == "fp8" else "") + (" fp8-kv" if args.kv_cache_dtype == "fp8" else "")
+    extras += " async" if engine.overlap is not None else ""
     return f"{runner.attn.name} {mode}{extras}"
 
 

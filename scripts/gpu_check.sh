@@ -2,11 +2,11 @@
 # The GPU check (docs/gpu.md): one command on an NVIDIA GPU machine, under 10 minutes on an H200.
 #   1. the kernel tests at full size on the device (compiled, not interpreted)
 #   2. engine greedy equality on a tiny model: triton vs torch backend, CUDA graphs (decode + piecewise) vs eager,
-#      fp8 KV; fp8 weights' teacher-forced next-token agreement with bf16 (goal >= 97%)
+#      fp8 KV, async scheduling vs plain; fp8 weights' teacher-forced next-token agreement with bf16 (goal >= 97%)
 #   3. the weights' load time: a bf16 safetensors checkpoint (8 layers of the 7B shape) read onto the GPU
 #   4. engine throughput on a Llama-2-7B-shaped model with random bf16 weights, auto backend (VARIANTS:
-#      BACKEND-MODE[-fp8w][-fp8kv], MODE eager, graphs (decode + piecewise) or decodegraphs (piecewise off);
-#      e.g. "torch-eager", "auto-graphs-fp8kv" add the torch backend, fp8 KV alone)
+#      BACKEND-MODE[-fp8w][-fp8kv][-async], MODE eager, graphs (decode + piecewise) or decodegraphs (piecewise off),
+#      async: --async-scheduling; e.g. "torch-eager", "auto-graphs-fp8kv" add the torch backend, fp8 KV alone)
 #   5. the same shapes through transformers generate, the baseline
 # Full results go to $OUT when set (else a temp dir): log.txt, results.jsonl, table.md. The table is printed last.
 # BATCHES=1,16, VARIANTS="triton-graphs" or PYTHON=... override the defaults; BENCH_ARGS="--device cpu --tiny --input-len 16
@@ -18,7 +18,7 @@ RES=${OUT:-$(mktemp -d)}
 mkdir -p "$RES"
 LOG=$RES/log.txt JSONL=$RES/results.jsonl
 BATCHES=${BATCHES:-1,16,64,256}
-VARIANTS=${VARIANTS:-auto-eager auto-graphs auto-graphs-fp8w-fp8kv}
+VARIANTS=${VARIANTS:-auto-eager auto-graphs auto-graphs-async auto-graphs-fp8w-fp8kv}
 read -r -a BENCH <<<"${BENCH_ARGS:-}"
 : >"$LOG"
 : >"$JSONL"
@@ -47,7 +47,7 @@ printf '{"check": "kernel_tests", "rc": %d, "summary": "%s"}\n' "$rc" "$summary"
 
 step equality 90 $PY scripts/gpu_bench.py equality "${BENCH[@]}" --json "$JSONL"
 step load 45 $PY scripts/gpu_bench.py load "${BENCH[@]}" --json "$JSONL"
-for variant in $VARIANTS; do  # backend-mode[-fp8w][-fp8kv]
+for variant in $VARIANTS; do  # backend-mode[-fp8w][-fp8kv][-async]
     IFS=- read -r -a parts <<<"$variant"
     flags=(--backend "${parts[0]}")
     case ${parts[1]} in
@@ -58,6 +58,7 @@ for variant in $VARIANTS; do  # backend-mode[-fp8w][-fp8kv]
         case $option in
             fp8kv | fp8) flags+=(--kv-cache-dtype fp8) ;;
             fp8w) flags+=(--quantization fp8) ;;
+            async) flags+=(--async-scheduling) ;;
         esac
     done
     step "throughput-$variant" 85 $PY scripts/gpu_bench.py throughput "${flags[@]}" --batch-sizes "$BATCHES" \
