@@ -73,13 +73,13 @@ class PendingIds:
 
             rows of one request:  [ start ... end - 1 ]      all_token_ids[end - 1] == PENDING_TOKEN
         """
-        dst, src, row = [], [], 0
+        dst, src, row, row_of = [], [], 0, self.row_of
         for item in batch.scheduled:
             row += item.num_new_tokens
-            request = item.request
-            if request.all_token_ids[item.end - 1] == PENDING_TOKEN:
+            source = row_of.get(item.request.request_id)
+            if source is not None and item.request.all_token_ids[item.end - 1] == PENDING_TOKEN:
                 dst.append(row - 1)
-                src.append(self.row_of[request.request_id])
+                src.append(source)
         if dst:
             device = input_ids.device
             input_ids[to_device(dst, torch.long, device)] = self.ids[to_device(src, torch.long, device)]

@@ -94,13 +94,15 @@ class OverlapScheduler(Scheduler):
     def _assume_done(self, batch: Batch) -> None:
         """What update() would do before the tokens are known (see the module docstring)."""
         self._placeholders = []
+        caching = self.kv.enable_prefix_caching
         for item in batch.scheduled:
-            request = item.request
+            request, end = item.request, item.end
             if request.is_finished:  # aborted since it was launched
                 continue
-            request.num_computed_tokens = item.end
-            self.kv.cache_completed_pages(request.request_id, request.all_token_ids, item.end, self._namespace(request))
-            if item.end == request.num_tokens:  # it samples at this step
+            request.num_computed_tokens = end
+            if caching:
+                self.kv.cache_completed_pages(request.request_id, request.all_token_ids, end, self._namespace(request))
+            if end == request.num_tokens:  # it samples at this step
                 request.append_token(PENDING_TOKEN)
                 self._placeholders.append(request)
 

@@ -104,8 +104,10 @@ def test_same_tokens_as_the_plain_engine(model_dir, num_pages):
     assert in_flight, "no step was left in flight"
     assert tokens == want_tokens and reasons == want_reasons
     assert [reasons[f"r{i}"] for i in stops] == ["stop"] * len(stops)
-    assert sum(map(len, reads)) >= sum(map(len, want_reads)) and all(step in ([], ["sampled ids"]) for step in reads)
-    if num_pages == 16:  # requests whose token was in flight were preempted, kept it, and came back
+    assert all(step in ([], ["sampled ids"]) for step in reads)  # one counted read a step at most
+    if num_pages == 64:  # the same sampling steps, each read once
+        assert sum(map(len, reads)) == sum(map(len, want_reads))
+    else:  # requests whose token was in flight were preempted, kept it, and came back
         assert overlapped.scheduler.stats.num_preemptions > 0
     assert_no_page_leaked(overlapped)
 
@@ -143,9 +145,8 @@ def test_aborts_while_a_token_is_in_flight(model_dir):
             assert got[request_id] == want[request_id]
     assert_no_page_leaked(engine)
     everything = {2: [f"r{i}" for i in range(8)]}  # all in flight at once: the engine stops with a step unread
-    again = [(prompt, params) for prompt, params in workload()]
-    run(engine, again, everything)
-    assert engine.kv.stats().num_in_use == 0
+    run(engine, workload(), everything)
+    assert engine.overlap.pending is not None and engine.kv.stats().num_in_use == 0
     alone, *_ = run(make_engine(model_dir, False), workload()[:1])
     tokens, *_ = run(engine, workload()[:1])
     assert tokens == alone
