@@ -35,7 +35,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_attention.c", "cpu_decode.c",
-                                                         "cpu_decode_layers.c"))
+                                                         "cpu_decode_layers.c", "cpu_argmax.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 ISA_FLAGS = {"avx2": (), "avx512_vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")}
 

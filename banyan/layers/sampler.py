@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from banyan.forward_batch import to_device
+from banyan.kernels.cpu_argmax import argmax_rows
 from banyan.request import Request, TokenLogprobs
 from banyan.structured import apply_bitmask
 
@@ -42,7 +43,7 @@ ToHost = Callable[[torch.Tensor, str], list]
 CPU_CHUNK_BYTES = 8 << 20
 """Logits per chunk of rows on the CPU: small enough to stay in cache through several passes."""
 BLOCK = 128
-"""Tokens per block in the two-level searches (argmax, inverse CDF): one short pass per level."""
+"""Tokens per block in the two-level inverse CDF: one short pass per level."""
 TOP_P_CANDIDATES = 1024
 """top_p looks at this many most likely tokens first; a full sort only for rows they do not cover."""
 
@@ -77,7 +78,7 @@ class Sampler:
         to_host = to_host or read_list
         raw = logits[:, : self.vocab_size].float()  # drop padded vocabulary columns
         if grammar is None and all(_plain_greedy(r) for r in requests):  # each row's argmax and nothing else
-            return SamplerOutput(to_host(_argmax(raw), "sampled ids"), [None] * len(requests), [None] * len(requests))
+            return SamplerOutput(to_host(argmax_rows(raw), "sampled ids"), [None] * len(requests), [None] * len(requests))
         uniforms = self._uniforms(requests, raw.device)  # drawn for the whole batch: chunking changes nothing
         params = [r.sampling_params for r in requests]
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -164,10 +165,10 @@ def _sample_rows(raw: torch.Tensor, requests: Sequence[Request], grammar, unifor
     logits = _processed(raw, requests, grammar)
     greedy = [p.temperature == 0.0 for p in params]
     if all(greedy):
-        return _argmax(logits)
+        return argmax_rows(logits)
     token_ids = inverse_cdf(_exp_shifted(_scaled(logits, params)), uniforms)
     if any(greedy):
-        token_ids = torch.where(to_device(greedy, torch.bool, raw.device), _argmax(logits), token_ids)
+        token_ids = torch.where(to_device(greedy, torch.bool, raw.device), argmax_rows(logits), token_ids)
     return token_ids
 
 
@@ -227,19 +228,6 @@ def _exp_shifted(x: torch.Tensor) -> torch.Tensor:
     """exp(x - row max): unnormalised probabilities (a row whose max is infinite gets exp(x))."""
     shift = x.amax(dim=-1, keepdim=True)
     return (x - torch.where(shift.isinf(), 0.0, shift)).exp_()
-
-
-def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(-1), first index of the max (NaN counts as the max), in two short passes on the CPU:
-    the max of each block of BLOCK tokens, then argmax over the blocks and inside the winning one.
-    torch's CPU argmax is several times slower than its vectorised max."""
-    rows, vocab = x.shape
-    if x.device.type != "cpu" or vocab % BLOCK:
-        return x.argmax(dim=-1)
-    blocks = x.unflatten(1, (vocab // BLOCK, BLOCK))  # [N, vocab / BLOCK, BLOCK]
-    block = blocks.amax(dim=-1).argmax(dim=-1)  # [N]
-    inside = blocks[torch.arange(rows, device=x.device), block].argmax(dim=-1)
-    return block * BLOCK + inside
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

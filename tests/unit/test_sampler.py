@@ -6,13 +6,14 @@ import math
 import pytest
 import torch
 
+from banyan.kernels import cpu_argmax
+from banyan.kernels.cpu_argmax import argmax_in_blocks, argmax_rows
 from banyan.layers.sampler import (
     BLOCK,
     Sampler,
     _apply_min_p,
     _apply_penalties,
     _apply_top_k_top_p,
-    _argmax,
     _pick,
     compute_prompt_logprobs,
 )
@@ -296,15 +297,49 @@ def test_top_k_top_p_from_candidates_equal_a_full_sort(scale):
     assert torch.equal(fast[kept], logits[kept])
 
 
-@pytest.mark.parametrize("vocab", [BLOCK * 3, 1000])  # whole blocks, and a padded last block
-def test_argmax_in_blocks_equals_torch_argmax(vocab):
-    x = torch.randn(7, vocab, generator=torch.Generator().manual_seed(2))
+def _argmax_cases(vocab: int) -> torch.Tensor:
+    x = torch.randn(12, vocab, generator=torch.Generator().manual_seed(2))
     x[1] = 1.0  # all tied: the first index
-    x[2, [5, vocab - 3]] = 100.0  # tie across blocks
+    x[2, [5, vocab - 3]] = 100.0  # tie across blocks (and across the kernel's lanes)
     x[3] = float("-inf")
     x[4, [BLOCK + 1, 2]] = float("nan")  # NaN counts as the max, first one wins
     x[5, -1] = 50.0
-    assert torch.equal(_argmax(x), x.argmax(dim=-1))
+    x[6, [40, 8]] = 60.0  # tied in one lane of the kernel (32 apart), the later index seen first by no lane
+    x[7, [vocab - 1, 3]] = float("inf")
+    x[8, vocab - 2] = float("nan")  # a NaN past the last whole group of 32
+    x[9] = float("-inf")
+    x[9, vocab - 1] = -1.0  # the only finite value, in the tail
+    x[10] = torch.randint(0, 3, (vocab,), generator=torch.Generator().manual_seed(3)).float()  # many ties
+    return x
+
+
+@pytest.mark.parametrize("vocab", [BLOCK * 3, 1000])  # whole blocks, and a padded last block
+def test_argmax_in_blocks_equals_torch_argmax(vocab):
+    x = _argmax_cases(vocab)
+    assert torch.equal(argmax_in_blocks(x), x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [BLOCK * 3, 1000, 49_152])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_kernel_equals_torch_argmax(vocab, threads):
+    """The C kernel (kernels/cpu_argmax.c) answers torch's argmax bit for bit, also on a view with padded columns
+    (the sampler's logits[:, :vocab_size])."""
+    kernel = cpu_argmax.argmax_for(torch.zeros(1, 8))
+    if kernel is None:
+        pytest.skip("no CPU kernels here (no AVX2 or no compiler)")
+    padded = torch.full((12, vocab + 5), 1e9)
+    padded[:, :vocab] = _argmax_cases(vocab)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for x in (padded[:, :vocab], padded[:, :vocab].contiguous()):
+            assert torch.equal(kernel(x), x.argmax(dim=-1))
+        short = torch.randn(5, 7, generator=torch.Generator().manual_seed(4))  # all of it past the groups of 32
+        short[1], short[2, [6, 1]] = float("-inf"), float("nan")
+        assert torch.equal(kernel(short), short.argmax(dim=-1))
+    finally:
+        torch.set_num_threads(before)
 
 
 def _batch(n_greedy, n_sampled, **params):
