@@ -37,12 +37,16 @@ class IncrementalDetokenizer:
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self._skip = special_token_ids(tokenizer) if skip_special_tokens else frozenset()
         self._decode = _plain_decode(tokenizer, skip_special_tokens) or self._decode
+        self._token_texts = token_texts(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         tail = [t for t in prompt_token_ids[-4 * self.PROMPT_WINDOW:] if t not in self._skip]
         self._ids: list[int] = tail[-self.PROMPT_WINDOW:]
         self._read_offset = len(self._ids)  # the prefix window is self._ids[:read_offset]
 
     def add(self, new_token_ids: Sequence[int]) -> str:
         """The new text the tokens add (possibly empty while a character is incomplete)."""
+        if len(new_token_ids) == 1:  # a decode step's one token
+            token_id = new_token_ids[0]
+            return "" if token_id in self._skip else self._step(token_id)
         return "".join(self._step(t) for t in new_token_ids if t not in self._skip)
 
     def flush(self) -> str:
@@ -56,7 +60,10 @@ class IncrementalDetokenizer:
         return self._emit(unless_incomplete=True)
 
     def _emit(self, unless_incomplete: bool = False) -> str:
-        prefix = self._decode(self._ids[: self._read_offset])
+        if self._read_offset == 1:  # the prefix window is the last step's one token: its text is known
+            prefix = self._token_text(self._ids[0])
+        else:
+            prefix = self._decode(self._ids[: self._read_offset])
         text = self._decode(self._ids)
         if unless_incomplete and text.endswith("\ufffd"):
             return ""
@@ -64,11 +71,26 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         return text[len(prefix):]
 
+    def _token_text(self, token_id: int) -> str:
+        """decode([token_id]), from the texts of the tokens met so far (a dict read instead of a call)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._decode([token_id])
+        return text
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(
             ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
+
+
+@lru_cache(maxsize=16)
+def token_texts(tokenizer, skip_special_tokens: bool, spaces_between_special_tokens: bool) -> dict[int, str]:
+    """The text of single tokens as the detokenizers of this tokenizer and options decode them (decode([t]) is a
+    function of t alone), filled as they meet them: at most a vocabulary of short strings. Shared, because each
+    decode step's prefix window is one token, and a call into the tokenizer costs more than the dict read."""
+    return {}
 
 
 def _plain_decode(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str] | None:

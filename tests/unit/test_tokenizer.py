@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 
 from banyan.errors import InvalidParameterError, ModelLoadError
 from banyan.text.chat_template import ChatTemplateError, render_chat_template
-from banyan.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from banyan.text.detokenizer import IncrementalDetokenizer, StopStringMatcher, token_texts
 from banyan.text.tokenizer import encode_chat, encode_text, load_tokenizer
 
 CORPUS = [
@@ -167,6 +167,20 @@ def test_fast_tokenizers_decode_without_the_transformers_wrapper(name, request):
         detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip)
         assert isinstance(detok._decode, functools.partial)  # the Rust decode itself
         assert detok._decode(ids) == tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@pytest.mark.parametrize("skip", [True, False])
+def test_token_texts_shared_between_streams_are_decode_of_one_token(name, skip, request):
+    """A decode step's prefix window is the last step's one token, whose text the detokenizers of a tokenizer share
+    (token_texts); a stream that finds them cached gives the same deltas as the first."""
+    tokenizer = request.getfixturevalue(name)
+    ids = tokenizer.encode("hello 東京 😀 world", add_special_tokens=False) + [tokenizer.eos_token_id]
+    first = stream(IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip), ids)
+    texts = token_texts(tokenizer, skip, True)
+    assert texts and all(text == tokenizer.decode([t], skip_special_tokens=skip) for t, text in texts.items())
+    assert stream(IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip), ids) == first
+    assert "".join(first) == tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)
