@@ -305,21 +305,19 @@ def make_delta(request: Request) -> RequestDelta:
     `error`. Marks the tokens as reported."""
     failed = request.status == RequestStatus.FINISHED_ERROR
     start, request.num_reported_tokens = request.num_reported_tokens, request.num_output_tokens
-    first = start == 0 and not failed
-    scheduled = request.metrics.first_scheduled_time  # None: the grammar forced the whole output
-    return RequestDelta(
-        request_id=request.request_id,
-        new_token_ids=[] if failed else list(request.all_token_ids[request.num_prompt_tokens + start :]),
-        new_logprobs=None if request.logprobs is None else [] if failed else request.logprobs[start:],
-        cumulative_logprob=request.cumulative_logprob,
-        finish_reason=request.finish_reason,
-        stop_reason=request.stop_reason,
-        num_cached_tokens=request.num_cached_tokens,
-        prompt_logprobs=list(request.prompt_logprobs) if first and request.prompt_logprobs is not None else None,
-        queue_time=scheduled - request.metrics.arrival_time if first and scheduled is not None else None,
-        error=request.error,
-        embedding=request.embedding,
-    )
+    new_token_ids = [] if failed else request.all_token_ids[request.num_prompt_tokens + start :]  # a slice: a copy
+    new_logprobs = None if request.logprobs is None else [] if failed else request.logprobs[start:]
+    # Positional, the rare fields set after: one of these is built per request per step.
+    delta = RequestDelta(request.request_id, new_token_ids, new_logprobs, request.cumulative_logprob,
+                         request.finish_reason, request.stop_reason, request.num_cached_tokens)
+    if start == 0 and not failed:  # the first delta: the prompt's logprobs, the time queued
+        if request.prompt_logprobs is not None:
+            delta.prompt_logprobs = list(request.prompt_logprobs)
+        scheduled = request.metrics.first_scheduled_time  # None: the grammar forced the whole output
+        if scheduled is not None:
+            delta.queue_time = scheduled - request.metrics.arrival_time
+    delta.error, delta.embedding = request.error, request.embedding
+    return delta
 
 
 def resolve_max_model_len(config: EngineConfig, arch) -> int:
