@@ -108,6 +108,8 @@ class KVCacheManager:
         match_prefix, InvalidParameterError if a prefix comes with a later allocation.
         """
         holding = self._held.get(request_id)
+        if prefix is None and holding is not None and len(holding.pages) * self.page_size >= num_tokens:
+            return True  # the usual decode step: its last page has room
         held = holding.pages if holding else []
         prefix_pages = list(prefix.page_ids) if prefix else []
         if prefix_pages and held:

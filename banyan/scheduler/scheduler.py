@@ -209,6 +209,8 @@ class Scheduler:
         self._jump_forward(request)
 
     def _admit_waiting(self, batch: Batch, budget: int) -> None:
+        if not self.waiting:  # the usual decode step: no walk over the running requests for leaders
+            return
         leaders = self._prefix_leaders()
         for request in self.policy.admission_order(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
@@ -371,11 +373,15 @@ class Scheduler:
             if self.policy.deadlines is not None:
                 self.policy.deadlines.first_token(request)
         request.metrics.last_token_time = now
-        self._append(request, sampled.token_id, sampled.logprobs or TokenLogprobs(sampled.token_id, sampled.logprob, 0))
+        logprobs = sampled.logprobs
+        if logprobs is None and request.logprobs is not None:
+            logprobs = TokenLogprobs(sampled.token_id, sampled.logprob, 0)
+        self._append(request, sampled.token_id, logprobs)
         self._jump_forward(request)
 
-    def _append(self, request: Request, token_id: int, logprobs: TokenLogprobs) -> None:
-        """One output token, then whatever it ends: the grammar, a stop token, EOS or the length."""
+    def _append(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        """One output token, then whatever it ends: the grammar, a stop token, EOS or the length. `logprobs` is
+        kept where the request asked for them (None only where it did not)."""
         request.append_token(token_id)
         if request.logprobs is not None:
             request.logprobs.append(logprobs)
@@ -414,9 +420,9 @@ class Scheduler:
         return request.is_finished
 
     def _check_stop(self, request: Request) -> None:
-        token = request.all_token_ids[-1]
+        token, num_output = request.all_token_ids[-1], request.num_output_tokens
         # The sampler masks stop tokens while fewer than min_tokens were out, so this is a backstop.
-        if request.num_output_tokens > request.sampling_params.min_tokens:
+        if num_output > request.sampling_params.min_tokens:
             if token in request.eos_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return
@@ -424,7 +430,7 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
                 return
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_output >= request.max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH
 
     def _release(self, request: Request) -> None:
