@@ -380,8 +380,7 @@ class Scheduler:
         self._jump_forward(request)
 
     def _append(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> None:
-        """One output token, then whatever it ends: the grammar, a stop token, EOS or the length. `logprobs` is
-        kept where the request asked for them (None only where it did not)."""
+        """One output token (logprobs None where the request keeps none), then what it ends: grammar, stop, length."""
         request.append_token(token_id)
         if request.logprobs is not None:
             request.logprobs.append(logprobs)
