@@ -375,8 +375,7 @@ class ModelRunner:
         logprobs, which only the user reads, after them."""
         result = StepResult()
         if plan.sample_requests:
-            rows = to_device(plan.sample_logit_rows, torch.long, logits.device)  # queued: no wait for the forward
-            out = self.sampler(logits[rows], plan.sample_requests, masks, to_host)
+            out = self.sampler(_sample_rows(logits, plan.sample_logit_rows), plan.sample_requests, masks, to_host)
             for i, request in enumerate(plan.sample_requests):
                 result.sampled[request.request_id] = SampledToken(out.token_ids[i], out.chosen_logprobs[i], out.logprobs[i])
         if plan.verify:
@@ -413,3 +412,12 @@ class ModelRunner:
             to_host=self.to_host,
         )
         return {r.request_id: tokens for r, tokens in zip(requests, out.token_ids)}
+
+
+def _sample_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows]; logits itself when the step samples every row (a decode step: rows are increasing, so as many of
+    them as logits rows are 0..N-1): gathering would copy them all, 50 MB at batch 256 with a 49k vocabulary into
+    freshly page-faulted memory (on a 2-vCPU EPYC, greedy at batch 256: gather and sample 56.5 ms, sample 3.3 ms)."""
+    if len(rows) == logits.shape[0]:
+        return logits
+    return logits[to_device(rows, torch.long, logits.device)]  # queued: no wait for the forward
