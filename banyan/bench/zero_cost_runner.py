@@ -13,6 +13,7 @@ import time
 
 from banyan.config import CacheConfig, ModelConfig, default_num_threads
 from banyan.layers.sampler import Sampler
+from banyan.runner.host_malloc import keep_freed_heap
 from banyan.runner.weights import ModelSource
 from banyan.scheduler.batch import Batch, SampledToken, StepResult
 
@@ -23,6 +24,7 @@ class ZeroCostRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, source: ModelSource, limits=None):
         self.num_pages = cache_config.num_pages or DEFAULT_NUM_PAGES
         torch.set_num_threads(model_config.num_threads or default_num_threads())  # as the real runner does
+        keep_freed_heap()
         self.dtype = torch.float32
         self.sampler = Sampler(source.arch.vocab_size, default_seed=model_config.seed)
         generator = torch.Generator().manual_seed(model_config.seed)

@@ -28,6 +28,7 @@ from banyan.runner.cpu_step import CpuDecodeStep
 from banyan.runner.device import attention_backend, default_dtype, resolve_device, resolve_dtype
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from banyan.runner.drafter import NetworkDrafter
+from banyan.runner.host_malloc import keep_freed_heap
 from banyan.runner.host_reads import HostReads
 from banyan.runner.logits_plan import LogitsPlan
 from banyan.runner.overlap import KeepIds, LaunchedStep, PendingIds
@@ -72,6 +73,7 @@ class ModelRunner:
         self.page_size = cache_config.block_size
         if self.device.type == "cpu":
             torch.set_num_threads(model_config.num_threads or default_num_threads())
+            keep_freed_heap()  # each step's logits and activations reuse freed memory (runner/host_malloc.py)
         self.attn = attention_backend(model_config.attention_backend, self.device, self.kv_dtype)
         self.lora_wanted = lora_config is not None
         self.batch_invariant = bool(model_config.batch_invariant)  # None (the default) is decided in _load_model
