@@ -132,9 +132,9 @@ class ModelRunner:
             self.attn.fixed_order = use_fixed_order(model)  # attention in a fixed order too
         if self.parallel is not None:  # the collectives, hooked on the final modules
             model = self.parallel.transform(model)
-        logger.info("weights: %.1f MiB (%s%s) loaded in %.2f s", model_weight_bytes(model) / 2**20,
-                    method or self.dtype, ", float16 for the rest and for wide batches" if choice.mix_fp16 else "",
-                    self.load_seconds)
+        copies = any(getattr(m, "wide", None) is not None for m in model.modules())  # float16 copies for wide calls
+        logger.info("weights: %.1f MiB (%s%s) loaded in %.2f s", model_weight_bytes(model) / 2**20, method or self.dtype,
+                    ", float16 for the rest and for wide batches" if choice.mix_fp16 and copies else "", self.load_seconds)
         return model.eval()
 
     def _kv_pages(self, num_pages: int) -> torch.Tensor:
