@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 
 from banyan import LLM, SamplingParams
 
@@ -43,3 +44,24 @@ def test_greedy_equals_without_speculation_on_real_weights(plain_tokens, config)
         llm.engine.close()
     assert [o.outputs[0].token_ids for o in outputs] == plain_tokens
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX2", reason="batch invariance is the default on AVX2-only CPUs")
+def test_greedy_equals_without_speculation_on_the_compact_default():
+    """The compact default (int4 layers, int8 lm_head) with batch invariance, its default on AVX2-only CPUs: a verify
+    pass of k + 1 rows gives each row the bits of a 1-row decode, so speculation keeps the greedy tokens exactly
+    (without it they agreed on this prompt too, but nothing promised it: the attention's rows could move)."""
+    compact = {"num_threads": 1, "max_model_len": 512, "kv_cache_memory": 64 << 20}
+    plain = LLM(**compact)
+    try:
+        assert plain.engine.runner.batch_invariant
+        want = [o.outputs[0].token_ids for o in plain.chat(MESSAGES, GREEDY, use_tqdm=False)]
+    finally:
+        plain.engine.close()
+    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "policy": "fixed"}, **compact)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.chat(MESSAGES, GREEDY, use_tqdm=False)]
+        assert llm.engine.speculator.stats.num_accepted_tokens > 0
+    finally:
+        llm.engine.close()
+    assert got == want
