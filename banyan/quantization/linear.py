@@ -189,9 +189,10 @@ class QuantizedLinear(nn.Module):
         self.offset = (w.zero - 8 * w.scale).contiguous()  # w = s * q + (z - 8s): one multiply-add per value
         w.q = w.zero = None  # the unpacked values take twice the packed size
         self._matmul = self._int4_dequant
-        if gemv is not None:  # it serves every row count: only its layout is kept
+        if gemv is not None:  # it serves every row count: only its layout is kept, and no path reads the blocks
             self.interleaved = cpu_gemv.interleave_int4(self.packed, w.scale, self.offset, self.fmt.group_size)
             self.packed = self.offset = w.scale = None
+            self._matmul = self._int4_gemv
 
     def _int4_packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.fmt.group_size, self.scale_zeros)
