@@ -29,6 +29,7 @@ from banyan.config import EngineConfig
 
 RSS_GROWTH_GOAL = 0.05  # after warm-up (RELIABILITY G3)
 IDLE_TIMEOUT = 30.0  # seconds the engine may take to go idle after the storm
+FD_SETTLE_S = 5.0  # seconds the idle sample waits for the server's fd count to stop moving
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,7 @@ async def soak(http, config: SoakConfig, probe: Probe, traffic: Traffic, refs: l
     sampling = asyncio.ensure_future(sampler())
     await asyncio.gather(*(client() for _ in range(config.streams)))
     sampling.cancel()
-    samples.append(await probe.sample(http, started))  # after the last request: idle
+    samples.append(await settled_sample(probe, http, started))  # after the last request: idle
     return {"duration_s": round(time.monotonic() - started, 1), **traffic_figures(outcomes),
             **resource_figures(samples, config.warmup_fraction * config.minutes * 60), "samples": samples}
 
@@ -246,6 +247,20 @@ async def storm(http, clients: int, probe: Probe, seed: int, reference: tuple[st
             "statuses": {str(s): sum(1 for o in outcomes if o.status == s) for s in {o.status for o in outcomes}},
             "transport_errors": sum(1 for o in outcomes if o.transport_error),
             "kv_in_use_after": kv["kv_in_use"], "integrity_after": kv["integrity"], "next_request_ok": answered}
+
+
+async def settled_sample(probe: Probe, http, started: float) -> dict:
+    """The idle sample: once the engine is idle and the server's fd count has stopped moving (sockets of clients
+    that left at the very end close a moment after their last byte; a leaked fd stays), at most FD_SETTLE_S."""
+    await wait_idle(probe, http)
+    deadline, last = time.monotonic() + FD_SETTLE_S, None
+    while time.monotonic() < deadline:
+        fds = process_stats(probe.server_pid).get("fds")
+        if fds == last:
+            break
+        last = fds
+        await asyncio.sleep(0.5)
+    return await probe.sample(http, started)
 
 
 async def wait_idle(probe: Probe, http) -> tuple[float | None, dict]:
