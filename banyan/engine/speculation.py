@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from banyan.config import EngineConfig
+from banyan.config import KV_CACHE_DTYPES, EngineConfig
 from banyan.errors import InvalidParameterError
 from banyan.runner.device import resolve_device, resolve_dtype
 from banyan.runner.model_runner import ModelRunner, RunnerLimits
@@ -45,7 +45,7 @@ def draft_runner_kwargs(config: EngineConfig, draft: ModelSource | None) -> dict
                                               "parallel size 1)")
     model = config.model
     dtype = resolve_dtype(model.dtype, draft.arch.torch_dtype, resolve_device(model.device), draft.path.is_file())
-    itemsize = 1 if config.cache.kv_cache_dtype == "fp8" else dtype.itemsize
+    itemsize = KV_CACHE_DTYPES[config.cache.kv_cache_dtype] or dtype.itemsize
     return {"draft_kv_bytes_per_token": draft.arch.kv_bytes_per_token(itemsize)}
 
 

@@ -6,6 +6,10 @@
  *     rms_norm         s = x + residual (optional), y = (s / sqrt(mean(s^2) + eps)) * w
  *     rope_store_kv    q, k rotated in place (neox rotate_half), k and v written to their cache slot
  *     paged_attention  each row over the keys it sees, read from the pages where they lie (no gather)
+ *
+ * The KV cache is float32 or float16 (kv_half): a decode row's attention reads every key and value of its context
+ * once, so at long contexts it is memory-bound, and half the bytes is nearly half the time. F16C converts 8 values
+ * an instruction, rounding to nearest even as torch's .half() does, so either path writes the same bits.
  *     silu_mul         y = silu(gate) * up, gate and up the halves of one row
  *
  * Every row is computed alone and in a fixed order (position order in attention), so its bits do not depend
@@ -22,6 +26,12 @@ static inline float hsum8(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* Eight cache values from element i on: float32, or float16 widened (exact). half is a constant where inlined. */
+static inline __attribute__((always_inline)) __m256 load_kv(const void *cache, size_t i, const int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i)))
+                : _mm256_loadu_ps((const float *)cache + i);
 }
 
 /* exp on 8 lanes: e^x = 2^n e^r with n = round(x log2 e), |r| <= ln2/2, e^r by a degree-6 polynomial (the
@@ -42,17 +52,26 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* n floats through exp8: the tail goes through a zero-padded copy, so every element takes the same path. */
-static inline void exp_shifted(float *p, int n, float shift) {
+/* n floats through exp8, and their sum: lane l adds the elements l, l + 8, ... in order, then one fixed tree. The
+ * tail goes through a zero-padded copy, so every element takes the same path, and only its n elements count. */
+static inline float exp_shifted_sum(float *p, int n, float shift) {
     const __m256 s = _mm256_set1_ps(shift);
+    __m256 total = _mm256_setzero_ps();
     int i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), s)));
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), s));
+        _mm256_storeu_ps(p + i, e);
+        total = _mm256_add_ps(total, e);
+    }
     if (i < n) {
         float tail[8] = {0};
         for (int j = 0; i + j < n; j++) tail[j] = p[i + j];
         _mm256_storeu_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), s)));
+        for (int j = n - i; j < 8; j++) tail[j] = 0.0f;
+        total = _mm256_add_ps(total, _mm256_loadu_ps(tail));
         for (int j = 0; i + j < n; j++) p[i + j] = tail[j];
     }
+    return hsum8(total);
 }
 
 /* x, y [rows, dim]; residual NULL or [rows, dim], in which case sum_out [rows, dim] gets x + residual and the
@@ -91,11 +110,12 @@ static inline void rotate(float *x, const float *c, const float *s, int half) {
 
 /* Row t of q [T, H, D] (rows q_stride floats apart) and of k [T, KVH, D] (k_stride) rotated by the angles of
  * positions[t] (cos, sin: [max_pos, D / 2]); k and v (v_stride) rows then copied to slot slots[t] of the caches
- * [slots, KVH, D] (a negative slot: not stored). Returns how many positions fell outside [0, max_pos) (those
- * rows are left as they were). */
+ * [slots, KVH, D] (a negative slot: not stored), float32 or float16 (kv_half). Returns how many positions fell
+ * outside [0, max_pos) (those rows are left as they were). */
 int rope_store_kv(float *q, int q_stride, float *k, int k_stride, const float *v, int v_stride,
                   const int64_t *positions, const float *cos_table, const float *sin_table, int max_pos,
-                  float *k_cache, float *v_cache, const int64_t *slots, int T, int H, int KVH, int D, int threads) {
+                  void *k_cache, void *v_cache, const int64_t *slots, int T, int H, int KVH, int D, int kv_half,
+                  int threads) {
     const int half = D / 2;
     int bad = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : bad) if (T >= 32)
@@ -111,7 +131,16 @@ int rope_store_kv(float *q, int q_stride, float *k, int k_stride, const float *v
         const float *vt = v + (size_t)t * v_stride;
         for (int h = 0; h < KVH; h++) rotate(kt + (size_t)h * D, c, s, half);
         if (slots[t] < 0) continue;
-        float *kc = k_cache + (size_t)slots[t] * KVH * D, *vc = v_cache + (size_t)slots[t] * KVH * D;
+        const size_t at = (size_t)slots[t] * KVH * D;
+        if (kv_half) {
+            uint16_t *kc = (uint16_t *)k_cache + at, *vc = (uint16_t *)v_cache + at;
+            for (int i = 0; i < KVH * D; i += 8) {
+                _mm_storeu_si128((__m128i *)(kc + i), _mm256_cvtps_ph(_mm256_loadu_ps(kt + i), _MM_FROUND_TO_NEAREST_INT));
+                _mm_storeu_si128((__m128i *)(vc + i), _mm256_cvtps_ph(_mm256_loadu_ps(vt + i), _MM_FROUND_TO_NEAREST_INT));
+            }
+            continue;
+        }
+        float *kc = (float *)k_cache + at, *vc = (float *)v_cache + at;
         for (int i = 0; i < KVH * D; i++) {
             kc[i] = kt[i];
             vc[i] = vt[i];
@@ -140,37 +169,62 @@ static inline __m256 hsum8x8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* p[j] = scale * <q, keys[j]> for j < n (n <= 8; keys[n..7] valid rows, their products dropped): eight keys'
- * dot products interleaved over D. */
-static inline void score8(const float *q, const float *const keys[8], int n, int D, float scale, float *p) {
+/* p[u] = scale * (the lanes of acc[u] added up) for u < n */
+static inline __attribute__((always_inline)) void store_scores(const __m256 acc[8], int n, float scale, float *p) {
+    const __m256 scores = _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale));
+    if (n == 8) {  /* the usual case: one store (a scalar copy through memory stalled on the store it reads) */
+        _mm256_storeu_ps(p, scores);
+        return;
+    }
+    float sums[8];
+    _mm256_storeu_ps(sums, scores);
+    for (int u = 0; u < n; u++) p[u] = sums[u];
+}
+
+/* p[j] = scale * <q, k[keys[j], + D)> for j < n (n <= 8; keys[n..7] valid rows, their products dropped): eight
+ * keys' dot products interleaved over D. */
+static inline __attribute__((always_inline)) void score8(const float *q, const void *k, const size_t keys[8], int n,
+                                                         int D, float scale, float *p, const int half) {
     __m256 acc[8];
     for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
     for (int d = 0; d < D; d += 8) {
         const __m256 qd = _mm256_loadu_ps(q + d);
-        for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys[u] + d), acc[u]);
+        for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qd, load_kv(k, keys[u] + d, half), acc[u]);
     }
-    float sums[8];
-    _mm256_storeu_ps(sums, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
-    for (int u = 0; u < n; u++) p[u] = sums[u];
+    store_scores(acc, n, scale, p);
 }
 
-/* o[0, width) += sum_j p[j] * v[slot[j] * token, + width) in j order, width <= 64: the sums stay in registers. */
-static inline void weighted_add(const float *p, const float *v, const uint32_t *slot, size_t token, int n, int width,
-                                float *o) {
+/* score8 over 8 key rows gathered one after another (rows [8, D]); D a constant where inlined, so every load is
+ * one register and an offset (eight row pointers spilled out of the registers). Same sums, same bits. */
+static inline __attribute__((always_inline)) void score8_rows(const float *q, const float *rows, int n, const int D,
+                                                              float scale, float *p) {
+    __m256 acc[8];
+    for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+        for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(rows + u * D + d), acc[u]);
+    }
+    store_scores(acc, n, scale, p);
+}
+
+/* o[0, width) += sum_j p[j] * v[at + slot[j] * token, + width) in j order, width <= 64: the sums stay in registers. */
+static inline __attribute__((always_inline)) void weighted_add(const float *p, const void *v, size_t at,
+                                                               const uint32_t *slot, size_t token, int n, int width,
+                                                               float *o, const int half) {
     __m256 acc[8];
     const int lanes = width / 8;
     for (int r = 0; r < lanes; r++) acc[r] = _mm256_loadu_ps(o + 8 * r);
     if (lanes == 8) {
         for (int j = 0; j < n; j++) {
             const __m256 w = _mm256_set1_ps(p[j]);
-            const float *row = v + slot[j] * token;
-            for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * r), acc[r]);
+            const size_t row = at + slot[j] * token;
+            for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(w, load_kv(v, row + 8 * r, half), acc[r]);
         }
     } else {
         for (int j = 0; j < n; j++) {
             const __m256 w = _mm256_set1_ps(p[j]);
-            const float *row = v + slot[j] * token;
-            for (int r = 0; r < lanes; r++) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * r), acc[r]);
+            const size_t row = at + slot[j] * token;
+            for (int r = 0; r < lanes; r++) acc[r] = _mm256_fmadd_ps(w, load_kv(v, row + 8 * r, half), acc[r]);
         }
     }
     for (int r = 0; r < lanes; r++) _mm256_storeu_ps(o + 8 * r, acc[r]);
@@ -178,18 +232,18 @@ static inline void weighted_add(const float *p, const float *v, const uint32_t *
 
 /* weighted_add for NH (1 to 3) heads at once over width <= 32 floats: o[h] += sum_j p[h][j] * v[slot[j]] in j order,
  * each V row loaded once for every head (the same FMAs in the same order for each output, so the same bits). */
-static inline __attribute__((always_inline)) void weighted_add_heads(const float *const p[3], const int NH, const float *v,
-                                                                     const uint32_t *slot, size_t token, int n, const int lanes,
-                                                                     float *const o[3]) {
+static inline __attribute__((always_inline)) void weighted_add_heads(const float *const p[3], const int NH, const void *v,
+                                                                     size_t at, const uint32_t *slot, size_t token, int n,
+                                                                     const int lanes, float *const o[3], const int half) {
     __m256 acc[3][4];
     for (int h = 0; h < NH; h++)
         for (int r = 0; r < lanes; r++) acc[h][r] = _mm256_loadu_ps(o[h] + 8 * r);
     for (int j = 0; j < n; j++) {  /* 12 sums, 3 weights and a V vector: the 16 registers */
-        const float *row = v + slot[j] * token;
+        const size_t row = at + slot[j] * token;
         __m256 w[3];
         for (int h = 0; h < NH; h++) w[h] = _mm256_set1_ps(p[h][j]);
         for (int r = 0; r < lanes; r++) {
-            const __m256 vr = _mm256_loadu_ps(row + 8 * r);
+            const __m256 vr = load_kv(v, row + 8 * r, half);
             for (int h = 0; h < NH; h++) acc[h][r] = _mm256_fmadd_ps(w[h], vr, acc[h][r]);
         }
     }
@@ -197,7 +251,40 @@ static inline __attribute__((always_inline)) void weighted_add_heads(const float
         for (int r = 0; r < lanes; r++) _mm256_storeu_ps(o[h] + 8 * r, acc[h][r]);
 }
 
+/* weighted_add_heads over V rows gathered one after another, 32 columns each (rows [n, 32]): one pointer walks
+ * them, no slot lookups. Same FMAs in the same order, same bits. */
+static inline __attribute__((always_inline)) void weighted_add_heads_rows(const float *const p[3], const int NH,
+                                                                          const float *rows, int n, float *const o[3]) {
+    __m256 acc[3][4];
+    for (int h = 0; h < NH; h++)
+        for (int r = 0; r < 4; r++) acc[h][r] = _mm256_loadu_ps(o[h] + 8 * r);
+    for (int j = 0; j < n; j++, rows += 32) {
+        __m256 w[3];
+        for (int h = 0; h < NH; h++) w[h] = _mm256_set1_ps(p[h][j]);
+        for (int r = 0; r < 4; r++) {
+            const __m256 vr = _mm256_loadu_ps(rows + 8 * r);
+            for (int h = 0; h < NH; h++) acc[h][r] = _mm256_fmadd_ps(w[h], vr, acc[h][r]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int r = 0; r < 4; r++) _mm256_storeu_ps(o[h] + 8 * r, acc[h][r]);
+}
+
 #define V_BLOCK 32 /* keys whose V rows serve every head of a group from L1 (32 x 64 floats: 8 KiB) */
+
+/* The K and V rows a tile of several query rows reads (a prefill chunk's) are gathered a block at a time into one
+ * float32 buffer, one row after another (a float16 cache's widened, exactly), which every row and head of the tile
+ * then reads with plain offsets, for head_dim up to this. A decode row reads the cache in place (gathering would
+ * cost it more than it saves), as does every row of a larger head_dim. */
+#define MAX_GATHER_HEAD_DIM 256
+
+/* rows [0, n) of cache elements at + slot[j] * token, width values each, into buf [n, width] as float32 */
+static inline __attribute__((always_inline)) void gather_rows(const void *cache, size_t at, const uint32_t *slot,
+                                                              size_t token, int n, int width, float *buf, const int half) {
+    for (int j = 0; j < n; j++)
+        for (int d = 0; d < width; d += 8)
+            _mm256_storeu_ps(buf + (size_t)j * width + d, load_kv(cache, at + slot[j] * token + d, half));
+}
 
 /* Query rows of one sequence that go through the keys together (a prefill chunk's rows; a decode row is a tile
  * alone). Must match banyan/kernels/cpu_decode.py's ATTENTION_TILE, which sizes the scratch. */
@@ -216,18 +303,24 @@ static inline __attribute__((always_inline)) void weighted_add_heads(const float
  * alone, since a score is one key's own dot product (score8 treats its eight keys apart), a row's exponentials
  * and sums cover exactly its own keys in position order, and only the loads are shared. out [T, H, D]; scratch:
  * threads * (Q_TILE * H / KVH + 1) * max_keys floats (each row and head's scores, the slots), max_keys at least
- * the keys a tile spans (the largest position + 1). D a multiple of 8. */
-void paged_attention(const float *q, int q_stride, const float *k_cache, const float *v_cache,
-                     const int32_t *tables, int table_stride, const int32_t *rows, const int32_t *seq_of_row,
-                     const int32_t *positions, int n, int H, int KVH, int D, int P, int window, float scale,
-                     float *out, float *scratch, int max_keys, int threads) {
+ * the keys a tile spans (the largest position + 1). D a multiple of 8. The caches are float32 or float16 (half: a
+ * constant, so each is its own compiled loop). */
+static inline __attribute__((always_inline)) void attend_pages(
+        const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *tables, int table_stride,
+        const int32_t *rows, const int32_t *seq_of_row, const int32_t *positions, int n, int H, int KVH, int D, int P,
+        int window, float scale, float *out, float *scratch, int max_keys, int threads, const int half) {
     const int group = H / KVH;
     const size_t token = (size_t)KVH * D;
     int tiles = 0, *tile_start = (int *)__builtin_alloca(sizeof(int) * (n + 1));
     for (int i = 0; i < n; i++)  /* consecutive rows of one sequence, Q_TILE at most */
         if (i == 0 || seq_of_row[i] != seq_of_row[i - 1] || i - tile_start[tiles - 1] == Q_TILE) tile_start[tiles++] = i;
     tile_start[tiles] = n;
-#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
+    /* Taken a few at a time as threads come free (a prefill tile costs many decode rows), a tile's KV heads
+     * together where there are enough to go round: one thread then walks whole token rows, which its prefetcher
+     * follows, where two threads reading different heads of the same rows ran 20% slower in a decode step. */
+    int chunk = KVH;
+    while (chunk > 1 && tiles * KVH < chunk * threads * 4) chunk--;
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(dynamic, chunk)
     for (int tile = 0; tile < tiles; tile++) {
         for (int kh = 0; kh < KVH; kh++) {
             const int i0 = tile_start[tile], rows_here = tile_start[tile + 1] - i0;
@@ -240,7 +333,7 @@ void paged_attention(const float *q, int q_stride, const float *k_cache, const f
             }
             const int span = top - base + 1;  /* the keys any row of the tile sees: [base, top] */
             const int32_t *table = tables + (size_t)seq_of_row[i0] * table_stride;
-            const float *k = k_cache + (size_t)kh * D, *v = v_cache + (size_t)kh * D;
+            const size_t head_at = (size_t)kh * D;  /* this KV head's elements within a token's row */
             float *p = scratch + (size_t)omp_get_thread_num() * (Q_TILE * group + 1) * max_keys;  /* [t][g][span] */
             uint32_t *slot = (uint32_t *)(p + (size_t)Q_TILE * group * max_keys);
             for (int j = 0, page = base / P, at = base % P; j < span; j++) {  /* one division, not one a key */
@@ -249,21 +342,41 @@ void paged_attention(const float *q, int q_stride, const float *k_cache, const f
             }
             /* every row's scores over the whole span (the few keys a row does not see, past its position or before its
              * window, are computed and never read) */
+            const int widen = rows_here > 1 && D <= MAX_GATHER_HEAD_DIM;  /* gather K and V blocks (see above) */
+            _Static_assert(V_BLOCK * 64 <= 8 * MAX_GATHER_HEAD_DIM, "a V block fits the gathering buffer");
+            float wide[8 * MAX_GATHER_HEAD_DIM];  /* 8 keys x D, or a V block: V_BLOCK rows x 64 columns at most */
+            static const uint32_t in_order[V_BLOCK] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
+                                                       16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
             for (int j = 0; j < span; j += 8) {
                 const int m = span - j < 8 ? span - j : 8;
-                const float *kr[8];
-                for (int u = 0; u < 8; u++) kr[u] = k + slot[j + (u < m ? u : 0)] * token;
+                size_t kr[8];
+                const void *keys = k_cache;
+                if (widen) {  /* the 8 keys widened once for every row and head */
+                    uint32_t edge[8];
+                    for (int u = 0; u < 8; u++) edge[u] = slot[j + (u < m ? u : 0)];
+                    gather_rows(k_cache, head_at, edge, token, 8, D, wide, half);
+                    for (int u = 0; u < 8; u++) kr[u] = (size_t)u * D;
+                    keys = wide;
+                } else {
+                    for (int u = 0; u < 8; u++) kr[u] = head_at + slot[j + (u < m ? u : 0)] * token;
+                }
                 for (int t = 0; t < rows_here; t++) {
                     const float *qr = q + (size_t)rows[i0 + t] * q_stride + (size_t)kh * group * D;
-                    for (int g = 0; g < group; g++)
-                        score8(qr + (size_t)g * D, kr, m, D, scale, p + ((size_t)t * group + g) * max_keys + j);
+                    for (int g = 0; g < group; g++) {
+                        float *pg = p + ((size_t)t * group + g) * max_keys + j;
+                        if (!widen) score8(qr + (size_t)g * D, keys, kr, m, D, scale, pg, half);
+                        else if (D == 64) score8_rows(qr + (size_t)g * D, wide, m, 64, scale, pg);
+                        else if (D == 128) score8_rows(qr + (size_t)g * D, wide, m, 128, scale, pg);
+                        else score8_rows(qr + (size_t)g * D, wide, m, D, scale, pg);
+                    }
                 }
             }
+            float totals[Q_TILE * group];  /* each row and head's sum of its exponentials */
             for (int t = 0; t < rows_here; t++) {
                 const int lo = first[t] - base, keys = positions[i0 + t] - first[t] + 1;
                 for (int g = 0; g < group; g++) {
                     float *pg = p + ((size_t)t * group + g) * max_keys + lo;
-                    exp_shifted(pg, keys, max_of(pg, keys));
+                    totals[t * group + g] = exp_shifted_sum(pg, keys, max_of(pg, keys));
                 }
                 float *o = out + ((size_t)rows[i0 + t] * H + (size_t)kh * group) * D;
                 for (int d = 0; d < group * D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
@@ -272,13 +385,21 @@ void paged_attention(const float *q, int q_stride, const float *k_cache, const f
             for (int c = 0; c < D; c += cw)
                 for (int j = 0; j < span; j += V_BLOCK) {
                     const int j_end = span - j < V_BLOCK ? span : j + V_BLOCK, width = D - c < cw ? D - c : cw;
+                    /* the block's V rows: in the cache, or widened once into `wide` [j_end - j, width] */
+                    const void *values = v_cache;
+                    size_t value_at = head_at + c, value_token = token;
+                    if (widen) {
+                        gather_rows(v_cache, head_at + c, slot + j, token, j_end - j, width, wide, half);
+                        values = wide, value_at = 0, value_token = (size_t)width;
+                    }
                     for (int t = 0; t < rows_here; t++) {  /* each row's keys of this block, in position order */
                         const int lo = first[t] - base, hi = positions[i0 + t] - base + 1;
                         const int from = j > lo ? j : lo, to = j_end < hi ? j_end : hi;
                         if (from >= to) continue;
                         float *o = out + ((size_t)rows[i0 + t] * H + (size_t)kh * group) * D;
                         if (group == 1) {
-                            weighted_add(p + (size_t)t * max_keys + from, v + c, slot + from, token, to - from, width, o + c);
+                            weighted_add(p + (size_t)t * max_keys + from, values, value_at, widen ? in_order + (from - j) : slot + from,
+                                         value_token, to - from, width, o + c, half && !widen);
                             continue;
                         }
                         for (int g = 0; g < group; g += 3) {
@@ -290,27 +411,40 @@ void paged_attention(const float *q, int q_stride, const float *k_cache, const f
                                 oh[h] = o + (size_t)gh * D + c;
                             }
                             const int nh = group - g < 3 ? group - g : 3, n = to - from;
-                            if (width == 32 && nh == 3) weighted_add_heads(ph, 3, v + c, slot + from, token, n, 4, oh);
-                            else if (width == 32 && nh == 2) weighted_add_heads(ph, 2, v + c, slot + from, token, n, 4, oh);
+                            const uint32_t *vs = widen ? in_order + (from - j) : slot + from;
+                            const float *gathered = wide + (size_t)(from - j) * 32;  /* when widen and width 32 */
+                            if (widen && width == 32 && nh == 3) weighted_add_heads_rows(ph, 3, gathered, n, oh);
+                            else if (widen && width == 32 && nh == 2) weighted_add_heads_rows(ph, 2, gathered, n, oh);
+                            else if (width == 32 && nh == 3) weighted_add_heads(ph, 3, values, value_at, vs, value_token, n, 4, oh, half && !widen);
+                            else if (width == 32 && nh == 2) weighted_add_heads(ph, 2, values, value_at, vs, value_token, n, 4, oh, half && !widen);
                             else
-                                for (int h = 0; h < nh; h++) weighted_add(ph[h], v + c, slot + from, token, n, width, oh[h]);
+                                for (int h = 0; h < nh; h++)
+                                    weighted_add(ph[h], values, value_at, vs, value_token, n, width, oh[h], half && !widen);
                         }
                     }
                 }
             for (int t = 0; t < rows_here; t++) {
-                const int lo = first[t] - base, keys = positions[i0 + t] - first[t] + 1;
                 float *o = out + ((size_t)rows[i0 + t] * H + (size_t)kh * group) * D;
                 for (int g = 0; g < group; g++) {
-                    const float *pg = p + ((size_t)t * group + g) * max_keys + lo;
-                    float total = 0.0f;
-                    for (int j = 0; j < keys; j++) total += pg[j];
-                    const __m256 inv = _mm256_set1_ps(1.0f / total);
+                    const __m256 inv = _mm256_set1_ps(1.0f / totals[t * group + g]);
                     for (int d = 0; d < D; d += 8)
                         _mm256_storeu_ps(o + (size_t)g * D + d, _mm256_mul_ps(_mm256_loadu_ps(o + (size_t)g * D + d), inv));
                 }
             }
         }
     }
+}
+
+void paged_attention(const float *q, int q_stride, const void *k_cache, const void *v_cache,
+                     const int32_t *tables, int table_stride, const int32_t *rows, const int32_t *seq_of_row,
+                     const int32_t *positions, int n, int H, int KVH, int D, int P, int window, float scale,
+                     float *out, float *scratch, int max_keys, int kv_half, int threads) {
+    if (kv_half)
+        attend_pages(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, n, H, KVH, D, P,
+                     window, scale, out, scratch, max_keys, threads, 1);
+    else
+        attend_pages(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, n, H, KVH, D, P,
+                     window, scale, out, scratch, max_keys, threads, 0);
 }
 
 /* y [rows, n] = silu(x[:, :n]) * x[:, n:] for x [rows, 2n], silu(g) = g / (1 + e^-g). n a multiple of 8. */

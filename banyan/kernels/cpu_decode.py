@@ -39,8 +39,8 @@ class DecodeKernels:
     def __init__(self, lib: ctypes.CDLL):
         p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         lib.rms_norm.argtypes = [p, p, p, p, p, i, i, f, i]
-        lib.rope_store_kv.argtypes = [p, i, p, i, p, i, p, p, p, i, p, p, p, i, i, i, i, i]
-        lib.paged_attention.argtypes = [p, i, p, p, p, i, p, p, p, i, i, i, i, i, i, f, p, p, i, i]
+        lib.rope_store_kv.argtypes = [p, i, p, i, p, i, p, p, p, i, p, p, p, i, i, i, i, i, i]
+        lib.paged_attention.argtypes = [p, i, p, p, p, i, p, p, p, i, i, i, i, i, i, f, p, p, i, i, i]
         lib.silu_mul.argtypes = [p, p, i, i, i]
         lib.rms_norm.restype = lib.paged_attention.restype = lib.silu_mul.restype = None
         lib.rope_store_kv.restype = ctypes.c_int
@@ -65,20 +65,21 @@ class DecodeKernels:
                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
         """q [T, H, D] and k [T, KVH, D] rotated in place by positions [T] int64 (cos, sin [max_pos, D / 2]);
-        k and v then stored at slot_mapping [T] int64 of the caches [pages, page_size, KVH, D] (-1: not stored).
+        k and v then stored at slot_mapping [T] int64 of the caches [pages, page_size, KVH, D] (-1: not stored),
+        float32 or float16 (rounded to nearest even, as .half() does).
         q, k, v may be row-strided views (of one qkv output): heads contiguous within a row."""
         (tokens, heads, dim), kv_heads = q.shape, k.shape[1]
         bad = self._lib.rope_store_kv(
             q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), positions.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), cos.shape[0], k_cache.data_ptr(), v_cache.data_ptr(),
-            slot_mapping.data_ptr(), tokens, heads, kv_heads, dim, torch.get_num_threads())
+            slot_mapping.data_ptr(), tokens, heads, kv_heads, dim, kv_half(k_cache), torch.get_num_threads())
         if bad:
             raise ValueError(f"{bad} positions outside the rotary table's [0, {cos.shape[0]})")
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                         rows: PagedRows, scale: float, sliding_window: int | None) -> None:
         """out[rows.rows] = each row's causal attention over its pages (see PagedRows); q [T, H, D] (row-strided
-        views allowed), out [T, H, D] contiguous, caches [pages, page_size, KVH, D]."""
+        views allowed), out [T, H, D] contiguous, caches [pages, page_size, KVH, D] float32 or float16."""
         heads, dim = q.shape[1:]
         page_size, kv_heads = k_cache.shape[1:3]
         threads = torch.get_num_threads()
@@ -90,7 +91,7 @@ class DecodeKernels:
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
             rows.rows.data_ptr(), rows.seq_of_row.data_ptr(), rows.positions.data_ptr(), rows.rows.numel(), heads,
             kv_heads, dim, page_size, sliding_window or 0, scale, out.data_ptr(), rows.scratch.data_ptr(),
-            rows.max_keys, threads)
+            rows.max_keys, kv_half(k_cache), threads)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [..., 2n] -> silu(gate) * up, [..., n]."""
@@ -98,6 +99,17 @@ class DecodeKernels:
         y = gate_up.new_empty(*gate_up.shape[:-1], n)
         self._lib.silu_mul(gate_up.data_ptr(), y.data_ptr(), gate_up.numel() // (2 * n), n, torch.get_num_threads())
         return y
+
+
+KV_DTYPES = (torch.float32, torch.float16)
+"""Caches the kernels read and write: float16 halves the bytes a long context's attention reads."""
+
+
+def kv_half(cache: torch.Tensor) -> int:
+    """cpu_decode.c's kv_half flag for a cache (KV_DTYPES only)."""
+    if cache.dtype not in KV_DTYPES:
+        raise TypeError(f"the fused CPU kernels read float32 or float16 caches, not {cache.dtype}")
+    return int(cache.dtype == torch.float16)
 
 
 class PagedRows:

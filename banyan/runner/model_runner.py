@@ -16,7 +16,7 @@ from banyan.config import CacheConfig, LoRAConfig, ModelConfig, default_num_thre
 from banyan.distributed.pipeline import Pipeline
 from banyan.distributed.tensor_parallel import TensorParallel
 from banyan.errors import InvalidParameterError
-from banyan.layers.attention.base import FP8
+from banyan.layers.attention.base import kv_torch_dtype
 from banyan.layers.pooler import pool
 from banyan.layers.sampler import Sampler, compute_prompt_logprobs, request_generator, target_distribution
 from banyan.lora.layers import LoRAGroups, LoRAModel
@@ -69,7 +69,7 @@ class ModelRunner:
         self.limits = limits
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, source.arch.torch_dtype, self.device, source.path.is_file())
-        self.kv_dtype = FP8 if cache_config.kv_cache_dtype == "fp8" else self.dtype
+        self.kv_dtype = kv_torch_dtype(cache_config.kv_cache_dtype, self.dtype)
         self.page_size = cache_config.block_size
         if self.device.type == "cpu":
             torch.set_num_threads(model_config.num_threads or default_num_threads())

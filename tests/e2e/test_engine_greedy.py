@@ -106,13 +106,14 @@ def _generate(llm, prompts, **params):
 AVX2_ONLY = torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
-@pytest.mark.parametrize("quantization, asked", [
-    ("int8", True), ("none", True),
-    pytest.param("int4", None, marks=pytest.mark.skipif(not AVX2_ONLY, reason="on by default on AVX2-only CPUs")),
+@pytest.mark.parametrize("quantization, asked, kv_cache_dtype", [
+    ("int8", True, "auto"), ("none", True, "auto"), ("int8", True, "float16"),
+    pytest.param("int4", None, "auto", marks=pytest.mark.skipif(not AVX2_ONLY, reason="on by default on AVX2-only CPUs")),
 ])
-def test_batch_invariant_mode_gives_each_request_its_solo_output(tiny, quantization, asked):
+def test_batch_invariant_mode_gives_each_request_its_solo_output(tiny, quantization, asked, kv_cache_dtype):
     """With batch_invariant (asked, or the default on an AVX2-only CPU), a request's greedy tokens are its solo ones
-    in a batch of 12 (more rows than the CPU kernel's 8), with its prompt cut into chunks and after a preemption.
+    in a batch of 12 (more rows than the CPU kernel's 8), with its prompt cut into chunks and after a preemption,
+    over a float32 or a float16 KV cache.
     Without it int8 breaks this: decode steps of up to 8 rows multiply by x rounded to int8 (banyan's kernel), wider
     ones by dequantized weights; float32 rows move in their last bits with the row count (torch's GEMMs, SDPA), too
     little to flip this model's tokens."""
@@ -120,12 +121,13 @@ def test_batch_invariant_mode_gives_each_request_its_solo_output(tiny, quantizat
     rng = random.Random(1)
     prompts = prompts + [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 11, 23, 38)]
     config = EngineConfig(model=ModelConfig(str(path), num_threads=1, quantization=quantization, batch_invariant=asked),
-                          cache=CacheConfig(block_size=4))
+                          cache=CacheConfig(block_size=4, kv_cache_dtype=kv_cache_dtype))
     llm = LLM.from_config(config)
     assert llm.engine.runner.batch_invariant
     solo = [_generate(llm, [p])[0] for p in prompts]
     assert _generate(llm, prompts) == solo
-    crowded = LLM.from_config(dataclasses.replace(config, cache=CacheConfig(block_size=4, num_pages=40),
+    crowded = LLM.from_config(dataclasses.replace(config, cache=CacheConfig(block_size=4, num_pages=40,
+                                                                            kv_cache_dtype=kv_cache_dtype),
                                                   scheduler=SchedulerConfig(max_num_batched_tokens=16)))
     assert _generate(crowded, prompts) == solo
     assert crowded.engine.scheduler.stats.num_preemptions > 0

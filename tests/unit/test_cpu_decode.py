@@ -59,10 +59,15 @@ def qkv_rows(tokens, heads, kv_heads, dim, gen):
     return qkv, q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
 
 
+KV_DTYPES = pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["kv32", "kv16"])
+
+
 @needs_kernels
+@KV_DTYPES
 @pytest.mark.parametrize("dim", [16, 64, 128])
-def test_rope_store_matches_rotary_then_cache_write(dim):
-    """Rotated q and k in place, k and v at their slots; a negative slot (a padding row) writes nothing."""
+def test_rope_store_matches_rotary_then_cache_write(dim, kv_dtype):
+    """Rotated q and k in place, k and v at their slots (a float16 cache: rounded as .half() rounds); a negative
+    slot (a padding row) writes nothing."""
     gen = torch.Generator().manual_seed(dim)
     rotary = RotaryEmbedding(dim, 4096, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})
@@ -70,7 +75,7 @@ def test_rope_store_matches_rotary_then_cache_write(dim):
     qkv, q, k, v = qkv_rows(7, heads, kv_heads, dim, gen)
     positions = torch.tensor([0, 1, 3, 4, 17, 1000, 4095])
     slots = torch.tensor([5, 2, -1, 9, 0, 11, 23])  # [num_pages * page_size) or -1
-    k_cache, v_cache = torch.randn(2, 6, page_size, kv_heads, dim, generator=gen)
+    k_cache, v_cache = torch.randn(2, 6, page_size, kv_heads, dim, generator=gen).to(kv_dtype)
     q_ref, k_ref = rotary(positions, q.clone(), k.clone())
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
     kept = slots >= 0
@@ -94,7 +99,7 @@ def test_rope_store_refuses_positions_past_the_table():
                            torch.tensor([0, 1]))
 
 
-def paged_case(specs, page_size, kv_heads, heads, dim, seed):
+def paged_case(specs, page_size, kv_heads, heads, dim, seed, kv_dtype=torch.float32):
     """Requests (cached prefix, new rows) over shuffled pages of a noise cache: (q, caches, tables, per-row
     request index and position, context lengths, query lengths)."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
@@ -104,7 +109,7 @@ def paged_case(specs, page_size, kv_heads, heads, dim, seed):
     tables = [[free.pop() for _ in range(n)] for n in pages]
     width = max(pages)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    k_cache, v_cache = torch.randn(2, sum(pages) + 2, page_size, kv_heads, dim, generator=gen)
+    k_cache, v_cache = torch.randn(2, sum(pages) + 2, page_size, kv_heads, dim, generator=gen).to(kv_dtype)
     seq_of_row = [i for i, (_, new) in enumerate(specs) for _ in range(new)]
     positions = [prefix + j for prefix, new in specs for j in range(new)]
     q = torch.randn(len(positions), heads, dim, generator=gen)
@@ -122,13 +127,16 @@ def sdpa_reference(q, k_cache, v_cache, table, specs, scale, window):
 
 
 @needs_kernels
+@KV_DTYPES
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("page_size,kv_heads,group", [(1, 1, 4), (4, 2, 3), (16, 3, 3)])
-def test_paged_attention_reads_the_pages_directly(page_size, kv_heads, group, window):
-    """Decode rows and prefill chunks, prefixes ending on page edges or inside pages, GQA, sliding windows."""
+def test_paged_attention_reads_the_pages_directly(page_size, kv_heads, group, window, kv_dtype):
+    """Decode rows and prefill chunks, prefixes ending on page edges or inside pages, GQA, sliding windows; a float16
+    cache against SDPA over the same values widened."""
     specs = [(0, 1), (7, 1), (page_size * 2 - 1, 1), (page_size * 3, 1), (3, 6), (0, 9), (40, 1)]
     heads, dim = kv_heads * group, 64
-    q, k_cache, v_cache, table, seq_of_row, positions = paged_case(specs, page_size, kv_heads, heads, dim, page_size)
+    q, k_cache, v_cache, table, seq_of_row, positions = paged_case(specs, page_size, kv_heads, heads, dim, page_size,
+                                                                   kv_dtype)
     out = torch.full_like(q, float("nan"))
     rows = cpu_decode.PagedRows(list(range(len(positions))), seq_of_row, positions, table)
     KERNELS.paged_attention(q, k_cache, v_cache, out, rows, dim**-0.5, window)
@@ -168,17 +176,18 @@ def test_a_rows_attention_does_not_depend_on_the_rows_beside_it():
 
 
 @needs_kernels
+@KV_DTYPES
 @pytest.mark.parametrize("window", [None, 3, 7])
 @pytest.mark.parametrize("page_size,kv_heads,group", [(1, 1, 4), (4, 3, 3), (16, 2, 1)])
 def test_a_prefill_chunks_rows_go_through_the_keys_together_with_the_bits_of_each_row_alone(page_size, kv_heads,
-                                                                                           group, window):
+                                                                                           group, window, kv_dtype):
     """Rows of one sequence share their key reads in tiles of ATTENTION_TILE; every row keeps its own keys and order:
     chunks longer and shorter than a tile, after cached prefixes ending on and inside page edges, a window shorter
     than a tile, GQA, decode rows between them."""
     tile = cpu_decode.ATTENTION_TILE
     specs = [(0, 2 * tile + 1), (page_size * 2, tile), (5, 1), (page_size * 3 - 1, tile + 2), (0, tile - 1), (40, 3)]
     heads, dim = kv_heads * group, 64
-    q, k_cache, v_cache, table, seq_of_row, positions = paged_case(specs, page_size, kv_heads, heads, dim, 7)
+    q, k_cache, v_cache, table, seq_of_row, positions = paged_case(specs, page_size, kv_heads, heads, dim, 7, kv_dtype)
     together = torch.full_like(q, float("nan"))
     every = list(range(len(positions)))
     KERNELS.paged_attention(q, k_cache, v_cache, together, cpu_decode.PagedRows(every, seq_of_row, positions, table),
@@ -210,10 +219,13 @@ def test_torch_backend_sends_decode_and_verify_rows_to_the_kernel(window):
 
 
 @needs_kernels
-def test_rope_store_then_backend_equals_rotary_then_backend():
-    """RopeAttention's fused path (rotate_and_store, then attention with kv_stored) against the torch path."""
+@KV_DTYPES
+def test_rope_store_then_backend_equals_rotary_then_backend(kv_dtype):
+    """RopeAttention's fused path (rotate_and_store, then attention with kv_stored) against the torch path; a
+    bfloat16 cache is not the kernels' (False: the torch path does it all)."""
     specs = [(9, 1), (0, 5), (17, 1)]
     batch, _, _, _, k_cache, v_cache = make_batch(specs, page_size=4, num_kv_heads=1, group=3, head_dim=64, seed=4)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     rotary = RotaryEmbedding(64, 64)
     qkv, q, k, v = qkv_rows(batch.num_tokens, 3, 1, 64, torch.Generator().manual_seed(4))
     q_ref, k_ref = rotary(batch.positions, q.clone(), k.clone())
@@ -223,7 +235,8 @@ def test_rope_store_then_backend_equals_rotary_then_backend():
     out = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, batch, 0.125, kv_stored=True)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(k_cache, k_expected)
-    assert not rotary.rotate_and_store(batch.positions, q, k, v, k_cache.to(torch.float16), v_cache, batch.slot_mapping)
+    assert not rotary.rotate_and_store(batch.positions, q, k, v, k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16),
+                                       batch.slot_mapping)
 
 
 def test_no_kernels_where_they_do_not_apply(monkeypatch):

@@ -20,9 +20,9 @@ needs_kernels = pytest.mark.skipif(cpu_decode_layers.load() is None, reason="nee
 MAX_NEW = 10
 
 
-def make_llm(path, quantization, **model):
+def make_llm(path, quantization, kv_cache_dtype="auto", **model):
     config = EngineConfig(model=ModelConfig(str(path), num_threads=1, quantization=quantization, **model),
-                          cache=CacheConfig(block_size=4, enable_prefix_caching=False))
+                          cache=CacheConfig(block_size=4, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype))
     return LLM.from_config(config)
 
 
@@ -47,6 +47,7 @@ def prompts_for(vocab_size: int) -> list[list[int]]:
     ("mistral", "int8", {"sliding_window": 6}, {}),  # the window, in every layer
     ("qwen2", "int4", {}, {}),  # q/k/v biases
     ("llama", "fp16", {}, {"batch_invariant": True}),  # every row of every matmul through banyan's kernels
+    ("llama", "int4", {}, {"kv_cache_dtype": "float16"}),  # K/V stored and read as float16
 ])
 def test_one_call_gives_the_module_paths_bits(tmp_path, arch, quantization, overrides, model):
     hf = write_model_dir(tmp_path, arch, seed=3, **overrides)

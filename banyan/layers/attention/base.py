@@ -12,6 +12,11 @@ FP8 = torch.float8_e4m3fn  # the fp8 KV cache's dtype (--kv-cache-dtype fp8)
 FP8_MAX = torch.finfo(FP8).max  # 448: e4m3fn has no infinity, so larger values are clamped rather than lost
 
 
+def kv_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's dtype for CacheConfig.kv_cache_dtype (auto: the model's)."""
+    return {"fp8": FP8, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(kv_cache_dtype, model_dtype)
+
+
 class AttentionBackend(ABC):
     """One stateless instance serves every layer; the layer passes its own cache pages.
 

@@ -1,9 +1,12 @@
-"""--kv-cache-dtype fp8 end to end: the torch backend over an fp8 pool against the fp32 one, on a tiny model.
+"""--kv-cache-dtype end to end on a tiny float32 model: fp8 (the torch backend over an fp8 pool), float16 and
+bfloat16 (K/V in half the bytes; on a CPU banyan's attention kernels read float16 pages directly), each against the
+float32 pool.
 
 Greedy continuations of a random tiny model sit on near-ties, so one flipped token changes everything
 after it; the measure is teacher-forced: the top-1 next token at every prompt position (prefill chunks
-read the earlier chunks' K/V back from the fp8 pages). Measured: 338/354 (95%) for fp8 KV, against
-343/354 for the whole model in bf16; free-running greedy keeps 85/128 tokens before the first flip.
+read the earlier chunks' K/V back from the pages). Measured: 338/354 (95%) for fp8 KV, against
+343/354 for the whole model in bf16; free-running greedy keeps 85/128 tokens before the first flip. float16 KV
+354/354, bfloat16 KV 352/354.
 """
 
 from __future__ import annotations
@@ -24,25 +27,31 @@ from tests.unit.test_cuda_graphs import decode_batch
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_fp8")
+    path = tmp_path_factory.mktemp("tiny_kv")
     vocab = write_model_dir(path, "llama", seed=1).config.vocab_size
     rng = random.Random(0)
     return path, [[rng.randrange(3, vocab) for _ in range(n)] for n in (33, 47, 56, 64, 70, 90)]
 
 
-def top1_per_position(path, prompts, **kw) -> list[list[int]]:
+def top1_per_position(path, prompts, **kw):
+    """(the top-1 token at every prompt position, the runner)."""
     llm = LLM(str(path), device="cpu", block_size=4, num_threads=1, kv_cache_memory=1 << 22,
               max_num_batched_tokens=16, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [[max(d, key=lambda t: d[t].logprob) for d in o.prompt_logprobs[1:]] for o in outputs]
+    return [[max(d, key=lambda t: d[t].logprob) for d in o.prompt_logprobs[1:]] for o in outputs], llm.engine.runner
 
 
-def test_fp8_top1_agrees_with_fp32(tiny):
+@pytest.mark.parametrize("kv_cache_dtype, dtype, agree, tokens_per_fp32", [
+    ("fp8", FP8, 0.9, 4), ("float16", torch.float16, 0.99, 2), ("bfloat16", torch.bfloat16, 0.97, 2)])
+def test_a_narrower_cache_keeps_the_top1_and_holds_more_tokens(tiny, kv_cache_dtype, dtype, agree, tokens_per_fp32):
     path, prompts = tiny
-    fp32, fp8 = top1_per_position(path, prompts), top1_per_position(path, prompts, kv_cache_dtype="fp8")
-    same = sum(a == b for x, y in zip(fp32, fp8) for a, b in zip(x, y))
-    assert same >= 0.9 * sum(map(len, fp32))
+    (fp32, full), (narrow, runner) = top1_per_position(path, prompts), top1_per_position(path, prompts,
+                                                                                          kv_cache_dtype=kv_cache_dtype)
+    assert runner.kv_caches[0][0].dtype == dtype
+    assert runner.num_pages >= tokens_per_fp32 * full.num_pages - 1  # the same kv_cache_memory
+    same = sum(a == b for x, y in zip(fp32, narrow) for a, b in zip(x, y))
+    assert same >= agree * sum(map(len, fp32)), (same, sum(map(len, fp32)))
 
 
 def test_fp8_store_rounds_scales_and_clamps():
@@ -73,5 +82,7 @@ def test_flags():
     args = build_parser().parse_args(["generate", "--kv-cache-dtype", "fp8", "--enforce-eager"])
     config = engine_config(args)
     assert config.cache.kv_cache_dtype == "fp8" and config.model.enforce_eager
-    with pytest.raises(InvalidParameterError, match="kv_cache_dtype"):
-        LLM("unused", kv_cache_dtype="int8")
+    assert engine_config(build_parser().parse_args(["generate", "--kv-cache-dtype", "float16"])).cache.kv_cache_dtype == "float16"
+    for bad in ("int8", "half"):
+        with pytest.raises(InvalidParameterError, match="kv_cache_dtype"):
+            LLM("unused", kv_cache_dtype=bad)

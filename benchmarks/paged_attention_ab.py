@@ -1,0 +1,98 @@
+"""Two versions of banyan's CPU attention kernel (banyan/kernels/cpu_decode.c) side by side in one process, at a long
+context: the numbers behind a change to it.
+
+    git show HEAD:banyan/kernels/cpu_decode.c > /tmp/before.c
+    python benchmarks/paged_attention_ab.py /tmp/before.c banyan/kernels/cpu_decode.c [--threads 2] [--rounds 6]
+
+Each file is compiled alone (cc, the flags banyan builds with) into its own library and bound with
+`cpu_decode.DecodeKernels`, so both must have the same `paged_attention` signature. Every case is one decode step's
+or one prefill chunk's attention through 30 layers, each layer its own K/V pages (as a model's are, so the pages come
+from memory, not cache), with the default model's shape (9 query heads, 3 KV heads, head_dim 64, pages of 16):
+
+    decode      8 sequences at 1,400 tokens, one new row each (float32 and float16 pages), and 1 sequence
+    prefill     8 sequences, 128 new rows each after a 1,272-token prefix (a multi-turn conversation's next turn)
+    mixed       prefill chunks of 64 rows beside decode rows, contexts of 467-1,400 tokens
+
+A then B, alternating, `--rounds` times; prints the medians, A/B (above 1: B faster) and the largest difference
+of their outputs (0 where B keeps A's bits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from banyan.kernels import cpu_decode, cpu_gemv
+
+PAGE, KV_HEADS, HEAD_DIM, HEADS, LAYERS = 16, 3, 64, 9, 30
+
+
+def build(source: str, out: Path) -> cpu_decode.DecodeKernels:
+    subprocess.run(["cc", *cpu_gemv.FLAGS, source, "-o", str(out), "-lm"], check=True)
+    return cpu_decode.DecodeKernels(ctypes.CDLL(str(out)))
+
+
+def case(seqs: int, context: int, new_rows: int, dtype: torch.dtype, mixed: bool = False):
+    """(q, out, rows, [(k, v)] per layer): every sequence's pages its own, rows in sequence order."""
+    pages_each = -(-context // PAGE)
+    num_pages = seqs * pages_each + 1
+    tables = torch.arange(1, num_pages).view(seqs, pages_each).int()
+    rows, seq_of_row, positions = [], [], []
+    for s in range(seqs):
+        n = new_rows if not mixed or s % 2 == 0 else 1
+        ctx = context if not mixed else context // (1 + s % 3)
+        rows += range(len(rows), len(rows) + n)
+        seq_of_row += [s] * n
+        positions += range(ctx - n, ctx)
+    q = torch.randn(len(rows), HEADS, HEAD_DIM)
+    layers = [(torch.randn(num_pages, PAGE, KV_HEADS, HEAD_DIM).to(dtype),
+               torch.randn(num_pages, PAGE, KV_HEADS, HEAD_DIM).to(dtype)) for _ in range(LAYERS)]
+    return q, torch.empty_like(q), cpu_decode.PagedRows(rows, seq_of_row, positions, tables), layers
+
+
+CASES = {
+    "decode 8 x 1,400, float32": lambda: case(8, 1400, 1, torch.float32),
+    "decode 8 x 1,400, float16": lambda: case(8, 1400, 1, torch.float16),
+    "decode 1 x 1,400, float32": lambda: case(1, 1400, 1, torch.float32),
+    "prefill 8 x 128 at 1,400, float32": lambda: case(8, 1400, 128, torch.float32),
+    "prefill 8 x 128 at 1,400, float16": lambda: case(8, 1400, 128, torch.float16),
+    "mixed, float32": lambda: case(8, 1400, 64, torch.float32, mixed=True),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("a")
+    parser.add_argument("b")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        kernels = [build(args.a, Path(tmp) / "a.so"), build(args.b, Path(tmp) / "b.so")]
+        print(f"{args.threads} threads, {args.rounds} rounds, {LAYERS} layers a case; A = {args.a}, B = {args.b}")
+        for name, make in CASES.items():
+            q, out, rows, layers = make()
+            times, outputs = [[], []], []
+            for round_ in range(args.rounds):
+                for i, lib in enumerate(kernels):
+                    start = time.perf_counter()
+                    for k, v in layers:
+                        lib.paged_attention(q, k, v, out, rows, HEAD_DIM**-0.5, None)
+                    times[i].append(time.perf_counter() - start)
+                    if round_ == 0:
+                        outputs.append(out.clone())
+            a, b = statistics.median(times[0]), statistics.median(times[1])
+            print(f"{name:36s} A {a * 1e3:8.1f} ms  B {b * 1e3:8.1f} ms  A/B {a / b:.2f}  "
+                  f"max |A - B| {(outputs[0] - outputs[1]).abs().max().item():.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
