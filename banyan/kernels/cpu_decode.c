@@ -34,6 +34,14 @@ static inline __attribute__((always_inline)) __m256 load_kv(const void *cache, s
                 : _mm256_loadu_ps((const float *)cache + i);
 }
 
+/* The cache lines of `width` values from element i on, into the caches ahead of use. */
+static inline __attribute__((always_inline)) void prefetch_kv(const void *cache, size_t i, int width, const int half) {
+    const char *at = (const char *)cache + i * (half ? 2 : 4);
+    for (int b = 0; b < width * (half ? 2 : 4); b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
+}
+
+#define PREFETCH_KEYS 64
+
 /* exp on 8 lanes: e^x = 2^n e^r with n = round(x log2 e), |r| <= ln2/2, e^r by a degree-6 polynomial (the
  * Cephes coefficients); relative error about 2e-7. Inputs are clamped to +-88.37 (float's range). */
 static inline __m256 exp8(__m256 x) {
@@ -359,6 +367,9 @@ static inline __attribute__((always_inline)) void attend_pages(
                     keys = wide;
                 } else {
                     for (int u = 0; u < 8; u++) kr[u] = head_at + slot[j + (u < m ? u : 0)] * token;
+                    /* a decode row reads its keys in place: fetch the K rows ahead */
+                    for (int u = j + PREFETCH_KEYS; u < j + PREFETCH_KEYS + 8 && u < span; u++)
+                        prefetch_kv(k_cache, head_at + slot[u] * token, D, half);
                 }
                 for (int t = 0; t < rows_here; t++) {
                     const float *qr = q + (size_t)rows[i0 + t] * q_stride + (size_t)kh * group * D;
