@@ -202,6 +202,28 @@ def test_a_prefill_chunks_rows_go_through_the_keys_together_with_the_bits_of_eac
 
 
 @needs_kernels
+@KV_DTYPES
+@pytest.mark.parametrize("dim", [32, 128, 136, 264])  # 64 above; 64 and 128 compiled as constants; past 256: in place
+def test_a_tiles_gathered_keys_give_each_row_its_bits_alone_at_every_head_dim(dim, kv_dtype):
+    """A prefill tile reads its keys and values gathered into one buffer, a decode row reads them in place: the
+    same sums either way, at head_dims the kernel compiles as constants (64, 128), others (32, 136), and one too
+    large to gather (264, read in place by the tile too)."""
+    specs = [(5, cpu_decode.ATTENTION_TILE + 3), (0, 9), (21, 1)]
+    q, k_cache, v_cache, table, seq_of_row, positions = paged_case(specs, 4, 2, 6, dim, dim, kv_dtype)
+    together = torch.full_like(q, float("nan"))
+    every = list(range(len(positions)))
+    KERNELS.paged_attention(q, k_cache, v_cache, together, cpu_decode.PagedRows(every, seq_of_row, positions, table),
+                            dim**-0.5, None)
+    for r in every:
+        alone = torch.full_like(q, float("nan"))
+        KERNELS.paged_attention(q, k_cache, v_cache, alone, cpu_decode.PagedRows([r], [seq_of_row[r]], [positions[r]],
+                                                                                 table), dim**-0.5, None)
+        assert torch.equal(alone[r], together[r]), f"row {r} (position {positions[r]})"
+    expected = sdpa_reference(q, k_cache, v_cache, table, specs, dim**-0.5, None)
+    torch.testing.assert_close(together, expected, atol=2e-6, rtol=1e-5)
+
+
+@needs_kernels
 @pytest.mark.parametrize("window", [None, 6])
 def test_torch_backend_sends_decode_and_verify_rows_to_the_kernel(window):
     """A step of decode rows, verify-sized chunks, a short and a long prefill chunk: rows of requests with at
