@@ -187,18 +187,7 @@ def test_a_prefill_chunks_rows_go_through_the_keys_together_with_the_bits_of_eac
     tile = cpu_decode.ATTENTION_TILE
     specs = [(0, 2 * tile + 1), (page_size * 2, tile), (5, 1), (page_size * 3 - 1, tile + 2), (0, tile - 1), (40, 3)]
     heads, dim = kv_heads * group, 64
-    q, k_cache, v_cache, table, seq_of_row, positions = paged_case(specs, page_size, kv_heads, heads, dim, 7, kv_dtype)
-    together = torch.full_like(q, float("nan"))
-    every = list(range(len(positions)))
-    KERNELS.paged_attention(q, k_cache, v_cache, together, cpu_decode.PagedRows(every, seq_of_row, positions, table),
-                            dim**-0.5, window)
-    for r in every:
-        alone = torch.full_like(q, float("nan"))
-        rows = cpu_decode.PagedRows([r], [seq_of_row[r]], [positions[r]], table)
-        KERNELS.paged_attention(q, k_cache, v_cache, alone, rows, dim**-0.5, window)
-        assert torch.equal(alone[r], together[r]), f"row {r} (position {positions[r]})"
-    expected = sdpa_reference(q, k_cache, v_cache, table, specs, dim**-0.5, window)
-    torch.testing.assert_close(together, expected, atol=2e-6, rtol=1e-5)
+    assert_rows_together_are_rows_alone(specs, paged_case(specs, page_size, kv_heads, heads, dim, 7, kv_dtype), window)
 
 
 @needs_kernels
@@ -209,17 +198,23 @@ def test_a_tiles_gathered_keys_give_each_row_its_bits_alone_at_every_head_dim(di
     same sums either way, at head_dims the kernel compiles as constants (64, 128), others (32, 136), and one too
     large to gather (264, read in place by the tile too)."""
     specs = [(5, cpu_decode.ATTENTION_TILE + 3), (0, 9), (21, 1)]
-    q, k_cache, v_cache, table, seq_of_row, positions = paged_case(specs, 4, 2, 6, dim, dim, kv_dtype)
+    assert_rows_together_are_rows_alone(specs, paged_case(specs, 4, 2, 6, dim, dim, kv_dtype), None)
+
+
+def assert_rows_together_are_rows_alone(specs, case, window):
+    """Every row of one call (tiles of a sequence's rows) equals the row alone bit for bit, and SDPA closely."""
+    q, k_cache, v_cache, table, seq_of_row, positions = case
+    scale = q.shape[-1] ** -0.5
     together = torch.full_like(q, float("nan"))
     every = list(range(len(positions)))
     KERNELS.paged_attention(q, k_cache, v_cache, together, cpu_decode.PagedRows(every, seq_of_row, positions, table),
-                            dim**-0.5, None)
+                            scale, window)
     for r in every:
         alone = torch.full_like(q, float("nan"))
-        KERNELS.paged_attention(q, k_cache, v_cache, alone, cpu_decode.PagedRows([r], [seq_of_row[r]], [positions[r]],
-                                                                                 table), dim**-0.5, None)
+        rows = cpu_decode.PagedRows([r], [seq_of_row[r]], [positions[r]], table)
+        KERNELS.paged_attention(q, k_cache, v_cache, alone, rows, scale, window)
         assert torch.equal(alone[r], together[r]), f"row {r} (position {positions[r]})"
-    expected = sdpa_reference(q, k_cache, v_cache, table, specs, dim**-0.5, None)
+    expected = sdpa_reference(q, k_cache, v_cache, table, specs, scale, window)
     torch.testing.assert_close(together, expected, atol=2e-6, rtol=1e-5)
 
 
