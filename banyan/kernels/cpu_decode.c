@@ -6,11 +6,11 @@
  *     rms_norm         s = x + residual (optional), y = (s / sqrt(mean(s^2) + eps)) * w
  *     rope_store_kv    q, k rotated in place (neox rotate_half), k and v written to their cache slot
  *     paged_attention  each row over the keys it sees, read from the pages where they lie (no gather)
+ *     silu_mul         y = silu(gate) * up, gate and up the halves of one row
  *
  * The KV cache is float32 or float16 (kv_half): a decode row's attention reads every key and value of its context
  * once, so at long contexts it is memory-bound, and half the bytes is nearly half the time. F16C converts 8 values
  * an instruction, rounding to nearest even as torch's .half() does, so either path writes the same bits.
- *     silu_mul         y = silu(gate) * up, gate and up the halves of one row
  *
  * Every row is computed alone and in a fixed order (position order in attention), so its bits do not depend
  * on the other rows of the batch, which batch-invariant mode needs.
@@ -40,7 +40,7 @@ static inline __attribute__((always_inline)) void prefetch_kv(const void *cache,
     for (int b = 0; b < width * (half ? 2 : 4); b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
 }
 
-#define PREFETCH_KEYS 64
+#define PREFETCH_KEYS 64 /* how far ahead a decode row fetches its K rows (32 and 128 measured no better) */
 
 /* exp on 8 lanes: e^x = 2^n e^r with n = round(x log2 e), |r| <= ln2/2, e^r by a degree-6 polynomial (the
  * Cephes coefficients); relative error about 2e-7. Inputs are clamped to +-88.37 (float's range). */
@@ -350,21 +350,21 @@ static inline __attribute__((always_inline)) void attend_pages(
             }
             /* every row's scores over the whole span (the few keys a row does not see, past its position or before its
              * window, are computed and never read) */
-            const int widen = rows_here > 1 && D <= MAX_GATHER_HEAD_DIM;  /* gather K and V blocks (see above) */
+            const int gather = rows_here > 1 && D <= MAX_GATHER_HEAD_DIM;  /* gather K and V blocks (see above) */
             _Static_assert(V_BLOCK * 64 <= 8 * MAX_GATHER_HEAD_DIM, "a V block fits the gathering buffer");
-            float wide[8 * MAX_GATHER_HEAD_DIM];  /* 8 keys x D, or a V block: V_BLOCK rows x 64 columns at most */
+            float block[8 * MAX_GATHER_HEAD_DIM];  /* 8 keys x D, or a V block: V_BLOCK rows x 64 columns at most */
             static const uint32_t in_order[V_BLOCK] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
                                                        16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
             for (int j = 0; j < span; j += 8) {
                 const int m = span - j < 8 ? span - j : 8;
                 size_t kr[8];
                 const void *keys = k_cache;
-                if (widen) {  /* the 8 keys widened once for every row and head */
+                if (gather) {  /* the 8 keys gathered once (float16 widened) for every row and head */
                     uint32_t edge[8];
                     for (int u = 0; u < 8; u++) edge[u] = slot[j + (u < m ? u : 0)];
-                    gather_rows(k_cache, head_at, edge, token, 8, D, wide, half);
+                    gather_rows(k_cache, head_at, edge, token, 8, D, block, half);
                     for (int u = 0; u < 8; u++) kr[u] = (size_t)u * D;
-                    keys = wide;
+                    keys = block;
                 } else {
                     for (int u = 0; u < 8; u++) kr[u] = head_at + slot[j + (u < m ? u : 0)] * token;
                     /* a decode row reads its keys in place: fetch the K rows ahead */
@@ -375,10 +375,10 @@ static inline __attribute__((always_inline)) void attend_pages(
                     const float *qr = q + (size_t)rows[i0 + t] * q_stride + (size_t)kh * group * D;
                     for (int g = 0; g < group; g++) {
                         float *pg = p + ((size_t)t * group + g) * max_keys + j;
-                        if (!widen) score8(qr + (size_t)g * D, keys, kr, m, D, scale, pg, half);
-                        else if (D == 64) score8_rows(qr + (size_t)g * D, wide, m, 64, scale, pg);
-                        else if (D == 128) score8_rows(qr + (size_t)g * D, wide, m, 128, scale, pg);
-                        else score8_rows(qr + (size_t)g * D, wide, m, D, scale, pg);
+                        if (!gather) score8(qr + (size_t)g * D, keys, kr, m, D, scale, pg, half);
+                        else if (D == 64) score8_rows(qr + (size_t)g * D, block, m, 64, scale, pg);
+                        else if (D == 128) score8_rows(qr + (size_t)g * D, block, m, 128, scale, pg);
+                        else score8_rows(qr + (size_t)g * D, block, m, D, scale, pg);
                     }
                 }
             }
@@ -396,12 +396,12 @@ static inline __attribute__((always_inline)) void attend_pages(
             for (int c = 0; c < D; c += cw)
                 for (int j = 0; j < span; j += V_BLOCK) {
                     const int j_end = span - j < V_BLOCK ? span : j + V_BLOCK, width = D - c < cw ? D - c : cw;
-                    /* the block's V rows: in the cache, or widened once into `wide` [j_end - j, width] */
+                    /* the block's V rows: in the cache, or gathered once into `block` [j_end - j, width] */
                     const void *values = v_cache;
                     size_t value_at = head_at + c, value_token = token;
-                    if (widen) {
-                        gather_rows(v_cache, head_at + c, slot + j, token, j_end - j, width, wide, half);
-                        values = wide, value_at = 0, value_token = (size_t)width;
+                    if (gather) {
+                        gather_rows(v_cache, head_at + c, slot + j, token, j_end - j, width, block, half);
+                        values = block, value_at = 0, value_token = (size_t)width;
                     }
                     for (int t = 0; t < rows_here; t++) {  /* each row's keys of this block, in position order */
                         const int lo = first[t] - base, hi = positions[i0 + t] - base + 1;
@@ -409,8 +409,8 @@ static inline __attribute__((always_inline)) void attend_pages(
                         if (from >= to) continue;
                         float *o = out + ((size_t)rows[i0 + t] * H + (size_t)kh * group) * D;
                         if (group == 1) {
-                            weighted_add(p + (size_t)t * max_keys + from, values, value_at, widen ? in_order + (from - j) : slot + from,
-                                         value_token, to - from, width, o + c, half && !widen);
+                            weighted_add(p + (size_t)t * max_keys + from, values, value_at, gather ? in_order + (from - j) : slot + from,
+                                         value_token, to - from, width, o + c, half && !gather);
                             continue;
                         }
                         for (int g = 0; g < group; g += 3) {
@@ -422,15 +422,15 @@ static inline __attribute__((always_inline)) void attend_pages(
                                 oh[h] = o + (size_t)gh * D + c;
                             }
                             const int nh = group - g < 3 ? group - g : 3, n = to - from;
-                            const uint32_t *vs = widen ? in_order + (from - j) : slot + from;
-                            const float *gathered = wide + (size_t)(from - j) * 32;  /* when widen and width 32 */
-                            if (widen && width == 32 && nh == 3) weighted_add_heads_rows(ph, 3, gathered, n, oh);
-                            else if (widen && width == 32 && nh == 2) weighted_add_heads_rows(ph, 2, gathered, n, oh);
-                            else if (width == 32 && nh == 3) weighted_add_heads(ph, 3, values, value_at, vs, value_token, n, 4, oh, half && !widen);
-                            else if (width == 32 && nh == 2) weighted_add_heads(ph, 2, values, value_at, vs, value_token, n, 4, oh, half && !widen);
+                            const uint32_t *vs = gather ? in_order + (from - j) : slot + from;
+                            const float *gathered = block + (size_t)(from - j) * 32;  /* when gather and width 32 */
+                            if (gather && width == 32 && nh == 3) weighted_add_heads_rows(ph, 3, gathered, n, oh);
+                            else if (gather && width == 32 && nh == 2) weighted_add_heads_rows(ph, 2, gathered, n, oh);
+                            else if (width == 32 && nh == 3) weighted_add_heads(ph, 3, values, value_at, vs, value_token, n, 4, oh, half && !gather);
+                            else if (width == 32 && nh == 2) weighted_add_heads(ph, 2, values, value_at, vs, value_token, n, 4, oh, half && !gather);
                             else
                                 for (int h = 0; h < nh; h++)
-                                    weighted_add(ph[h], values, value_at, vs, value_token, n, width, oh[h], half && !widen);
+                                    weighted_add(ph[h], values, value_at, vs, value_token, n, width, oh[h], half && !gather);
                         }
                     }
                 }
