@@ -5,11 +5,12 @@ context: the numbers behind a change to it.
     python benchmarks/paged_attention_ab.py /tmp/before.c banyan/kernels/cpu_decode.c [--threads 2] [--rounds 6]
 
 Each file is compiled alone (cc, the flags banyan builds with) into its own library and bound with
-`cpu_decode.DecodeKernels`, so both must have the same `paged_attention` signature. Every case is one decode step's
+`cpu_decode.DecodeKernels`, so both must have this tree's `paged_attention` signature (for a kernel of an older
+signature, measure both trees' benchmarks/paged_attention_ab.py with the same file twice instead). Every case is one decode step's
 or one prefill chunk's attention through 30 layers, each layer its own K/V pages (as a model's are, so the pages come
 from memory, not cache), with the default model's shape (9 query heads, 3 KV heads, head_dim 64, pages of 16):
 
-    decode      8 sequences at 1,400 tokens, one new row each (float32 and float16 pages), and 1 sequence
+    decode      8 sequences at 1,400 tokens, one new row each (float32, float16 and fp8 pages), and 1 sequence
     prefill     8 sequences, 128 new rows each after a 1,272-token prefix (a multi-turn conversation's next turn)
     mixed       prefill chunks of 64 rows beside decode rows, contexts of 467-1,400 tokens
 
@@ -60,9 +61,11 @@ def case(seqs: int, context: int, new_rows: int, dtype: torch.dtype, mixed: bool
 CASES = {
     "decode 8 x 1,400, float32": lambda: case(8, 1400, 1, torch.float32),
     "decode 8 x 1,400, float16": lambda: case(8, 1400, 1, torch.float16),
+    "decode 8 x 1,400, fp8": lambda: case(8, 1400, 1, torch.float8_e4m3fn),
     "decode 1 x 1,400, float32": lambda: case(1, 1400, 1, torch.float32),
     "prefill 8 x 128 at 1,400, float32": lambda: case(8, 1400, 128, torch.float32),
     "prefill 8 x 128 at 1,400, float16": lambda: case(8, 1400, 128, torch.float16),
+    "prefill 8 x 128 at 1,400, fp8": lambda: case(8, 1400, 128, torch.float8_e4m3fn),
     "mixed, float32": lambda: case(8, 1400, 64, torch.float32, mixed=True),
 }
 

@@ -8,9 +8,10 @@
  *     paged_attention  each row over the keys it sees, read from the pages where they lie (no gather)
  *     silu_mul         y = silu(gate) * up, gate and up the halves of one row
  *
- * The KV cache is float32 or float16 (kv_half): a decode row's attention reads every key and value of its context
- * once, so at long contexts it is memory-bound, and half the bytes is nearly half the time. F16C converts 8 values
- * an instruction, rounding to nearest even as torch's .half() does, so either path writes the same bits.
+ * The KV cache is float32 or float16 (KV_F16), and attention also reads fp8 (KV_FP8: float8_e4m3fn holding K/V
+ * divided by a scale; torch writes it): a decode row's attention reads every key and value of its context once,
+ * so at long contexts it is memory-bound, and fewer bytes a value is less time. F16C converts 8 values an
+ * instruction, rounding to nearest even as torch's .half() does, so either path writes the same bits.
  *
  * Every row is computed alone and in a fixed order (position order in attention), so its bits do not depend
  * on the other rows of the batch, which batch-invariant mode needs.
@@ -28,16 +29,30 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Eight cache values from element i on: float32, or float16 widened (exact). half is a constant where inlined. */
-static inline __attribute__((always_inline)) __m256 load_kv(const void *cache, size_t i, const int half) {
-    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i)))
-                : _mm256_loadu_ps((const float *)cache + i);
+enum { KV_F32 = 0, KV_F16 = 1, KV_FP8 = 2 };  /* a cache's element: banyan/kernels/cpu_decode.py's kv_kind */
+
+static inline __attribute__((always_inline)) int kv_bytes(const int kind) {
+    return kind == KV_FP8 ? 1 : kind == KV_F16 ? 2 : 4;
+}
+
+/* Eight cache values from element i on as float32, exactly: float16 widened; fp8 e4m3fn (s eeee mmm, bias 7) moved
+ * into float16's fields (the exponent's field read with bias 15: 2^(e-15) (1 + m/8), or m 2^-17 for e = 0, which
+ * vcvtph2ps widens exactly whatever the denormal mode) and times 2^8. kind is a constant where inlined. */
+static inline __attribute__((always_inline)) __m256 load_kv(const void *cache, size_t i, const int kind) {
+    if (kind == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i)));
+    if (kind == KV_FP8) {
+        const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)cache + i)));
+        const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7F)), 7),
+                                       _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8));
+        return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+    }
+    return _mm256_loadu_ps((const float *)cache + i);
 }
 
 /* The cache lines of `width` values from element i on, into the caches ahead of use. */
-static inline __attribute__((always_inline)) void prefetch_kv(const void *cache, size_t i, int width, const int half) {
-    const char *at = (const char *)cache + i * (half ? 2 : 4);
-    for (int b = 0; b < width * (half ? 2 : 4); b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
+static inline __attribute__((always_inline)) void prefetch_kv(const void *cache, size_t i, int width, const int kind) {
+    const char *at = (const char *)cache + i * kv_bytes(kind);
+    for (int b = 0; b < width * kv_bytes(kind); b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
 }
 
 #define PREFETCH_KEYS 64 /* how far ahead a decode row fetches its K rows (32 and 128 measured no better) */
@@ -192,12 +207,12 @@ static inline __attribute__((always_inline)) void store_scores(const __m256 acc[
 /* p[j] = scale * <q, k[keys[j], + D)> for j < n (n <= 8; keys[n..7] valid rows, their products dropped): eight
  * keys' dot products interleaved over D. */
 static inline __attribute__((always_inline)) void score8(const float *q, const void *k, const size_t keys[8], int n,
-                                                         int D, float scale, float *p, const int half) {
+                                                         int D, float scale, float *p, const int kind) {
     __m256 acc[8];
     for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
     for (int d = 0; d < D; d += 8) {
         const __m256 qd = _mm256_loadu_ps(q + d);
-        for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qd, load_kv(k, keys[u] + d, half), acc[u]);
+        for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qd, load_kv(k, keys[u] + d, kind), acc[u]);
     }
     store_scores(acc, n, scale, p);
 }
@@ -218,7 +233,7 @@ static inline __attribute__((always_inline)) void score8_rows(const float *q, co
 /* o[0, width) += sum_j p[j] * v[at + slot[j] * token, + width) in j order, width <= 64: the sums stay in registers. */
 static inline __attribute__((always_inline)) void weighted_add(const float *p, const void *v, size_t at,
                                                                const uint32_t *slot, size_t token, int n, int width,
-                                                               float *o, const int half) {
+                                                               float *o, const int kind) {
     __m256 acc[8];
     const int lanes = width / 8;
     for (int r = 0; r < lanes; r++) acc[r] = _mm256_loadu_ps(o + 8 * r);
@@ -226,13 +241,13 @@ static inline __attribute__((always_inline)) void weighted_add(const float *p, c
         for (int j = 0; j < n; j++) {
             const __m256 w = _mm256_set1_ps(p[j]);
             const size_t row = at + slot[j] * token;
-            for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(w, load_kv(v, row + 8 * r, half), acc[r]);
+            for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(w, load_kv(v, row + 8 * r, kind), acc[r]);
         }
     } else {
         for (int j = 0; j < n; j++) {
             const __m256 w = _mm256_set1_ps(p[j]);
             const size_t row = at + slot[j] * token;
-            for (int r = 0; r < lanes; r++) acc[r] = _mm256_fmadd_ps(w, load_kv(v, row + 8 * r, half), acc[r]);
+            for (int r = 0; r < lanes; r++) acc[r] = _mm256_fmadd_ps(w, load_kv(v, row + 8 * r, kind), acc[r]);
         }
     }
     for (int r = 0; r < lanes; r++) _mm256_storeu_ps(o + 8 * r, acc[r]);
@@ -242,7 +257,7 @@ static inline __attribute__((always_inline)) void weighted_add(const float *p, c
  * each V row loaded once for every head (the same FMAs in the same order for each output, so the same bits). */
 static inline __attribute__((always_inline)) void weighted_add_heads(const float *const p[3], const int NH, const void *v,
                                                                      size_t at, const uint32_t *slot, size_t token, int n,
-                                                                     const int lanes, float *const o[3], const int half) {
+                                                                     const int lanes, float *const o[3], const int kind) {
     __m256 acc[3][4];
     for (int h = 0; h < NH; h++)
         for (int r = 0; r < lanes; r++) acc[h][r] = _mm256_loadu_ps(o[h] + 8 * r);
@@ -251,7 +266,7 @@ static inline __attribute__((always_inline)) void weighted_add_heads(const float
         __m256 w[3];
         for (int h = 0; h < NH; h++) w[h] = _mm256_set1_ps(p[h][j]);
         for (int r = 0; r < lanes; r++) {
-            const __m256 vr = load_kv(v, row + 8 * r, half);
+            const __m256 vr = load_kv(v, row + 8 * r, kind);
             for (int h = 0; h < NH; h++) acc[h][r] = _mm256_fmadd_ps(w[h], vr, acc[h][r]);
         }
     }
@@ -288,10 +303,10 @@ static inline __attribute__((always_inline)) void weighted_add_heads_rows(const 
 
 /* rows [0, n) of cache elements at + slot[j] * token, width values each, into buf [n, width] as float32 */
 static inline __attribute__((always_inline)) void gather_rows(const void *cache, size_t at, const uint32_t *slot,
-                                                              size_t token, int n, int width, float *buf, const int half) {
+                                                              size_t token, int n, int width, float *buf, const int kind) {
     for (int j = 0; j < n; j++)
         for (int d = 0; d < width; d += 8)
-            _mm256_storeu_ps(buf + (size_t)j * width + d, load_kv(cache, at + slot[j] * token + d, half));
+            _mm256_storeu_ps(buf + (size_t)j * width + d, load_kv(cache, at + slot[j] * token + d, kind));
 }
 
 /* Query rows of one sequence that go through the keys together (a prefill chunk's rows; a decode row is a tile
@@ -311,12 +326,14 @@ static inline __attribute__((always_inline)) void gather_rows(const void *cache,
  * alone, since a score is one key's own dot product (score8 treats its eight keys apart), a row's exponentials
  * and sums cover exactly its own keys in position order, and only the loads are shared. out [T, H, D]; scratch:
  * threads * (Q_TILE * H / KVH + 1) * max_keys floats (each row and head's scores, the slots), max_keys at least
- * the keys a tile spans (the largest position + 1). D a multiple of 8. The caches are float32 or float16 (half: a
- * constant, so each is its own compiled loop). */
+ * the keys a tile spans (the largest position + 1). D a multiple of 8. The caches hold float32, float16 or fp8 (kind:
+ * a constant, so each is its own compiled loop); fp8 values are K / kv_scale and V / kv_scale, so the scores take
+ * scale * kv_scale and the outputs kv_scale / sum p (1.0 for the others: the same bits as without it). */
 static inline __attribute__((always_inline)) void attend_pages(
         const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *tables, int table_stride,
         const int32_t *rows, const int32_t *seq_of_row, const int32_t *positions, int n, int H, int KVH, int D, int P,
-        int window, float scale, float *out, float *scratch, int max_keys, int threads, const int half) {
+        int window, float scale, float value_scale, float *out, float *scratch, int max_keys, int threads,
+        const int kind) {
     const int group = H / KVH;
     const size_t token = (size_t)KVH * D;
     int tiles = 0, *tile_start = (int *)__builtin_alloca(sizeof(int) * (n + 1));
@@ -362,20 +379,20 @@ static inline __attribute__((always_inline)) void attend_pages(
                 if (gather) {  /* the 8 keys gathered once (float16 widened) for every row and head */
                     uint32_t edge[8];
                     for (int u = 0; u < 8; u++) edge[u] = slot[j + (u < m ? u : 0)];
-                    gather_rows(k_cache, head_at, edge, token, 8, D, block, half);
+                    gather_rows(k_cache, head_at, edge, token, 8, D, block, kind);
                     for (int u = 0; u < 8; u++) kr[u] = (size_t)u * D;
                     keys = block;
                 } else {
                     for (int u = 0; u < 8; u++) kr[u] = head_at + slot[j + (u < m ? u : 0)] * token;
                     /* a decode row reads its keys in place: fetch the K rows ahead */
                     for (int u = j + PREFETCH_KEYS; u < j + PREFETCH_KEYS + 8 && u < span; u++)
-                        prefetch_kv(k_cache, head_at + slot[u] * token, D, half);
+                        prefetch_kv(k_cache, head_at + slot[u] * token, D, kind);
                 }
                 for (int t = 0; t < rows_here; t++) {
                     const float *qr = q + (size_t)rows[i0 + t] * q_stride + (size_t)kh * group * D;
                     for (int g = 0; g < group; g++) {
                         float *pg = p + ((size_t)t * group + g) * max_keys + j;
-                        if (!gather) score8(qr + (size_t)g * D, keys, kr, m, D, scale, pg, half);
+                        if (!gather) score8(qr + (size_t)g * D, keys, kr, m, D, scale, pg, kind);
                         else if (D == 64) score8_rows(qr + (size_t)g * D, block, m, 64, scale, pg);
                         else if (D == 128) score8_rows(qr + (size_t)g * D, block, m, 128, scale, pg);
                         else score8_rows(qr + (size_t)g * D, block, m, D, scale, pg);
@@ -400,7 +417,7 @@ static inline __attribute__((always_inline)) void attend_pages(
                     const void *values = v_cache;
                     size_t value_at = head_at + c, value_token = token;
                     if (gather) {
-                        gather_rows(v_cache, head_at + c, slot + j, token, j_end - j, width, block, half);
+                        gather_rows(v_cache, head_at + c, slot + j, token, j_end - j, width, block, kind);
                         values = block, value_at = 0, value_token = (size_t)width;
                     }
                     for (int t = 0; t < rows_here; t++) {  /* each row's keys of this block, in position order */
@@ -410,7 +427,7 @@ static inline __attribute__((always_inline)) void attend_pages(
                         float *o = out + ((size_t)rows[i0 + t] * H + (size_t)kh * group) * D;
                         if (group == 1) {
                             weighted_add(p + (size_t)t * max_keys + from, values, value_at, gather ? in_order + (from - j) : slot + from,
-                                         value_token, to - from, width, o + c, half && !gather);
+                                         value_token, to - from, width, o + c, gather ? KV_F32 : kind);
                             continue;
                         }
                         for (int g = 0; g < group; g += 3) {
@@ -426,18 +443,18 @@ static inline __attribute__((always_inline)) void attend_pages(
                             const float *gathered = block + (size_t)(from - j) * 32;  /* when gather and width 32 */
                             if (gather && width == 32 && nh == 3) weighted_add_heads_rows(ph, 3, gathered, n, oh);
                             else if (gather && width == 32 && nh == 2) weighted_add_heads_rows(ph, 2, gathered, n, oh);
-                            else if (width == 32 && nh == 3) weighted_add_heads(ph, 3, values, value_at, vs, value_token, n, 4, oh, half && !gather);
-                            else if (width == 32 && nh == 2) weighted_add_heads(ph, 2, values, value_at, vs, value_token, n, 4, oh, half && !gather);
+                            else if (width == 32 && nh == 3) weighted_add_heads(ph, 3, values, value_at, vs, value_token, n, 4, oh, gather ? KV_F32 : kind);
+                            else if (width == 32 && nh == 2) weighted_add_heads(ph, 2, values, value_at, vs, value_token, n, 4, oh, gather ? KV_F32 : kind);
                             else
                                 for (int h = 0; h < nh; h++)
-                                    weighted_add(ph[h], values, value_at, vs, value_token, n, width, oh[h], half && !gather);
+                                    weighted_add(ph[h], values, value_at, vs, value_token, n, width, oh[h], gather ? KV_F32 : kind);
                         }
                     }
                 }
             for (int t = 0; t < rows_here; t++) {
                 float *o = out + ((size_t)rows[i0 + t] * H + (size_t)kh * group) * D;
                 for (int g = 0; g < group; g++) {
-                    const __m256 inv = _mm256_set1_ps(1.0f / totals[t * group + g]);
+                    const __m256 inv = _mm256_set1_ps(value_scale / totals[t * group + g]);
                     for (int d = 0; d < D; d += 8)
                         _mm256_storeu_ps(o + (size_t)g * D + d, _mm256_mul_ps(_mm256_loadu_ps(o + (size_t)g * D + d), inv));
                 }
@@ -449,13 +466,17 @@ static inline __attribute__((always_inline)) void attend_pages(
 void paged_attention(const float *q, int q_stride, const void *k_cache, const void *v_cache,
                      const int32_t *tables, int table_stride, const int32_t *rows, const int32_t *seq_of_row,
                      const int32_t *positions, int n, int H, int KVH, int D, int P, int window, float scale,
-                     float *out, float *scratch, int max_keys, int kv_half, int threads) {
-    if (kv_half)
+                     float *out, float *scratch, int max_keys, int kv_kind, float kv_scale, int threads) {
+    const float s = scale * kv_scale;  /* kv_scale 1.0 (float32, float16): scale itself */
+    if (kv_kind == KV_FP8)
         attend_pages(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, n, H, KVH, D, P,
-                     window, scale, out, scratch, max_keys, threads, 1);
+                     window, s, kv_scale, out, scratch, max_keys, threads, KV_FP8);
+    else if (kv_kind == KV_F16)
+        attend_pages(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, n, H, KVH, D, P,
+                     window, s, kv_scale, out, scratch, max_keys, threads, KV_F16);
     else
         attend_pages(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, n, H, KVH, D, P,
-                     window, scale, out, scratch, max_keys, threads, 0);
+                     window, s, kv_scale, out, scratch, max_keys, threads, KV_F32);
 }
 
 /* y [rows, n] = silu(x[:, :n]) * x[:, n:] for x [rows, 2n], silu(g) = g / (1 + e^-g). n a multiple of 8. */

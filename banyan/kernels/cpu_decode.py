@@ -40,7 +40,7 @@ class DecodeKernels:
         p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         lib.rms_norm.argtypes = [p, p, p, p, p, i, i, f, i]
         lib.rope_store_kv.argtypes = [p, i, p, i, p, i, p, p, p, i, p, p, p, i, i, i, i, i, i]
-        lib.paged_attention.argtypes = [p, i, p, p, p, i, p, p, p, i, i, i, i, i, i, f, p, p, i, i, i]
+        lib.paged_attention.argtypes = [p, i, p, p, p, i, p, p, p, i, i, i, i, i, i, f, p, p, i, i, f, i]
         lib.silu_mul.argtypes = [p, p, i, i, i]
         lib.rms_norm.restype = lib.paged_attention.restype = lib.silu_mul.restype = None
         lib.rope_store_kv.restype = ctypes.c_int
@@ -72,14 +72,15 @@ class DecodeKernels:
         bad = self._lib.rope_store_kv(
             q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), positions.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), cos.shape[0], k_cache.data_ptr(), v_cache.data_ptr(),
-            slot_mapping.data_ptr(), tokens, heads, kv_heads, dim, kv_half(k_cache), torch.get_num_threads())
+            slot_mapping.data_ptr(), tokens, heads, kv_heads, dim, kv_kind(k_cache, STORE_DTYPES), torch.get_num_threads())
         if bad:
             raise ValueError(f"{bad} positions outside the rotary table's [0, {cos.shape[0]})")
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                        rows: PagedRows, scale: float, sliding_window: int | None) -> None:
+                        rows: PagedRows, scale: float, sliding_window: int | None, kv_scale: float = 1.0) -> None:
         """out[rows.rows] = each row's causal attention over its pages (see PagedRows); q [T, H, D] (row-strided
-        views allowed), out [T, H, D] contiguous, caches [pages, page_size, KVH, D] float32 or float16."""
+        views allowed), out [T, H, D] contiguous, caches [pages, page_size, KVH, D] of KV_DTYPES (an fp8 cache
+        holding K / kv_scale and V / kv_scale)."""
         heads, dim = q.shape[1:]
         page_size, kv_heads = k_cache.shape[1:3]
         threads = torch.get_num_threads()
@@ -91,7 +92,7 @@ class DecodeKernels:
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
             rows.rows.data_ptr(), rows.seq_of_row.data_ptr(), rows.positions.data_ptr(), rows.rows.numel(), heads,
             kv_heads, dim, page_size, sliding_window or 0, scale, out.data_ptr(), rows.scratch.data_ptr(),
-            rows.max_keys, kv_half(k_cache), threads)
+            rows.max_keys, kv_kind(k_cache, KV_DTYPES), kv_scale, threads)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [..., 2n] -> silu(gate) * up, [..., n]."""
@@ -101,15 +102,18 @@ class DecodeKernels:
         return y
 
 
-KV_DTYPES = (torch.float32, torch.float16)
-"""Caches the kernels read and write: float16 halves the bytes a long context's attention reads."""
+KV_DTYPES = (torch.float32, torch.float16, torch.float8_e4m3fn)
+"""Caches paged_attention reads (cpu_decode.c's KV_F32, KV_F16, KV_FP8): fewer bytes a value, less time at a long
+context. fp8 is the cache of --kv-cache-dtype fp8 (layers/attention/base.py's FP8)."""
+STORE_DTYPES = KV_DTYPES[:2]
+"""Caches rope_store_kv writes (an fp8 cache is written by torch: its rounding and clamping)."""
 
 
-def kv_half(cache: torch.Tensor) -> int:
-    """cpu_decode.c's kv_half flag for a cache (KV_DTYPES only)."""
-    if cache.dtype not in KV_DTYPES:
-        raise TypeError(f"the fused CPU kernels read float32 or float16 caches, not {cache.dtype}")
-    return int(cache.dtype == torch.float16)
+def kv_kind(cache: torch.Tensor, served: tuple[torch.dtype, ...] = KV_DTYPES) -> int:
+    """cpu_decode.c's KV_* for a cache of one of `served`."""
+    if cache.dtype not in served:
+        raise TypeError(f"this fused CPU kernel takes caches of {', '.join(map(str, served))}, not {cache.dtype}")
+    return KV_DTYPES.index(cache.dtype)
 
 
 class PagedRows:

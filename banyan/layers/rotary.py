@@ -60,7 +60,7 @@ class RotaryEmbedding(nn.Module):
         """The fused path where it serves (float32 rows and cache on a CPU): q and k rotated in place, k and v
         stored at slot_mapping, True. Else nothing done, False: the caller rotates and attention stores.
         q, k, v: [num_tokens, heads, head_dim], rows of one qkv output (heads contiguous within a row)."""
-        if (self.kernels is None or q.dtype is not torch.float32 or k_cache.dtype not in cpu_decode.KV_DTYPES
+        if (self.kernels is None or q.dtype is not torch.float32 or k_cache.dtype not in cpu_decode.STORE_DTYPES
                 or not q.is_cpu):
             return False
         if not _heads_in_rows(q) or not _heads_in_rows(k) or not _heads_in_rows(v):

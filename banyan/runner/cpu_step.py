@@ -43,7 +43,7 @@ class CpuDecodeStep:
             hidden=arch.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             intermediate=arch.intermediate_size, page_size=kv_caches[0][0].shape[1], max_pos=rotary.cos.shape[0],
             eps=model.model.layers[0].input_layernorm.eps, scale=attn.scale, cos=rotary.cos.data_ptr(),
-            sin=rotary.sin.data_ptr(), kv_half=cpu_decode.kv_half(kv_caches[0][0]))
+            sin=rotary.sin.data_ptr(), kv_half=cpu_decode.kv_kind(kv_caches[0][0], cpu_decode.STORE_DTYPES))
         self.group = attn.num_heads // attn.num_kv_heads
         widest = max(arch.hidden_size, arch.intermediate_size, attn.q_size)
         width = 2 * arch.hidden_size + attn.q_size + 2 * attn.kv_size + attn.q_size + 3 * arch.intermediate_size
@@ -89,7 +89,7 @@ def _plain(model: torch.nn.Module, attn, kv_caches) -> bool:
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         return False
     k_cache = kv_caches[0][0]
-    if not k_cache.is_cpu or attn._kernels(k_cache) is None:
+    if k_cache.dtype not in cpu_decode.STORE_DTYPES or not k_cache.is_cpu or attn._kernels(k_cache) is None:
         return False
     layers, eps = model.model.layers, model.model.layers[0].input_layernorm.eps
     return len(layers) == len(kv_caches) and all(_plain_layer(layer, attn, eps) for layer in layers)

@@ -107,13 +107,13 @@ AVX2_ONLY = torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
 @pytest.mark.parametrize("quantization, asked, kv_cache_dtype", [
-    ("int8", True, "auto"), ("none", True, "auto"), ("int8", True, "float16"),
+    ("int8", True, "auto"), ("none", True, "auto"), ("int8", True, "float16"), ("int8", True, "fp8"),
     pytest.param("int4", None, "auto", marks=pytest.mark.skipif(not AVX2_ONLY, reason="on by default on AVX2-only CPUs")),
 ])
 def test_batch_invariant_mode_gives_each_request_its_solo_output(tiny, quantization, asked, kv_cache_dtype):
     """With batch_invariant (asked, or the default on an AVX2-only CPU), a request's greedy tokens are its solo ones
     in a batch of 12 (more rows than the CPU kernel's 8), with its prompt cut into chunks and after a preemption,
-    over a float32 or a float16 KV cache.
+    over a float32, float16 or fp8 KV cache.
     Without it int8 breaks this: decode steps of up to 8 rows multiply by x rounded to int8 (banyan's kernel), wider
     ones by dequantized weights; float32 rows move in their last bits with the row count (torch's GEMMs, SDPA), too
     little to flip this model's tokens."""

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from banyan.kernels import cpu_decode
 from banyan.layers.activation import gated_activation
 from banyan.layers.norm import RMSNorm
-from banyan.layers.attention.base import write_kv_cache
+from banyan.layers.attention.base import FP8, to_cache_dtype, write_kv_cache
 from banyan.layers.rotary import RotaryEmbedding
 from banyan.layers.attention.torch_backend import KERNEL_QUERY, SHORT_QUERY, TorchAttentionBackend, paged_attention
 from tests.kernels.paged_batches import make_batch
@@ -59,7 +59,8 @@ def qkv_rows(tokens, heads, kv_heads, dim, gen):
     return qkv, q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
 
 
-KV_DTYPES = pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["kv32", "kv16"])
+KV_DTYPES = pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["kv32", "kv16"])  # stored
+READ_DTYPES = pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, FP8], ids=["kv32", "kv16", "kv8"])
 
 
 @needs_kernels
@@ -127,7 +128,7 @@ def sdpa_reference(q, k_cache, v_cache, table, specs, scale, window):
 
 
 @needs_kernels
-@KV_DTYPES
+@READ_DTYPES
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("page_size,kv_heads,group", [(1, 1, 4), (4, 2, 3), (16, 3, 3)])
 def test_paged_attention_reads_the_pages_directly(page_size, kv_heads, group, window, kv_dtype):
@@ -162,6 +163,34 @@ def test_paged_attention_writes_only_its_rows_and_reads_strided_queries():
 
 
 @needs_kernels
+def test_an_fp8_cache_is_read_with_its_scale():
+    """An fp8 cache holds K / s and V / s (--kv-cache-dtype fp8's store): the kernel's output equals SDPA over the
+    torch backend's reading of the same pages, times s, and the fp8 decoding covers every byte (all 254 finite
+    values, subnormals included)."""
+    specs = [(30, 1), (0, 9), (13, 4)]
+    q, k_cache, v_cache, table, seq_of_row, positions = paged_case(specs, 4, 2, 6, 64, 3)
+    k8, v8 = to_cache_dtype(k_cache, FP8, 0.25), to_cache_dtype(v_cache, FP8, 0.25)
+    every = cpu_decode.PagedRows(list(range(len(positions))), seq_of_row, positions, table)
+    out = torch.full_like(q, float("nan"))
+    KERNELS.paged_attention(q, k8, v8, out, every, 0.125, None, kv_scale=0.25)
+    outs, start = [], 0
+    for i, (prefix, new) in enumerate(specs):
+        outs.append(paged_attention(q[start : start + new][None], k8, v8, table[i : i + 1], [prefix + new], [new], 0.125,
+                                    kv_scale=0.25)[0])
+        start += new
+    torch.testing.assert_close(out, torch.cat(outs), atol=2e-6, rtol=1e-5)
+    # 32 sequences of one token each, page i holding bytes 8i .. 8i + 7 as its V row: a row alone over one key
+    # outputs that V row exactly, so the outputs are the kernel's decoding of every byte
+    pages = torch.arange(256, dtype=torch.uint8).view(FP8).view(32, 1, 1, 8)
+    rows = cpu_decode.PagedRows(list(range(32)), list(range(32)), [0] * 32, torch.arange(32, dtype=torch.int32)[:, None])
+    decoded = torch.empty(32, 1, 8)
+    KERNELS.paged_attention(torch.zeros(32, 1, 8), pages, pages, decoded, rows, 1.0, None)
+    expected = pages.float().flatten()
+    finite = expected.isfinite()  # 0x7f and 0xff are e4m3fn's NaNs, which a store never writes (it clamps)
+    assert finite.sum() == 254 and torch.equal(decoded.flatten()[finite], expected[finite])
+
+
+@needs_kernels
 def test_a_rows_attention_does_not_depend_on_the_rows_beside_it():
     specs = [(30, 1), (2, 1), (60, 1), (9, 5)]
     q, k_cache, v_cache, table, seq_of_row, positions = paged_case(specs, 4, 3, 9, 64, 1)
@@ -176,7 +205,7 @@ def test_a_rows_attention_does_not_depend_on_the_rows_beside_it():
 
 
 @needs_kernels
-@KV_DTYPES
+@READ_DTYPES
 @pytest.mark.parametrize("window", [None, 3, 7])
 @pytest.mark.parametrize("page_size,kv_heads,group", [(1, 1, 4), (4, 3, 3), (16, 2, 1)])
 def test_a_prefill_chunks_rows_go_through_the_keys_together_with_the_bits_of_each_row_alone(page_size, kv_heads,
@@ -191,7 +220,7 @@ def test_a_prefill_chunks_rows_go_through_the_keys_together_with_the_bits_of_eac
 
 
 @needs_kernels
-@KV_DTYPES
+@READ_DTYPES
 @pytest.mark.parametrize("dim", [32, 128, 136, 264])  # 64 above; 64 and 128 compiled as constants; past 256: in place
 def test_a_tiles_gathered_keys_give_each_row_its_bits_alone_at_every_head_dim(dim, kv_dtype):
     """A prefill tile reads its keys and values gathered into one buffer, a decode row reads them in place: the
@@ -239,7 +268,7 @@ def test_torch_backend_sends_decode_and_verify_rows_to_the_kernel(window):
 @KV_DTYPES
 def test_rope_store_then_backend_equals_rotary_then_backend(kv_dtype):
     """RopeAttention's fused path (rotate_and_store, then attention with kv_stored) against the torch path; a
-    bfloat16 cache is not the kernels' (False: the torch path does it all)."""
+    bfloat16 or fp8 cache is not theirs to write (False: the torch path does it all)."""
     specs = [(9, 1), (0, 5), (17, 1)]
     batch, _, _, _, k_cache, v_cache = make_batch(specs, page_size=4, num_kv_heads=1, group=3, head_dim=64, seed=4)
     k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
@@ -252,8 +281,8 @@ def test_rope_store_then_backend_equals_rotary_then_backend(kv_dtype):
     out = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, batch, 0.125, kv_stored=True)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(k_cache, k_expected)
-    assert not rotary.rotate_and_store(batch.positions, q, k, v, k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16),
-                                       batch.slot_mapping)
+    for other in (torch.bfloat16, FP8):
+        assert not rotary.rotate_and_store(batch.positions, q, k, v, k_cache.to(other), v_cache.to(other), batch.slot_mapping)
 
 
 def test_no_kernels_where_they_do_not_apply(monkeypatch):

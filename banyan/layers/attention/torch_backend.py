@@ -12,15 +12,15 @@ pages and calls SDPA with a mask:
 The rows of each group, the pages to gather and the masks depend only on the batch: the first layer
 of a forward builds them (a `_Plan`) and every other layer reuses them.
 
-On a float32 or float16 CPU cache banyan's fused kernel (banyan/kernels/cpu_decode.c) takes the rows of requests with
+On a float32, float16 or fp8 CPU cache banyan's fused kernel (banyan/kernels/cpu_decode.c) takes the rows of requests with
 at most KERNEL_QUERY new rows instead: it reads each key where it lies in its page, no gather, no mask, no
 padding. Gathering and SDPA cost more per call than a decode row's whole attention at these sizes.
 
 SDPA's blocking follows the shapes, so a row's output moves in its last bits with the padding and the
 number of sequences beside it. With `fixed_order` (banyan's CPU kernels, set for batch-invariant mode)
-every row attends over the positions it sees in position order instead (the fused kernel; over an fp8
-cache cpu_attention.c on gathered pages): the same bits alone, in a batch, in a prefill chunk or in a
-decode step.
+every row attends over the positions it sees in position order instead (the fused kernel; over a cache it
+does not read, bfloat16, cpu_attention.c on gathered pages): the same bits alone, in a batch, in a prefill
+chunk or in a decode step.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self, kv_scale: float = 1.0, fused: bool = True):
-        """fused: banyan's fused CPU kernel attends the rows it serves on a float32 or float16 CPU cache (False: SDPA only,
+        """fused: banyan's fused CPU kernel attends the rows it serves on a float32, float16 or fp8 CPU cache (False: SDPA only,
         the reference the kernels are tested against)."""
         super().__init__(kv_scale)
         self.kernels = cpu_decode.kernels_for(torch.device("cpu"), torch.float32) if fused else None  # None: SDPA
@@ -94,7 +94,7 @@ class TorchAttentionBackend(AttentionBackend):
             return self._attend(plan.groups[0], q, k_cache, v_cache, scale)
         out = q.new_empty(q.shape)
         if plan.paged is not None:
-            kernels.paged_attention(q, k_cache, v_cache, out, plan.paged, scale, sliding_window)
+            kernels.paged_attention(q, k_cache, v_cache, out, plan.paged, scale, sliding_window, self.kv_scale)
         for group in plan.groups:
             attended = self._attend(group, q, k_cache, v_cache, scale)
             if group.keep is None:
@@ -104,7 +104,7 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _kernels(self, k_cache: torch.Tensor) -> cpu_decode.DecodeKernels | None:
-        """The fused CPU kernels where they serve this cache (float32 or float16 on a CPU, head_dim in lanes of 8)."""
+        """The fused CPU kernels where they serve this cache (float32, float16 or fp8 on a CPU, head_dim in lanes of 8)."""
         if k_cache.dtype not in cpu_decode.KV_DTYPES or not k_cache.is_cpu or k_cache.shape[-1] % 8:
             return None
         return self.kernels
