@@ -230,6 +230,32 @@ static inline __attribute__((always_inline)) void score8_rows(const float *q, co
     store_scores(acc, n, scale, p);
 }
 
+/* score8 for NH (2 or 3) query heads at once over 4 keys read in place: p[h][u] = scale * <q + h * D, k[keys[u],
+ * + D)> for u < n (n <= 4). Each key row is loaded (and widened) once for every head; each dot product is added up
+ * in score8's very tree (hsum8x8's lanes), so a score has the same bits either way. */
+static inline __attribute__((always_inline)) void score4_heads(const float *q, const int NH, const void *k,
+                                                               const size_t keys[4], int n, int D, float scale,
+                                                               float *const p[3], const int kind) {
+    __m256 acc[3][4];
+    for (int h = 0; h < NH; h++)
+        for (int u = 0; u < 4; u++) acc[h][u] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        __m256 qd[3];
+        for (int h = 0; h < NH; h++) qd[h] = _mm256_loadu_ps(q + (size_t)h * D + d);
+        for (int u = 0; u < 4; u++) {
+            const __m256 kd = load_kv(k, keys[u] + d, kind);
+            for (int h = 0; h < NH; h++) acc[h][u] = _mm256_fmadd_ps(qd[h], kd, acc[h][u]);
+        }
+    }
+    for (int h = 0; h < NH; h++) {  /* ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), as hsum8x8 */
+        const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[h][0], acc[h][1]), _mm256_hadd_ps(acc[h][2], acc[h][3]));
+        const __m128 scores = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)), _mm_set1_ps(scale));
+        float sums[4];
+        _mm_storeu_ps(sums, scores);
+        for (int i = 0; i < n; i++) p[h][i] = sums[i];
+    }
+}
+
 /* o[0, width) += sum_j p[j] * v[at + slot[j] * token, + width) in j order, width <= 64: the sums stay in registers. */
 static inline __attribute__((always_inline)) void weighted_add(const float *p, const void *v, size_t at,
                                                                const uint32_t *slot, size_t token, int n, int width,
@@ -392,6 +418,22 @@ static inline __attribute__((always_inline)) void attend_pages(
                     const float *qr = q + (size_t)rows[i0 + t] * q_stride + (size_t)kh * group * D;
                     for (int g = 0; g < group; g++) {
                         float *pg = p + ((size_t)t * group + g) * max_keys + j;
+                        const int nh = group - g < 3 ? group - g : 3;
+                        if (!gather && kind == KV_FP8 && nh > 1) {  /* fp8 in place: each key widened once for 2-3 heads */
+                            float *ph[3], *ph4[3];
+                            for (int h = 0; h < 3; h++) ph[h] = pg + (size_t)(h < nh ? h : 0) * max_keys, ph4[h] = ph[h] + 4;
+                            const float *qg = qr + (size_t)g * D;
+                            const int lo = m < 4 ? m : 4;
+                            if (nh == 3) {
+                                score4_heads(qg, 3, keys, kr, lo, D, scale, ph, kind);
+                                if (m > 4) score4_heads(qg, 3, keys, kr + 4, m - 4, D, scale, ph4, kind);
+                            } else {
+                                score4_heads(qg, 2, keys, kr, lo, D, scale, ph, kind);
+                                if (m > 4) score4_heads(qg, 2, keys, kr + 4, m - 4, D, scale, ph4, kind);
+                            }
+                            g += nh - 1;
+                            continue;
+                        }
                         if (!gather) score8(qr + (size_t)g * D, keys, kr, m, D, scale, pg, kind);
                         else if (D == 64) score8_rows(qr + (size_t)g * D, block, m, 64, scale, pg);
                         else if (D == 128) score8_rows(qr + (size_t)g * D, block, m, 128, scale, pg);
