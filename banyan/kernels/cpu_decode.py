@@ -105,7 +105,7 @@ class DecodeKernels:
 KV_DTYPES = (torch.float32, torch.float16, torch.float8_e4m3fn)
 """Caches paged_attention reads (cpu_decode.c's KV_F32, KV_F16, KV_FP8): fewer bytes a value, less time at a long
 context. fp8 is the cache of --kv-cache-dtype fp8 (layers/attention/base.py's FP8)."""
-STORE_DTYPES = KV_DTYPES[:2]
+STORE_DTYPES = (torch.float32, torch.float16)
 """Caches rope_store_kv writes (an fp8 cache is written by torch: its rounding and clamping)."""
 
 

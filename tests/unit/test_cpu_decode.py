@@ -117,12 +117,13 @@ def paged_case(specs, page_size, kv_heads, heads, dim, seed, kv_dtype=torch.floa
     return q, k_cache, v_cache, table, seq_of_row, positions
 
 
-def sdpa_reference(q, k_cache, v_cache, table, specs, scale, window):
+def sdpa_reference(q, k_cache, v_cache, table, specs, scale, window, kv_scale=1.0):
     """torch_backend.paged_attention (gathered pages, SDPA), one request at a time, rows in q's order."""
     outs, start = [], 0
     for i, (prefix, new) in enumerate(specs):
         rows = q[start : start + new][None]
-        outs.append(paged_attention(rows, k_cache, v_cache, table[i : i + 1], [prefix + new], [new], scale, window)[0])
+        outs.append(paged_attention(rows, k_cache, v_cache, table[i : i + 1], [prefix + new], [new], scale, window,
+                                    kv_scale)[0])
         start += new
     return torch.cat(outs)
 
@@ -173,12 +174,8 @@ def test_an_fp8_cache_is_read_with_its_scale():
     every = cpu_decode.PagedRows(list(range(len(positions))), seq_of_row, positions, table)
     out = torch.full_like(q, float("nan"))
     KERNELS.paged_attention(q, k8, v8, out, every, 0.125, None, kv_scale=0.25)
-    outs, start = [], 0
-    for i, (prefix, new) in enumerate(specs):
-        outs.append(paged_attention(q[start : start + new][None], k8, v8, table[i : i + 1], [prefix + new], [new], 0.125,
-                                    kv_scale=0.25)[0])
-        start += new
-    torch.testing.assert_close(out, torch.cat(outs), atol=2e-6, rtol=1e-5)
+    expected = sdpa_reference(q, k8, v8, table, specs, 0.125, None, kv_scale=0.25)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
     # 32 sequences of one token each, page i holding bytes 8i .. 8i + 7 as its V row: a row alone over one key
     # outputs that V row exactly, so the outputs are the kernel's decoding of every byte
     pages = torch.arange(256, dtype=torch.uint8).view(FP8).view(32, 1, 1, 8)
