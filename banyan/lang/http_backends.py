@@ -63,7 +63,10 @@ class _HTTPBackend(Backend):
     # -- HTTP ----------------------------------------------------------------------------------
     def post(self, call: str, url: str, body: dict) -> dict:
         try:
-            response = self.http.post(url, json=body)
+            try:
+                response = self.http.post(url, json=body)
+            except httpx.RemoteProtocolError:  # a kept-alive connection the server had closed (llama-server does after
+                response = self.http.post(url, json=body)  # 5 s idle): nothing was answered, so once more on a new one
         except httpx.HTTPError as e:
             raise BackendUnavailableError(call, f"{url}: {e!r}") from e
         _raise_for_error(call, response)
