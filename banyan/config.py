@@ -160,8 +160,8 @@ class ModelConfig:
     """Each request's output the same whatever else is in the batch and however its prompt is cut into chunks
     (as vLLM's VLLM_BATCH_INVARIANT): every matmul row and attention row goes through banyan's CPU kernels in one
     fixed order. Needs an x86 CPU with AVX2, a float32 model and none/fp16/int8/int4/gguf weights. Default: on where
-    it was measured to cost at most 10% (AVX2-only x86 CPUs, float32/int8/int4 layers: the default GGUF mix 3%
-    offline; no LoRA nor tensor/pipeline parallelism), off elsewhere; the log says why (docs/quantization.md)."""
+    it was measured to cost at most 10% (x86 CPUs with AVX2 or AVX-512, float32/int8/int4 layers: the default GGUF
+    mix 0-3% offline; no LoRA nor tensor/pipeline parallelism), off elsewhere; the log says why (quantization.md)."""
     pooling: str | None = None
     """How embedding requests pool the last hidden states: last (the last token's) or mean (over the input);
     default: the model's sentence-transformers pooling config (modules.json, 1_Pooling/config.json) when it has

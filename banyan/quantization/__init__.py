@@ -77,9 +77,9 @@ def default_method(asked: str | None, device: torch.device, dtype: torch.dtype, 
 
 
 def _compact_mix(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether compact int4/int8 layers take banyan's AVX2 kernel for decode and float16 copies for prefill here.
-    Measured on AVX2 only; with AVX-512 torch's own packed int kernels take the compact layers instead."""
-    return (fbgemm_fp16_works(device, dtype) and torch.backends.cpu.get_cpu_capability() == "AVX2"
+    """Whether compact int4/int8 layers take banyan's kernel (AVX2, or AVX-512 VNNI where the CPU has it) for
+    decode and float16 copies for prefill here."""
+    return (fbgemm_fp16_works(device, dtype) and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
             and cpu_gemv.load() is not None)
 
 
@@ -149,13 +149,14 @@ def why_not_invariant_by_default(model: nn.Module, device: torch.device, dtype: 
                                  plan: dict[str, WeightFormat], attention: str, lora: bool, parallel: bool) -> str | None:
     """None where batch-invariant mode goes on unasked, else why it stays off. On where its cost was measured at
     most 10% (docs/quantization.md, 2-vCPU AVX2 EPYC: the default GGUF mix 3% offline, float32 models about 5%,
-    long prefills faster): an x86 CPU with AVX2 and no AVX-512 (unmeasured there, where the defaults are float16
-    weights and torch's packed int kernels), banyan's kernels built, a float32 model whose linear layers are
+    long prefills faster; a Zen 4 EPYC with AVX-512 VNNI: none measurable): an x86 CPU with AVX2 or AVX-512 (the
+    vector ISA torch reports), banyan's kernels built, a float32 model whose linear layers are
     float32, int8 or int4 with inputs in blocks of 32, the torch attention backend, no LoRA (the adapters' matmuls
     are torch's), no tensor or pipeline parallelism (their collectives sum in their own order)."""
     reasons = (
         (device.type != "cpu", "not a CPU"),
-        (torch.backends.cpu.get_cpu_capability() != "AVX2", "its cost is measured on AVX2-only CPUs, not this one"),
+        (torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), "its cost is measured on x86 CPUs with "
+                                                                             "AVX2 or AVX-512, not this one"),
         (dtype != torch.float32, f"{dtype} activations"),
         (attention != "torch", f"the {attention} attention backend"),
         (lora, "LoRA adapters"),

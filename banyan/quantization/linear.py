@@ -44,8 +44,11 @@ _CPU_CHUNK_VALUES = 1 << 19  # weights dequantized at a time on a CPU: 2 MiB of 
 
 
 def packed_int_kernels_fast(device: torch.device) -> bool:
-    """Whether torch's packed int8/int4 kernels are vectorized here (CPU with AVX-512)."""
-    return device.type == "cpu" and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    """Whether torch's packed int8/int4 kernels take int layers here: vectorized on a CPU with AVX-512, but only
+    where banyan's kernel cannot be built (on a Zen 4 EPYC with AVX-512 VNNI banyan's was ~20x faster at
+    batch 1: docs/quantization.md, "CPUs with AVX-512")."""
+    return (device.type == "cpu" and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+            and cpu_gemv.load() is None)
 
 
 def fbgemm_fp16_works(device: torch.device, dtype: torch.dtype) -> bool:

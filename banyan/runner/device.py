@@ -27,8 +27,8 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device, is_gguf: bool = False) -> torch.dtype:
     """`auto`: on a GPU the checkpoint's 16-bit dtype (bf16 for float32 ones); on a CPU with bf16 matmul
-    hardware (AMX or AVX512-BF16) bf16 for checkpoints of 16 bits or fewer a weight (bf16/fp16, GGUF),
-    float32 elsewhere (exact; float32 checkpoints stay float32 everywhere on a CPU)."""
+    tiles (AMX) bf16 for checkpoints of 16 bits or fewer a weight (bf16/fp16, GGUF), float32 elsewhere (exact;
+    float32 checkpoints stay float32 everywhere on a CPU)."""
     if name == "auto":
         if device.type == "cpu":
             low_precision = is_gguf or checkpoint_dtype in ("bfloat16", "float16")
@@ -40,9 +40,11 @@ def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device,
 
 
 def cpu_has_bf16_matmul() -> bool:
-    """AMX tiles or AVX512-BF16: bf16 matmuls several times faster than float32 (oneDNN)."""
-    probes = [getattr(torch.cpu, probe, None) for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
-    return any(probe is not None and probe() for probe in probes)
+    """AMX tiles: bf16 matmuls several times faster than float32 (oneDNN). AVX512-BF16 alone is not enough: a
+    bf16 model decoded 7.6x slower than the default float32 one with banyan's integer kernels on a Zen 4 EPYC
+    (docs/quantization.md, "CPUs with AVX-512"), and was not faster than float32 on a Xeon without AMX."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return probe is not None and probe()
 
 
 def attention_backend(name: str, device: torch.device, kv_dtype: torch.dtype | None = None) -> AttentionBackend:

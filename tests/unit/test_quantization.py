@@ -10,7 +10,7 @@ from banyan.errors import InvalidParameterError
 from banyan.quantization import plan_formats, quantize_linears, use_fixed_order, why_not_invariant_by_default
 from banyan.quantization.formats import FP8, INT8, Int4Weight, Int8Weight, WeightFormat
 from banyan.kernels import cpu_gemv
-from banyan.quantization.linear import FixedOrderLinear, QuantizedLinear
+from banyan.quantization.linear import FixedOrderLinear, QuantizedLinear, packed_int_kernels_fast
 
 INT4_64 = WeightFormat("int4", 64)
 
@@ -181,13 +181,14 @@ def test_fixed_order_linear_is_the_float32_matmul_with_rows_independent(weight_a
     ({"model": torch.nn.Sequential(torch.nn.Linear(48, 8))}, "a layer's inputs are not in blocks of 32"),
 ])
 def test_batch_invariance_is_on_by_default_only_where_its_cost_was_measured(change, blocker):
-    """The default (batch_invariant=None) turns the mode on where it costs at most 10% (an AVX2-only x86 CPU, float32
-    model, float32/int8/int4 layers in blocks of 32, torch attention, no LoRA or parallelism); else it names why not."""
+    """The default (batch_invariant=None) turns the mode on where it costs at most 10% (an x86 CPU with AVX2 or AVX-512,
+    float32 model, float32/int8/int4 layers in blocks of 32, torch attention, no LoRA or parallelism); else it names
+    why not."""
     args = dict(model=torch.nn.Sequential(torch.nn.Linear(64, 8)), device=torch.device("cpu"), dtype=torch.float32,
                 plan={"0": WeightFormat("int4", 32)}, attention="torch", lora=False, parallel=False) | change
     why = why_not_invariant_by_default(**args)
-    if torch.backends.cpu.get_cpu_capability() != "AVX2" and args["device"].type == "cpu":
-        assert why == "its cost is measured on AVX2-only CPUs, not this one"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") and args["device"].type == "cpu":
+        assert why == "its cost is measured on x86 CPUs with AVX2 or AVX-512, not this one"
     elif blocker is None and cpu_gemv.load() is None:
         assert why == "banyan's CPU kernels are not built here"
     else:
@@ -286,8 +287,18 @@ def test_the_cpu_default_keeps_what_the_checkpoint_holds_and_no_more():
     assert default_method(None, cpu, torch.bfloat16, "bfloat16", False) == Choice(None)  # bf16 math: its own dtype
     assert default_method(None, cpu, f32, "bfloat16", False) == Choice("fp16")
     gguf = default_method(None, cpu, f32, None, True)
-    avx2_kernel = cpu_gemv.load() is not None and torch.backends.cpu.get_cpu_capability() == "AVX2"
-    assert gguf == (Choice("gguf", mix_fp16=True) if avx2_kernel else Choice("fp16"))
+    kernel = cpu_gemv.load() is not None and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    assert gguf == (Choice("gguf", mix_fp16=True) if kernel else Choice("fp16"))
+
+
+def test_torch_packed_int_kernels_serve_only_where_banyans_kernel_is_not_built(monkeypatch):
+    """On an AVX-512 CPU torch's packed int8/int4 kernels are vectorized, but banyan's (AVX-512 VNNI) was ~20x faster
+    at batch 1 (docs/quantization.md, "CPUs with AVX-512"): torch's take the int layers only without banyan's."""
+    cpu, avx512 = torch.device("cpu"), torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    assert packed_int_kernels_fast(cpu) == (avx512 and cpu_gemv.load() is None)
+    monkeypatch.setattr(cpu_gemv, "load", lambda: None)  # no compiler
+    assert packed_int_kernels_fast(cpu) == avx512
+    assert not packed_int_kernels_fast(torch.device("meta"))
 
 
 def test_without_a_compiler_the_cpu_kernel_is_not_built(monkeypatch, tmp_path):
