@@ -17,7 +17,7 @@ from banyan.spec.config import SpeculativeConfig
 from banyan.tools.formats import FORMATS as TOOL_FORMATS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-KV_CACHE_DTYPES = {"auto": 0, "float16": 2, "bfloat16": 2, "fp8": 1}  # bytes of a cached value (0: the model's)
+KV_CACHE_DTYPES = {"auto": 0, "float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}  # bytes of a value (0: it depends)
 DEFAULT_CPU_KV_BYTES = 1 << 30
 """kv_cache_memory of a CPU model in a server of several models when none is given (one model's: runner/memory.py)."""
 
@@ -192,8 +192,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     """Reuse cached KV pages of any shared prompt prefix."""
     kv_cache_dtype: str = "auto"
-    """KV cache storage: auto (the model's dtype), float16 or bfloat16 (a float32 model's K/V in half the memory), or
-    fp8 (float8_e4m3fn, a per-tensor scale of 1.0: half of bf16's memory, values beyond +-448 clamped)."""
+    """KV cache storage: auto (the model's dtype, but float16 for a float32 model on a CPU, as llama.cpp), float32,
+    float16, bfloat16, or fp8 (float8_e4m3fn, scale 1.0: half of bf16's memory, values beyond +-448 clamped)."""
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from banyan.config import KV_CACHE_DTYPES, EngineConfig
+from banyan.config import EngineConfig
 from banyan.errors import InvalidParameterError
+from banyan.layers.attention.base import kv_torch_dtype
 from banyan.runner.device import resolve_device, resolve_dtype
 from banyan.runner.model_runner import ModelRunner, RunnerLimits
 from banyan.runner.weights import ModelSource, open_model
@@ -44,8 +45,9 @@ def draft_runner_kwargs(config: EngineConfig, draft: ModelSource | None) -> dict
         raise InvalidParameterError("method", "draft_model needs the model in one process (tensor and pipeline "
                                               "parallel size 1)")
     model = config.model
-    dtype = resolve_dtype(model.dtype, draft.arch.torch_dtype, resolve_device(model.device), draft.path.is_file())
-    itemsize = KV_CACHE_DTYPES[config.cache.kv_cache_dtype] or dtype.itemsize
+    device = resolve_device(model.device)
+    dtype = resolve_dtype(model.dtype, draft.arch.torch_dtype, device, draft.path.is_file())
+    itemsize = kv_torch_dtype(config.cache.kv_cache_dtype, dtype, device).itemsize
     return {"draft_kv_bytes_per_token": draft.arch.kv_bytes_per_token(itemsize)}
 
 

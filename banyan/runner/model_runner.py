@@ -69,7 +69,7 @@ class ModelRunner:
         self.limits = limits
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, source.arch.torch_dtype, self.device, source.path.is_file())
-        self.kv_dtype = kv_torch_dtype(cache_config.kv_cache_dtype, self.dtype)
+        self.kv_dtype = kv_torch_dtype(cache_config.kv_cache_dtype, self.dtype, self.device)
         self.page_size = cache_config.block_size
         if self.device.type == "cpu":
             torch.set_num_threads(model_config.num_threads or default_num_threads())

@@ -105,7 +105,7 @@ def _bytes_per_parameter(engine: EngineConfig, arch: ModelArch, is_gguf: bool, o
 def kv_cache_bytes(engine: EngineConfig, arch: ModelArch, on_gpu: bool) -> int:
     cache = engine.cache
     if cache.num_pages is not None:
-        dtype_bytes = KV_CACHE_DTYPES[cache.kv_cache_dtype] or (4 if not on_gpu and engine.model.dtype == "auto" else 2)
+        dtype_bytes = KV_CACHE_DTYPES[cache.kv_cache_dtype] or (4 if on_gpu and engine.model.dtype == "float32" else 2)
         return cache.num_pages * cache.block_size * arch.kv_bytes_per_token(dtype_bytes)
     if cache.kv_cache_memory is not None:
         return cache.kv_cache_memory

@@ -26,6 +26,7 @@ from tests.server_process import start_server
 
 pytestmark = pytest.mark.slow
 ADMIN_KEY = "admin-embeddings-0001"
+F32 = "float32"  # K/V pages as the reference keeps them (a CPU's default for a float32 model is float16)
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paged attention keeps the KV cache in pages.", "héllo 東京"]
 
 
@@ -57,7 +58,7 @@ def llama_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(llama_dir):
     # a budget of 8 tokens a step: every input is chunked; 24 pages of 4 tokens: batches preempt
-    return LLM(str(llama_dir), num_threads=1, block_size=4, num_pages=24, max_num_batched_tokens=8)
+    return LLM(str(llama_dir), num_threads=1, block_size=4, num_pages=24, kv_cache_dtype=F32, max_num_batched_tokens=8)
 
 
 def integrity_clean(llm) -> bool:
@@ -105,14 +106,14 @@ def test_sentence_transformers_mean_pooling_and_matryoshka_truncation(tmp_path):
         {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": False}))
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(config | {"matryoshka_dimensions": [16, 32, 64]}))
-    llm = LLM(str(tmp_path), num_threads=1, block_size=4, num_pages=24, max_num_batched_tokens=8)
+    llm = LLM(str(tmp_path), num_threads=1, block_size=4, num_pages=24, kv_cache_dtype=F32, max_num_batched_tokens=8)
     ids = llm.get_tokenizer().encode(TEXTS[0])
     full, short = llm.embed([ids, ids], [PoolingParams(), PoolingParams(dimensions=16)], use_tqdm=False)
     assert close(full.outputs.embedding, reference(tmp_path, ids, "mean"))
     assert close(short.outputs.embedding, reference(tmp_path, ids, "mean", dimensions=16))
     with pytest.raises(InvalidParameterError, match="one of 16, 32, 64"):
         llm.embed(ids, PoolingParams(dimensions=20), use_tqdm=False)
-    last = LLM(str(tmp_path), num_threads=1, block_size=4, num_pages=24, pooling="last")  # --pooling wins
+    last = LLM(str(tmp_path), num_threads=1, block_size=4, num_pages=24, kv_cache_dtype=F32, pooling="last")  # --pooling wins
     assert close(last.embed(ids, use_tqdm=False)[0].outputs.embedding, reference(tmp_path, ids, "last"))
     assert integrity_clean(llm)
 
@@ -121,7 +122,7 @@ def test_sentence_transformers_mean_pooling_and_matryoshka_truncation(tmp_path):
 @pytest.fixture(scope="module")
 def server(llama_dir):
     proc = start_server(llama_dir, "--served-model-name", "tiny", "--kv-cache-memory", "16MiB", "--max-model-len", "64",
-                        "--admin-api-key", ADMIN_KEY)
+                        "--admin-api-key", ADMIN_KEY, "--kv-cache-dtype", F32)
     yield proc
     assert proc.stop() == 0, proc.log()
 

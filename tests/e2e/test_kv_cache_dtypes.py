@@ -1,6 +1,6 @@
-"""--kv-cache-dtype end to end on a tiny float32 model: fp8 (the torch backend over an fp8 pool), float16 and
-bfloat16 (K/V in half the bytes; on a CPU banyan's attention kernels read float16 pages directly), each against the
-float32 pool.
+"""--kv-cache-dtype end to end on a tiny float32 model: fp8 (the torch backend over an fp8 pool), float16 (auto's
+choice on a CPU) and bfloat16 (K/V in half the bytes; on a CPU banyan's attention kernels read float16 pages
+directly), each against the float32 pool.
 
 Greedy continuations of a random tiny model sit on near-ties, so one flipped token changes everything
 after it; the measure is teacher-forced: the top-1 next token at every prompt position (prefill chunks
@@ -43,11 +43,14 @@ def top1_per_position(path, prompts, **kw):
 
 
 @pytest.mark.parametrize("kv_cache_dtype, dtype, agree, tokens_per_fp32", [
-    ("fp8", FP8, 0.9, 4), ("float16", torch.float16, 0.99, 2), ("bfloat16", torch.bfloat16, 0.97, 2)])
+    ("fp8", FP8, 0.9, 4), ("float16", torch.float16, 0.99, 2), ("bfloat16", torch.bfloat16, 0.97, 2),
+    ("auto", torch.float16, 0.99, 2),  # a float32 model on a CPU keeps float16 pages unless told otherwise
+])
 def test_a_narrower_cache_keeps_the_top1_and_holds_more_tokens(tiny, kv_cache_dtype, dtype, agree, tokens_per_fp32):
     path, prompts = tiny
-    (fp32, full), (narrow, runner) = top1_per_position(path, prompts), top1_per_position(path, prompts,
-                                                                                          kv_cache_dtype=kv_cache_dtype)
+    fp32, full = top1_per_position(path, prompts, kv_cache_dtype="float32")
+    narrow, runner = top1_per_position(path, prompts, kv_cache_dtype=kv_cache_dtype)
+    assert full.kv_caches[0][0].dtype == torch.float32
     assert runner.kv_caches[0][0].dtype == dtype
     assert runner.num_pages >= tokens_per_fp32 * full.num_pages - 1  # the same kv_cache_memory
     same = sum(a == b for x, y in zip(fp32, narrow) for a, b in zip(x, y))

@@ -35,7 +35,8 @@ def reference(model_dir):
 
 @pytest.fixture
 def llm(model_dir):
-    return LLM(str(model_dir), block_size=4, num_threads=1, max_model_len=256)
+    # float32 K/V pages (a CPU's default for a float32 model is float16): logprobs are compared with a forward's
+    return LLM(str(model_dir), block_size=4, num_threads=1, max_model_len=256, kv_cache_dtype="float32")
 
 
 def _warm(llm):

@@ -40,7 +40,8 @@ def reference(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    proc = start_server(model_dir, "--served-model-name", "tiny", "--kv-cache-memory", "64MiB", "--max-model-len", "256")
+    proc = start_server(model_dir, "--served-model-name", "tiny", "--kv-cache-memory", "64MiB", "--max-model-len", "256",
+                        "--kv-cache-dtype", "float32")  # scores compared with a direct float32 forward
     yield proc
     assert proc.stop() == 0, proc.log()
 

@@ -32,7 +32,8 @@ def tiny(tmp_path_factory):
 
 
 def make_llm(root, **kw):
-    options = dict(block_size=4, num_threads=1, enable_lora=True, max_loras=3, max_lora_rank=16) | kw
+    # float32 K/V pages (float16 is a CPU's default): logits are compared with transformers + peft's
+    options = dict(block_size=4, num_threads=1, enable_lora=True, max_loras=3, max_lora_rank=16, kv_cache_dtype="float32") | kw
     return LLM(str(root / "model"), **options)
 
 

@@ -31,8 +31,10 @@ def workload(vocab: int) -> list[list[int]]:
 def make_llm(path, tp: int = 1, pp: int = 1, **kw) -> LLM:
     # 20 pages of 4 tokens: the longest request needs 17 alone, the batch after it preempts; a budget of 8 tokens a
     # step cuts every prompt into chunks.
+    # float32 K/V pages (a CPU's default for a float32 model is float16, whose rounding of K/V would magnify the
+    # all-reduce's last-bit differences past the tolerance)
     kw = dict(num_threads=1, block_size=4, num_pages=20, max_num_batched_tokens=8, tensor_parallel_size=tp,
-              pipeline_parallel_size=pp) | kw
+              pipeline_parallel_size=pp, kv_cache_dtype="float32") | kw
     return LLM(str(path), **kw)
 
 

@@ -162,7 +162,7 @@ def test_a_large_host_fills_the_cap_and_logs_the_numbers(tiny, tmp_path, auto, c
 
 def test_a_small_host_gets_what_is_left(tiny, tmp_path, auto):
     runner = tiny_llm(tiny, num_pages=4).engine.runner  # only to read the shapes
-    per_token, limits = runner.arch.kv_bytes_per_token(4), runner.limits
+    per_token, limits = runner.arch.kv_bytes_per_token(runner.kv_dtype.itemsize), runner.limits
     activations = activation_bytes(runner.arch, limits.max_num_batched_tokens, limits.max_num_seqs, runner.arch.vocab_size)
     free_after_weights = GiB + activations + 100 * 4 * per_token  # the 1 GiB reserve, activations, 100 pages
     auto.setattr(memory, "read_host_memory", write_host(tmp_path, free_after_weights, 2 * GiB))
@@ -171,7 +171,8 @@ def test_a_small_host_gets_what_is_left(tiny, tmp_path, auto):
 
 def test_kv_cache_memory_wins_then_the_environment(tiny, tmp_path, auto):
     auto.setattr(memory, "read_host_memory", write_host(tmp_path, 64 * GiB, 128 * GiB))
-    per_page = 4 * tiny_llm(tiny, num_pages=4).engine.runner.arch.kv_bytes_per_token(4)
+    runner = tiny_llm(tiny, num_pages=4).engine.runner
+    per_page = 4 * runner.arch.kv_bytes_per_token(runner.kv_dtype.itemsize)
     auto.setenv(CPU_KV_ENV, "1MiB")
     assert tiny_llm(tiny).engine.runner.num_pages == MiB // per_page
     assert tiny_llm(tiny, kv_cache_memory=2 * MiB).engine.runner.num_pages == 2 * MiB // per_page

@@ -63,13 +63,14 @@ def test_cpu_log_reports_the_same_facts(tiny, caplog):
         llm = LLM(str(tiny), device="cpu", kv_cache_memory=1 << 20, block_size=4, num_threads=1)
     runner = llm.engine.runner
     tokens = runner.num_pages * 4
-    assert runner.num_pages == (1 << 20) // (4 * runner.arch.kv_bytes_per_token(4))
-    assert f"= {tokens} tokens (float32" in caplog.text
+    assert runner.num_pages == (1 << 20) // (4 * runner.arch.kv_bytes_per_token(2))  # a CPU keeps float16 pages
+    assert f"= {tokens} tokens (float16" in caplog.text
     assert f"{tokens / 512:.1f} requests of the full 512-token context fit; budget: --kv-cache-memory" in caplog.text
 
 
 def test_fp8_cache_holds_four_times_the_fp32_tokens(tiny):
-    fp32 = LLM(str(tiny), device="cpu", kv_cache_memory=1 << 20, block_size=4, num_threads=1).engine.runner
+    fp32 = LLM(str(tiny), device="cpu", kv_cache_memory=1 << 20, block_size=4, num_threads=1,
+               kv_cache_dtype="float32").engine.runner
     fp8 = LLM(str(tiny), device="cpu", kv_cache_memory=1 << 20, block_size=4, num_threads=1, kv_cache_dtype="fp8")
     assert fp8.engine.runner.num_pages == 4 * fp32.num_pages
     assert fp8.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn

@@ -12,9 +12,13 @@ FP8 = torch.float8_e4m3fn  # the fp8 KV cache's dtype (--kv-cache-dtype fp8)
 FP8_MAX = torch.finfo(FP8).max  # 448: e4m3fn has no infinity, so larger values are clamped rather than lost
 
 
-def kv_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache's dtype for CacheConfig.kv_cache_dtype (auto: the model's)."""
-    return {"fp8": FP8, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(kv_cache_dtype, model_dtype)
+def kv_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The cache's dtype for CacheConfig.kv_cache_dtype. auto: the model's, except that a float32 model on a CPU
+    keeps float16 pages (llama.cpp's default): long-context decode there is bound by memory bandwidth, and the
+    fused kernels read and write float16 at float32's accuracy (docs/quantization.md, "Long contexts")."""
+    if kv_cache_dtype == "auto":
+        return torch.float16 if device.type == "cpu" and model_dtype == torch.float32 else model_dtype
+    return FP8 if kv_cache_dtype == "fp8" else getattr(torch, kv_cache_dtype)
 
 
 class AttentionBackend(ABC):
