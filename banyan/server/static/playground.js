@@ -125,17 +125,19 @@ async function send(text) {
   running = new AbortController();
   setBusy(true);
   const start = performance.now();
-  let first = null;
+  let first = null, finish = null;
   try {
     for await (const chunk of streamChat(body, running.signal)) {
-      const delta = chunk.choices.length ? chunk.choices[0].delta : {};
-      if (delta.content) {
+      const choice = chunk.choices.length ? chunk.choices[0] : { delta: {} };
+      if (choice.delta.content) {
         if (first === null) first = performance.now();
-        reply.textContent += delta.content;
+        reply.textContent += choice.delta.content;
         reply.scrollIntoView({ block: "end" });
       }
+      finish = choice.finish_reason || finish;
       if (chunk.usage) showUsage(chunk.usage, (performance.now() - start) / 1000, ((first ?? start) - start) / 1000);
     }
+    if (finish === "length") noteCutShort(reply, body);
     history.push({ role: "assistant", content: reply.textContent });
   } catch (e) {
     if (e.name !== "AbortError") showError(e.message);
@@ -145,6 +147,15 @@ async function send(text) {
     running = null;
     setBusy(false);
   }
+}
+
+// A reply that ran into max_tokens (or the context) says so: structured output cut there is not valid JSON.
+function noteCutShort(reply, body) {
+  const note = document.createElement("p");
+  note.className = "notice";
+  const limit = body.max_tokens === undefined ? "the context's length" : `max_tokens (${body.max_tokens})`;
+  note.textContent = `Cut short at ${limit}` + (body.response_format ? ": the JSON is incomplete." : ".");
+  reply.after(note);
 }
 
 function setBusy(busy) {
