@@ -24,6 +24,7 @@ an assistant turn that already holds text is continued with vLLM's `continue_fin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -73,9 +74,14 @@ class _HTTPBackend(Backend):
         return response.json()
 
     def _stream(self, call: str, url: str, body: dict) -> Iterator[dict]:
-        """The SSE chunks of a streamed answer; an error event or a cut connection raises."""
+        """The SSE chunks of a streamed answer; an error event or a cut connection raises. A kept-alive connection
+        the server had closed before answering is retried once on a new one, as in `post`: no chunk came yet."""
         try:
-            with self.http.stream("POST", url, json=body) as response:
+            try:
+                response = self.http.send(self.http.build_request("POST", url, json=body), stream=True)
+            except httpx.RemoteProtocolError:
+                response = self.http.send(self.http.build_request("POST", url, json=body), stream=True)
+            with contextlib.closing(response):
                 if response.status_code >= 400:
                     response.read()
                     _raise_for_error(call, response)
