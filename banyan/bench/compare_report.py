@@ -33,7 +33,8 @@ def write_report(report: dict, out_dir: Path, name: str) -> list[Path]:
 def markdown(report: dict) -> str:
     results, where = report["results"], report["machine"]
     lines = [f"# banyan bench compare: {report['config']['compare']['name']}", "",
-             f"Machine: {where['cpu']}, {where['num_cpus']} CPUs; {report['created']}.", "",
+             f"Machine: {where['cpu']} ({where.get('isa', 'ISA not recorded')}), {where['num_cpus']} CPUs; "
+             f"{report['created']}.", "",
              "Command: `" + " ".join(report["command"]) + "`", "", "## Goals", "",
              "| goal | banyan | judged against | best baseline | its value | ratio | target | met |",
              "|---|---|---|---|---|---|---|---|"]

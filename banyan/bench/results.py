@@ -13,6 +13,8 @@ import platform
 import sys
 import time
 
+from banyan.kernels.cpu_features import isa
+
 SCHEMA_VERSION = 1
 
 
@@ -29,7 +31,7 @@ def make_report(bench: str, config: dict, results: dict) -> dict:
 
 
 def machine() -> dict:
-    return {"cpu": cpu_model(), "num_cpus": os.cpu_count(), "platform": platform.platform()}
+    return {"cpu": cpu_model(), "isa": isa(), "num_cpus": os.cpu_count(), "platform": platform.platform()}
 
 
 def cpu_model() -> str:
@@ -45,6 +47,9 @@ def cpu_model() -> str:
 
 def markdown_table(report: dict) -> str:
     rows = [f"| {report['bench']} | value |", "|---|---|"]
+    where = report.get("machine")
+    if where:  # CPU timings depend on the vector ISA: every report names it
+        rows.append(f"| machine | {where['cpu']}, {where.get('isa', 'ISA not recorded')}, {where['num_cpus']} CPUs |")
     for key, value in report["results"].items():
         if isinstance(value, dict):
             cells = ", ".join(f"{k} {_fmt(v)}" for k, v in value.items())

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from banyan.kernels.cpu_features import isa
+
 WIDTH, HEIGHT, PAD = 720, 300, 48
 SERIES = (("server_rss", "server RSS (MiB)", "#1f77b4", 2**20), ("core_rss", "engine core RSS (MiB)", "#d62728", 2**20))
 
@@ -14,7 +16,7 @@ def markdown(report: dict) -> str:
     s, machine = results["soak"], report.get("machine", {})
     cfg = results["config"]
     lines = [f"# banyan bench soak: {cfg['streams']} streams x {cfg['minutes']:g} min",
-             "", f"Machine: {machine.get('cpu', '?')} ({isa()}), {machine.get('num_cpus', '?')} CPUs. "
+             "", f"Machine: {machine.get('cpu', '?')} ({machine.get('isa') or isa()}), {machine.get('num_cpus', '?')} CPUs. "
              f"Model: {report['config'].get('model')}.",
              "", "| goal | met |", "|---|---|"]
     lines += [f"| {name} | {'yes' if ok else '**no**'} |" for name, ok in results["goals"].items()]
@@ -32,15 +34,6 @@ def markdown(report: dict) -> str:
     if s.get("examples"):
         lines += ["", "Examples of what failed:", ""] + [f"- `{e}`" for e in s["examples"]]
     return "\n".join(lines) + "\n"
-
-
-def isa() -> str:
-    """The widest x86 vector extension the CPU has (reports name it: CPU timings depend on it)."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "ISA unknown"
-    return next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags), "no AVX2")
 
 
 def _fmt(value) -> str:

@@ -32,6 +32,8 @@ from typing import NamedTuple
 
 import torch
 
+from banyan.kernels.cpu_features import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_attention.c", "cpu_decode.c",
@@ -168,15 +170,6 @@ def build(compiler: str, isa: str) -> Path:
     if not library.exists():
         _compile(compiler, cache, library, flags)
     return library
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
 
 
 def _compile(compiler: str, cache: Path, library: Path, flags: tuple[str, ...]) -> None:

@@ -20,6 +20,7 @@ from banyan.bench.plan import CompareConfig, Run
 from banyan.bench.workloads import (BenchPrompt, conversations, multi_turn_prompts, random_prompts, shared_prefix_prompts,
                                     sharegpt_prompts, turns)
 from banyan.cli import build_parser, engine_config, main
+from banyan.kernels.cpu_features import isa
 from banyan.errors import InvalidParameterError
 from tests.factories import write_model_dir
 from tests.server_process import start_server
@@ -265,7 +266,17 @@ def test_overhead_reports_positive_tokens_per_second(model_dir, tmp_path, capsys
     assert report["schema_version"] == 1 and report["bench"] == "overhead"
     assert report["results"]["total_output_tokens"] == 24
     assert report["results"]["output_throughput"] > 0
-    assert "| output_throughput |" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "| output_throughput |" in table
+    assert report["machine"]["isa"] == isa() and f"| machine | {report['machine']['cpu']}, {isa()}, " in table
+
+
+def test_reports_name_the_vector_isa_and_the_extensions_kernels_use():
+    assert isa({"avx", "avx2", "fma"}) == "AVX2"
+    assert isa({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}) == "AVX-512 (VNNI, BF16)"
+    assert isa({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile"}) == "AVX-512 (VNNI, BF16, AMX)"
+    assert isa({"avx2", "avx_vnni"}) == "AVX2 (AVX-VNNI)"
+    assert isa({"neon"}) == "no AVX2" and isa(set()) == "ISA unknown"
 
 
 def test_throughput_cli_on_a_tiny_model(model_dir, tmp_path):
@@ -413,6 +424,7 @@ def test_compare_end_to_end_quick(model_dir, tmp_path, capsys):
     assert goals["batch-1 decode (1 stream)"]["met"] is None  # no llama-server
     machinery = goals["engine machinery, zero-cost model, batch 8"]
     assert machinery["baseline"] == "target" and machinery["ratio"] == machinery["banyan"] / 30_000
+    assert f"({isa()})" in (tmp_path / "quick.md").read_text()  # the machine line names the ISA
     assert "## Goals" in (tmp_path / "quick.md").read_text() and "| offline | transformers |" in capsys.readouterr().out
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "quick-throughput.png").stat().st_size > 0 and (tmp_path / "quick-latency.png").is_file()

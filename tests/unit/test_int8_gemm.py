@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from banyan.kernels import cpu_gemv
+from banyan.kernels import cpu_features, cpu_gemv
 from banyan.quantization.formats import INT8, WeightFormat
 from banyan.quantization.linear import QuantizedLinear
 
@@ -144,7 +144,7 @@ def test_the_avx512_vnni_build_compiles_and_agrees(monkeypatch, tmp_path):
     except subprocess.CalledProcessError as e:
         pytest.skip(f"the compiler does not build for AVX-512 VNNI: {e.stderr[-200:]}")
     assert library.exists()
-    if "avx512_vnni" not in cpu_gemv.cpu_flags():
+    if "avx512_vnni" not in cpu_features.cpu_flags():
         return  # compiled only: its code cannot run here
     vnni = cpu_gemv.CpuKernels(ctypes.CDLL(str(library)), "avx512_vnni")
     avx2 = cpu_gemv.CpuKernels(ctypes.CDLL(str(cpu_gemv.build(compiler, "avx2"))), "avx2")
