@@ -2,7 +2,8 @@
 
 A batch-1 decode step of the default model ran nine ctypes calls a layer from Python (norm, the four matmuls,
 RoPE + KV store, attention, SiLU * up, the residual adds), with the module calls, checks and output tensors
-around each: about half of the step. For a step of at most MAX_ROWS rows the same kernels run in the same order
+around each: about half of the step. For a step of a few rows (MAX_ROWS, or WIDE_ROWS where no linear layer keeps a
+float16 copy for wide calls) the same kernels run in the same order
 from C, so the hidden states have the same bits as the module path; Python does the embedding, one call, and
 the final norm:
 
@@ -28,8 +29,12 @@ from banyan.models.blocks import CausalLM, DecoderLayer, GatedMLP, RopeAttention
 from banyan.quantization.linear import QuantizedLinear
 
 MAX_ROWS = 8
-"""Rows a step may have: the narrow kernels' limit (QuantizedLinear uses them up to there) and the attention's
-(TorchAttentionBackend sends requests of at most KERNEL_QUERY = 8 new rows to the fused kernel)."""
+"""Rows a step may have where a linear layer keeps a float16 copy for wider calls (QuantizedLinear takes its narrow
+kernel up to there), and new rows a request may have unless attention runs in a fixed order (TorchAttentionBackend
+sends requests of at most KERNEL_QUERY = 8 new rows to the fused kernel, every request in batch-invariant mode)."""
+WIDE_ROWS = 256
+"""Rows a step may have where every linear layer takes its narrow kernel at any width (int4 layers; every layer in
+batch-invariant mode): 16 decode streams ran the module path's ~60 Python-side ops a layer before."""
 
 
 class CpuDecodeStep:
@@ -45,11 +50,12 @@ class CpuDecodeStep:
             eps=model.model.layers[0].input_layernorm.eps, scale=attn.scale, cos=rotary.cos.data_ptr(),
             sin=rotary.sin.data_ptr(), kv_half=cpu_decode.kv_kind(kv_caches[0][0], cpu_decode.STORE_DTYPES))
         self.group = attn.num_heads // attn.num_kv_heads
-        widest = max(arch.hidden_size, arch.intermediate_size, attn.q_size)
-        width = 2 * arch.hidden_size + attn.q_size + 2 * attn.kv_size + attn.q_size + 3 * arch.intermediate_size
-        self.work = torch.empty(MAX_ROWS * width, dtype=torch.float32)
-        self.quant_scratch = torch.empty(MAX_ROWS * widest + 8 * MAX_ROWS * (widest // 32), dtype=torch.uint8)
-        self.step.quant_scratch = self.quant_scratch.data_ptr()
+        linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, QuantizedLinear)]
+        self.max_rows = MAX_ROWS if any(m.wide is not None for m in linears) else WIDE_ROWS
+        self.max_query = self.max_rows if attn.attn.fixed_order is not None else MAX_ROWS
+        self.widest = max(arch.hidden_size, arch.intermediate_size, attn.q_size)
+        self.width = 2 * arch.hidden_size + attn.q_size + 2 * attn.kv_size + attn.q_size + 3 * arch.intermediate_size
+        self.work = self.quant_scratch = torch.empty(0, dtype=torch.uint8)  # both grown with the widest step
         self.attn_scratch = torch.empty(0, dtype=torch.float32)  # grown with the longest context
 
     @classmethod
@@ -62,13 +68,14 @@ class CpuDecodeStep:
         return cls(model, kv_caches, kernel)
 
     def fits(self, fb: ForwardBatch) -> bool:
-        return 0 < fb.num_tokens <= MAX_ROWS
+        return 0 < fb.num_tokens <= self.max_rows and max(fb.query_lens) <= self.max_query
 
     def run(self, fb: ForwardBatch) -> torch.Tensor:
         """The final hidden states of the step's rows, [num_tokens, hidden], as CausalLM.forward computes them."""
         x = self.model.model.embed_tokens(fb.input_ids).contiguous()  # [num_tokens, hidden], a new tensor
         starts = [0, *itertools.accumulate(fb.query_lens)]  # the host copy: no read of query_start_loc
-        rows = paged_rows(fb, starts, MAX_ROWS)  # every row: none has more than MAX_ROWS new rows
+        rows = paged_rows(fb, starts, self.max_query)  # every row: none has more than max_query new rows
+        self._grow_scratch(fb.num_tokens)
         threads = torch.get_num_threads()
         room = cpu_decode.attention_scratch(threads, self.group, rows.max_keys)
         if self.attn_scratch.numel() < room:
@@ -80,6 +87,13 @@ class CpuDecodeStep:
         s.max_keys, s.attn_scratch = rows.max_keys, self.attn_scratch.data_ptr()
         self.kernel(self.layers, len(self.layers), s, x, self.work)
         return self.model.model.norm(x)
+
+    def _grow_scratch(self, rows: int) -> None:
+        """The activations' work space and x as int8 blocks (decode_layers' sizes) for `rows` rows."""
+        if self.work.numel() < rows * self.width:
+            self.work = torch.empty(rows * self.width, dtype=torch.float32)
+            self.quant_scratch = torch.empty(rows * self.widest + 8 * rows * (self.widest // 32), dtype=torch.uint8)
+            self.step.quant_scratch = self.quant_scratch.data_ptr()
 
 
 def _plain(model: torch.nn.Module, attn, kv_caches) -> bool:

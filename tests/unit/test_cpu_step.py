@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from banyan import LLM, SamplingParams
-from banyan.config import CacheConfig, EngineConfig, ModelConfig
+from banyan.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from banyan.forward_batch import ForwardBatch
 from banyan.kernels import cpu_decode_layers
+from banyan.runner.cpu_step import MAX_ROWS, WIDE_ROWS
 from tests.factories import write_model_dir
 
 needs_kernels = pytest.mark.skipif(cpu_decode_layers.load() is None, reason="needs an x86 CPU with AVX2 and a C compiler")
@@ -20,9 +21,10 @@ needs_kernels = pytest.mark.skipif(cpu_decode_layers.load() is None, reason="nee
 MAX_NEW = 10
 
 
-def make_llm(path, quantization, kv_cache_dtype="auto", **model):
+def make_llm(path, quantization, kv_cache_dtype="auto", max_num_batched_tokens=2048, **model):
     config = EngineConfig(model=ModelConfig(str(path), num_threads=1, quantization=quantization, **model),
-                          cache=CacheConfig(block_size=4, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype))
+                          cache=CacheConfig(block_size=4, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens))
     return LLM.from_config(config)
 
 
@@ -59,6 +61,32 @@ def test_one_call_gives_the_module_paths_bits(tmp_path, arch, quantization, over
     step, runner.cpu_step = runner.cpu_step, None
     assert outputs(llm, prompts) == fused
     runner.cpu_step = step
+
+
+@needs_kernels
+@pytest.mark.parametrize("model, max_query", [
+    ({"batch_invariant": False}, MAX_ROWS),  # int4 layers take the kernel at any width: wide decode steps
+    ({"batch_invariant": True}, WIDE_ROWS),  # attention in a fixed order too: prefill chunks as well
+])
+def test_wide_steps_take_the_one_call_where_every_layer_takes_the_kernel(tmp_path, model, max_query):
+    """20 requests at once: decode steps of 20 rows (and, batch-invariant, whole 12-token prompts) in one C call,
+    with the module path's bits; otherwise a request of more than MAX_ROWS new rows keeps the module path."""
+    hf = write_model_dir(tmp_path, "llama", seed=3)
+    llm = make_llm(tmp_path, "int4", max_num_batched_tokens=32, **model)
+    step = llm.engine.runner.cpu_step
+    assert (step.max_rows, step.max_query) == (WIDE_ROWS, max_query)
+    seen = []
+    run = step.run
+    step.run = lambda fb: seen.append((fb.num_tokens, max(fb.query_lens))) or run(fb)
+    prompts = [[random.Random(i).randrange(3, hf.config.vocab_size) for _ in range(12)] for i in range(20)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)  # all 20 decode at once
+    fused = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert 20 in [rows for rows, query in seen if query == 1]
+    assert max(query for _, query in seen) == 12 if max_query == WIDE_ROWS else max(q for _, q in seen) <= MAX_ROWS
+    llm.engine.runner.cpu_step = None
+    modules = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in fused] == \
+        [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in modules]
 
 
 @pytest.mark.parametrize("arch, quantization, why", [
