@@ -98,7 +98,8 @@ def test_default_model_compact_gguf_matches_dequantized():
     params = SamplingParams(temperature=0.0, max_tokens=24)
     results = {}
     for quantization in ("none", None, "gguf", "int8", "int4"):
-        llm = make_llm("smollm2-135m-instruct", quantization, max_model_len=512)
+        # float32 compute: "none" is the float32 reference (a CPU with AMX would run the GGUF file in bf16)
+        llm = make_llm("smollm2-135m-instruct", quantization, max_model_len=512, dtype="float32")
         text = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
         ppl, n = perplexity(llm, TEXT)
         results[quantization] = (text, ppl, model_weight_bytes(llm.engine.runner.model))

@@ -55,7 +55,9 @@ def test_q8_0_is_requantized_per_row_with_a_small_error(tmp_path):
 
 
 def greedy_tokens(path, quantization, prompts):
-    llm = LLM.from_config(EngineConfig(model=ModelConfig(str(path), num_threads=1, quantization=quantization)))
+    # float32 compute (the default on a CPU without AMX; with AMX a GGUF file would run in bf16)
+    llm = LLM.from_config(EngineConfig(model=ModelConfig(str(path), num_threads=1, quantization=quantization,
+                                                         dtype="float32")))
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
