@@ -62,26 +62,26 @@ class _HTTPBackend(Backend):
         self.dialect = dialect_of(self.owned_by)  # how it takes constraints (lang/constraints.py)
 
     # -- HTTP ----------------------------------------------------------------------------------
+    def _send(self, url: str, body: dict, stream: bool = False) -> httpx.Response:
+        """POST body to url. A kept-alive connection the server had closed (llama-server does after 5 s idle) raises
+        RemoteProtocolError before anything was answered: the request goes once more, on a new connection."""
+        try:
+            return self.http.send(self.http.build_request("POST", url, json=body), stream=stream)
+        except httpx.RemoteProtocolError:
+            return self.http.send(self.http.build_request("POST", url, json=body), stream=stream)
+
     def post(self, call: str, url: str, body: dict) -> dict:
         try:
-            try:
-                response = self.http.post(url, json=body)
-            except httpx.RemoteProtocolError:  # a kept-alive connection the server had closed (llama-server does after
-                response = self.http.post(url, json=body)  # 5 s idle): nothing was answered, so once more on a new one
+            response = self._send(url, body)
         except httpx.HTTPError as e:
             raise BackendUnavailableError(call, f"{url}: {e!r}") from e
         _raise_for_error(call, response)
         return response.json()
 
     def _stream(self, call: str, url: str, body: dict) -> Iterator[dict]:
-        """The SSE chunks of a streamed answer; an error event or a cut connection raises. A kept-alive connection
-        the server had closed before answering is retried once on a new one, as in `post`: no chunk came yet."""
+        """The SSE chunks of a streamed answer; an error event or a cut connection raises."""
         try:
-            try:
-                response = self.http.send(self.http.build_request("POST", url, json=body), stream=True)
-            except httpx.RemoteProtocolError:
-                response = self.http.send(self.http.build_request("POST", url, json=body), stream=True)
-            with contextlib.closing(response):
+            with contextlib.closing(self._send(url, body, stream=True)) as response:
                 if response.status_code >= 400:
                     response.read()
                     _raise_for_error(call, response)

@@ -55,7 +55,8 @@ class CpuDecodeStep:
         self.max_query = self.max_rows if attn.attn.fixed_order is not None else MAX_ROWS
         self.widest = max(arch.hidden_size, arch.intermediate_size, attn.q_size)
         self.width = 2 * arch.hidden_size + attn.q_size + 2 * attn.kv_size + attn.q_size + 3 * arch.intermediate_size
-        self.work = self.quant_scratch = torch.empty(0, dtype=torch.uint8)  # both grown with the widest step
+        self.work = torch.empty(0, dtype=torch.float32)  # both grown with the widest step (_grow_scratch)
+        self.quant_scratch = torch.empty(0, dtype=torch.uint8)
         self.attn_scratch = torch.empty(0, dtype=torch.float32)  # grown with the longest context
 
     @classmethod
