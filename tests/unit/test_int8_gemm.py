@@ -5,6 +5,7 @@ accumulation; every row's bits independent of the rows beside it; the AVX-512 VN
 from __future__ import annotations
 
 import ctypes
+import itertools
 import shutil
 import subprocess
 
@@ -135,8 +136,10 @@ def test_a_layer_without_a_float16_copy_sends_every_row_to_the_kernel(fmt):
 
 
 def test_the_avx512_vnni_build_compiles_and_agrees(monkeypatch, tmp_path):
-    """The library built with -mavx512vnni (vpdpbusd for the dot products) compiles wherever the compiler knows
-    the flags, and where the CPU has VNNI it gives the AVX2 build's bits."""
+    """The library built with -mavx512vnni (vpdpbusd for the dot products, int4 row groups paired in 512-bit
+    vectors) compiles wherever the compiler knows the flags, and where the CPU has VNNI it gives the AVX2 build's
+    bits: for a row group paired or alone (33 rows: 5 groups, the last of 1 row, split 5 / 3+2 / 2+2+1 between
+    threads), and for x rounded by one thread or by all."""
     compiler = shutil.which("cc")
     monkeypatch.setenv("BANYAN_CACHE_DIR", str(tmp_path))
     try:
@@ -149,6 +152,13 @@ def test_the_avx512_vnni_build_compiles_and_agrees(monkeypatch, tmp_path):
     vnni = cpu_gemv.CpuKernels(ctypes.CDLL(str(library)), "avx512_vnni")
     avx2 = cpu_gemv.CpuKernels(ctypes.CDLL(str(cpu_gemv.build(compiler, "avx2"))), "avx2")
     weight = interleaved(int4_weight(33, 576, 32), 32)
-    q8, scale8, x = torch.randint(-127, 128, (33, 576), dtype=torch.int8), torch.rand(33), torch.randn(13, 576)
-    assert torch.equal(vnni.int4(x, weight), avx2.int4(x, weight))
-    assert torch.equal(vnni.int8(x, q8, scale8), avx2.int8(x, q8, scale8))
+    q8, scale8 = torch.randint(-127, 128, (33, 576), dtype=torch.int8), torch.rand(33)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads, rows in itertools.product((1, 2, 3), (1, 13)):
+            torch.set_num_threads(num_threads)
+            x = torch.randn(rows, 576)
+            assert torch.equal(vnni.int4(x, weight), avx2.int4(x, weight)), (num_threads, rows)
+            assert torch.equal(vnni.int8(x, q8, scale8), avx2.int8(x, q8, scale8)), (num_threads, rows)
+    finally:
+        torch.set_num_threads(threads)
