@@ -4,13 +4,14 @@ context: the numbers behind a change to it.
     git show HEAD:banyan/kernels/cpu_decode.c > /tmp/before.c
     python benchmarks/paged_attention_ab.py /tmp/before.c banyan/kernels/cpu_decode.c [--threads 2] [--rounds 6]
 
-Each file is compiled alone (cc, the flags banyan builds with) into its own library and bound with
+Each file is compiled alone (cc, the flags banyan builds with on this CPU) into its own library and bound with
 `cpu_decode.DecodeKernels`, so both must have this tree's `paged_attention` signature (for a kernel of an older
 signature, measure both trees' benchmarks/paged_attention_ab.py with the same file twice instead). Every case is one decode step's
 or one prefill chunk's attention through 30 layers, each layer its own K/V pages (as a model's are, so the pages come
 from memory, not cache), with the default model's shape (9 query heads, 3 KV heads, head_dim 64, pages of 16):
 
-    decode      8 sequences at 1,400 tokens, one new row each (float32, float16 and fp8 pages), and 1 sequence
+    decode      8 sequences at 1,400 tokens, one new row each (float32, float16 and fp8 pages), 1 sequence, and
+                64 sequences at 192 tokens (offline 64 x 128/128 halfway through its decode)
     prefill     8 sequences, 128 new rows each after a 1,272-token prefix (a multi-turn conversation's next turn)
     mixed       prefill chunks of 64 rows beside decode rows, contexts of 467-1,400 tokens
 
@@ -31,12 +32,15 @@ from pathlib import Path
 import torch
 
 from banyan.kernels import cpu_decode, cpu_gemv
+from banyan.kernels.cpu_features import cpu_flags
 
 PAGE, KV_HEADS, HEAD_DIM, HEADS, LAYERS = 16, 3, 64, 9, 30
 
 
 def build(source: str, out: Path) -> cpu_decode.DecodeKernels:
-    subprocess.run(["cc", *cpu_gemv.FLAGS, source, "-o", str(out), "-lm"], check=True)
+    """Compiled as banyan compiles it on this CPU (with the AVX-512 flags where it has VNNI: 32 vector registers)."""
+    isa = "avx512_vnni" if "avx512_vnni" in cpu_flags() else "avx2"
+    subprocess.run(["cc", *cpu_gemv.FLAGS, *cpu_gemv.ISA_FLAGS[isa], source, "-o", str(out), "-lm"], check=True)
     return cpu_decode.DecodeKernels(ctypes.CDLL(str(out)))
 
 
@@ -63,6 +67,7 @@ CASES = {
     "decode 8 x 1,400, float16": lambda: case(8, 1400, 1, torch.float16),
     "decode 8 x 1,400, fp8": lambda: case(8, 1400, 1, torch.float8_e4m3fn),
     "decode 1 x 1,400, float32": lambda: case(1, 1400, 1, torch.float32),
+    "decode 64 x 192, float16": lambda: case(64, 192, 1, torch.float16),
     "prefill 8 x 128 at 1,400, float32": lambda: case(8, 1400, 128, torch.float32),
     "prefill 8 x 128 at 1,400, float16": lambda: case(8, 1400, 128, torch.float16),
     "prefill 8 x 128 at 1,400, fp8": lambda: case(8, 1400, 128, torch.float8_e4m3fn),

@@ -284,10 +284,10 @@ static inline __attribute__((always_inline)) void weighted_add(const float *p, c
 static inline __attribute__((always_inline)) void weighted_add_heads(const float *const p[3], const int NH, const void *v,
                                                                      size_t at, const uint32_t *slot, size_t token, int n,
                                                                      const int lanes, float *const o[3], const int kind) {
-    __m256 acc[3][4];
+    __m256 acc[3][8];
     for (int h = 0; h < NH; h++)
         for (int r = 0; r < lanes; r++) acc[h][r] = _mm256_loadu_ps(o[h] + 8 * r);
-    for (int j = 0; j < n; j++) {  /* 12 sums, 3 weights and a V vector: the 16 registers */
+    for (int j = 0; j < n; j++) {  /* 12 sums, 3 weights and a V vector: the 16 registers (24 sums: AVX-512's 32) */
         const size_t row = at + slot[j] * token;
         __m256 w[3];
         for (int h = 0; h < NH; h++) w[h] = _mm256_set1_ps(p[h][j]);
@@ -410,9 +410,11 @@ static inline __attribute__((always_inline)) void attend_pages(
                     keys = block;
                 } else {
                     for (int u = 0; u < 8; u++) kr[u] = head_at + slot[j + (u < m ? u : 0)] * token;
-                    /* a decode row reads its keys in place: fetch the K rows ahead */
-                    for (int u = j + PREFETCH_KEYS; u < j + PREFETCH_KEYS + 8 && u < span; u++)
-                        prefetch_kv(k_cache, head_at + slot[u] * token, D, kind);
+                    /* a decode row reads its keys in place: fetch the K rows ahead, from its first key on; the first
+                     * KV head fetches every head's row of a key (one run of memory: the next heads find theirs in cache) */
+                    const size_t fetch_at = kh == 0 ? 0 : head_at, fetch_width = kh == 0 ? token : (size_t)D;
+                    for (int u = j == 0 ? 0 : j + PREFETCH_KEYS; u < j + PREFETCH_KEYS + 8 && u < span; u++)
+                        prefetch_kv(k_cache, fetch_at + slot[u] * token, fetch_width, kind);
                 }
                 for (int t = 0; t < rows_here; t++) {
                     const float *qr = q + (size_t)rows[i0 + t] * q_stride + (size_t)kh * group * D;
@@ -451,7 +453,14 @@ static inline __attribute__((always_inline)) void attend_pages(
                 float *o = out + ((size_t)rows[i0 + t] * H + (size_t)kh * group) * D;
                 for (int d = 0; d < group * D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
             }
-            const int cw = group > 1 ? 32 : 64;  /* the output columns at a time: 8 registers for one head, 4 for more */
+            /* the output columns at a time: 8 registers for one head, 4 for more; with AVX-512's 32 registers, a row
+             * reading in place takes 64 columns of three heads (24 registers), each V row's in one pass (a column's
+             * sums are the same FMAs in the same order however the columns are cut: the same bits) */
+#if defined(__AVX512F__)
+            const int cw = group > 1 && gather ? 32 : 64;
+#else
+            const int cw = group > 1 ? 32 : 64;
+#endif
             for (int c = 0; c < D; c += cw)
                 for (int j = 0; j < span; j += V_BLOCK) {
                     const int j_end = span - j < V_BLOCK ? span : j + V_BLOCK, width = D - c < cw ? D - c : cw;
@@ -461,7 +470,9 @@ static inline __attribute__((always_inline)) void attend_pages(
                     if (gather) {
                         gather_rows(v_cache, head_at + c, slot + j, token, j_end - j, width, block, kind);
                         values = block, value_at = 0, value_token = (size_t)width;
-                    }
+                    } else if (c == 0)  /* in place: the next block's V rows (every head's, from the first head) */
+                        for (int u = j == 0 ? 0 : j_end; u < j_end + V_BLOCK && u < span; u++)
+                            prefetch_kv(v_cache, (kh == 0 ? 0 : head_at) + slot[u] * token, kh == 0 ? token : (size_t)D, kind);
                     for (int t = 0; t < rows_here; t++) {  /* each row's keys of this block, in position order */
                         const int lo = first[t] - base, hi = positions[i0 + t] - base + 1;
                         const int from = j > lo ? j : lo, to = j_end < hi ? j_end : hi;
@@ -485,6 +496,8 @@ static inline __attribute__((always_inline)) void attend_pages(
                             const float *gathered = block + (size_t)(from - j) * 32;  /* when gather and width 32 */
                             if (gather && width == 32 && nh == 3) weighted_add_heads_rows(ph, 3, gathered, n, oh);
                             else if (gather && width == 32 && nh == 2) weighted_add_heads_rows(ph, 2, gathered, n, oh);
+                            else if (width == 64 && nh == 3 && !gather) weighted_add_heads(ph, 3, values, value_at, vs, value_token, n, 8, oh, kind);
+                            else if (width == 64 && nh == 2 && !gather) weighted_add_heads(ph, 2, values, value_at, vs, value_token, n, 8, oh, kind);
                             else if (width == 32 && nh == 3) weighted_add_heads(ph, 3, values, value_at, vs, value_token, n, 4, oh, gather ? KV_F32 : kind);
                             else if (width == 32 && nh == 2) weighted_add_heads(ph, 2, values, value_at, vs, value_token, n, 4, oh, gather ? KV_F32 : kind);
                             else

@@ -3,13 +3,15 @@ fallback: where they do not apply, `kernels_for` answers None and the layers kee
 
 from __future__ import annotations
 
+import ctypes
 import random
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from banyan.kernels import cpu_decode
+from banyan.kernels import cpu_decode, cpu_features, cpu_gemv
 from banyan.layers.activation import gated_activation
 from banyan.layers.norm import RMSNorm
 from banyan.layers.attention.base import FP8, to_cache_dtype, write_kv_cache
@@ -225,6 +227,32 @@ def test_a_tiles_gathered_keys_give_each_row_its_bits_alone_at_every_head_dim(di
     large to gather (264, read in place by the tile too)."""
     specs = [(5, cpu_decode.ATTENTION_TILE + 3), (0, 9), (21, 1)]
     assert_rows_together_are_rows_alone(specs, paged_case(specs, 4, 2, 6, dim, dim, kv_dtype), None)
+
+
+@pytest.fixture(scope="module")
+def both_builds(tmp_path_factory):
+    """The library built for AVX2 and for AVX-512 VNNI (each loaded beside the process's own)."""
+    if KERNELS is None or "avx512_vnni" not in cpu_features.cpu_flags():
+        pytest.skip("the AVX-512 build cannot run on this CPU")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("BANYAN_CACHE_DIR", str(tmp_path_factory.mktemp("kernels")))
+        return [cpu_decode.DecodeKernels(ctypes.CDLL(str(cpu_gemv.build(shutil.which("cc"), isa))))
+                for isa in ("avx2", "avx512_vnni")]
+
+
+@READ_DTYPES
+def test_the_avx512_build_gives_the_avx2_builds_attention_bits(kv_dtype, both_builds):
+    """The AVX-512 build's decode rows take 64 output columns of three heads a pass (32 registers) where the AVX2
+    build takes 32: the same sums in the same order, so the same bits, for decode rows and prefill tiles alike."""
+    builds = both_builds
+    specs = [(40, 1), (7, 1), (3, cpu_decode.ATTENTION_TILE + 2), (70, 1)]
+    q, k_cache, v_cache, table, seq_of_row, positions = paged_case(specs, 16, 3, 9, 64, 3, kv_dtype)
+    rows = cpu_decode.PagedRows(list(range(len(positions))), seq_of_row, positions, table)
+    outs = []
+    for kernels in builds:
+        outs.append(torch.full_like(q, float("nan")))
+        kernels.paged_attention(q, k_cache, v_cache, outs[-1], rows, 0.125, None)
+    assert torch.equal(outs[0], outs[1])
 
 
 def assert_rows_together_are_rows_alone(specs, case, window):
