@@ -152,7 +152,7 @@ static inline __attribute__((always_inline)) void int4_tile(const uint8_t *wp, c
 /* Two row groups at once (G and G + 1) in 512-bit vectors: lanes 0-7 are group G's 8 rows, lanes 8-15 group G + 1's,
  * so one broadcast of x and one `vpdpbusd` serve 16 weight rows. A 512-bit vpdpbusd does twice a 256-bit one's
  * products at about half its rate on a Zen 4, but the broadcasts, converts and scalings a block are halved: 1.35-1.5x
- * int4_tile's rate from 8 rows of x up, 1.1-1.2x at 1 (benchmarks/README.md). Every lane takes int4_tile's
+ * int4_tile's rate from 8 rows of x up where the weights are in cache (docs/quantization.md). Every lane takes int4_tile's
  * instructions in int4_tile's order, so a row's bits are the same whether its group is paired or runs alone. */
 #define INT4_PAIRS 1
 static inline __m512i load_pair_si(const uint8_t *a, const uint8_t *b) {
@@ -206,6 +206,9 @@ static inline __attribute__((always_inline)) void int4_tile16(const uint8_t *wp,
 #else
 #define INT4_PAIRS 0
 #endif
+/* Rows of x from which row groups go in pairs. Below, a call is bound by streaming the weights from memory, and two
+ * streams a thread measured 6-11% slower than one (1-4 rows, 30 layers' weights, 2 threads on the Zen 4). */
+#define INT4_PAIR_ROWS 8
 
 /* A tile of R rows of x (at most INT4_ROWS) against one row group (TILE int4_tile) or two (int4_tile16). */
 #define INT4_TILE_CALL(TILE)                                                                                       \
@@ -261,7 +264,7 @@ void int4_gemv(const float *x, void *scratch, const uint8_t *packed, const float
         for (int m0 = 0; m0 < M; m0 += pass) {
             const int m_end = m0 + pass < M ? m0 + pass : M;
             for (int G = g_begin; G < g_end; G++) {
-                const int pair = INT4_PAIRS && G + 1 < g_end, width = pair ? 16 : 8;
+                const int pair = INT4_PAIRS && M >= INT4_PAIR_ROWS && G + 1 < g_end, width = pair ? 16 : 8;
                 const uint8_t *wp = packed + (size_t)G * blocks * 128;
                 const float *s8 = scale + (size_t)G * groups * 8, *o8 = offset + (size_t)G * groups * 8;
                 const int lanes = N - 8 * G < width ? N - 8 * G : width;
