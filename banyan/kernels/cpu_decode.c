@@ -279,7 +279,7 @@ static inline __attribute__((always_inline)) void weighted_add(const float *p, c
     for (int r = 0; r < lanes; r++) _mm256_storeu_ps(o + 8 * r, acc[r]);
 }
 
-/* weighted_add for NH (1 to 3) heads at once over width <= 32 floats: o[h] += sum_j p[h][j] * v[slot[j]] in j order,
+/* weighted_add for NH (1 to 3) heads at once over width <= 32 floats (64 with AVX-512's registers; lanes = width / 8): o[h] += sum_j p[h][j] * v[slot[j]] in j order,
  * each V row loaded once for every head (the same FMAs in the same order for each output, so the same bits). */
 static inline __attribute__((always_inline)) void weighted_add_heads(const float *const p[3], const int NH, const void *v,
                                                                      size_t at, const uint32_t *slot, size_t token, int n,
@@ -385,6 +385,9 @@ static inline __attribute__((always_inline)) void attend_pages(
             const int span = top - base + 1;  /* the keys any row of the tile sees: [base, top] */
             const int32_t *table = tables + (size_t)seq_of_row[i0] * table_stride;
             const size_t head_at = (size_t)kh * D;  /* this KV head's elements within a token's row */
+            /* what a row reading in place fetches ahead of a key: the first KV head every head's row of it (one run of
+             * memory: the next heads find theirs in cache), the others their own */
+            const size_t fetch_at = kh == 0 ? 0 : head_at, fetch_width = kh == 0 ? token : (size_t)D;
             float *p = scratch + (size_t)omp_get_thread_num() * (Q_TILE * group + 1) * max_keys;  /* [t][g][span] */
             uint32_t *slot = (uint32_t *)(p + (size_t)Q_TILE * group * max_keys);
             for (int j = 0, page = base / P, at = base % P; j < span; j++) {  /* one division, not one a key */
@@ -410,9 +413,7 @@ static inline __attribute__((always_inline)) void attend_pages(
                     keys = block;
                 } else {
                     for (int u = 0; u < 8; u++) kr[u] = head_at + slot[j + (u < m ? u : 0)] * token;
-                    /* a decode row reads its keys in place: fetch the K rows ahead, from its first key on; the first
-                     * KV head fetches every head's row of a key (one run of memory: the next heads find theirs in cache) */
-                    const size_t fetch_at = kh == 0 ? 0 : head_at, fetch_width = kh == 0 ? token : (size_t)D;
+                    /* a decode row reads its keys in place: fetch the K rows ahead, from its first key on */
                     for (int u = j == 0 ? 0 : j + PREFETCH_KEYS; u < j + PREFETCH_KEYS + 8 && u < span; u++)
                         prefetch_kv(k_cache, fetch_at + slot[u] * token, fetch_width, kind);
                 }
@@ -470,9 +471,9 @@ static inline __attribute__((always_inline)) void attend_pages(
                     if (gather) {
                         gather_rows(v_cache, head_at + c, slot + j, token, j_end - j, width, block, kind);
                         values = block, value_at = 0, value_token = (size_t)width;
-                    } else if (c == 0)  /* in place: the next block's V rows (every head's, from the first head) */
+                    } else if (c == 0)  /* in place: the next block's V rows while this one's are added */
                         for (int u = j == 0 ? 0 : j_end; u < j_end + V_BLOCK && u < span; u++)
-                            prefetch_kv(v_cache, (kh == 0 ? 0 : head_at) + slot[u] * token, kh == 0 ? token : (size_t)D, kind);
+                            prefetch_kv(v_cache, fetch_at + slot[u] * token, fetch_width, kind);
                     for (int t = 0; t < rows_here; t++) {  /* each row's keys of this block, in position order */
                         const int lo = first[t] - base, hi = positions[i0 + t] - base + 1;
                         const int from = j > lo ? j : lo, to = j_end < hi ? j_end : hi;

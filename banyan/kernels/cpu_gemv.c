@@ -151,7 +151,7 @@ static inline __attribute__((always_inline)) void int4_tile(const uint8_t *wp, c
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 /* Two row groups at once (G and G + 1) in 512-bit vectors: lanes 0-7 are group G's 8 rows, lanes 8-15 group G + 1's,
  * so one broadcast of x and one `vpdpbusd` serve 16 weight rows. A 512-bit vpdpbusd does twice a 256-bit one's
- * products at about half its rate on a Zen 4, but the broadcasts, converts and scalings a block are halved: 1.35-1.5x
+ * products at about half its rate on a Zen 4, but the broadcasts, converts and scalings a block are halved: 1.35-1.8x
  * int4_tile's rate from 8 rows of x up where the weights are in cache (docs/quantization.md). Every lane takes int4_tile's
  * instructions in int4_tile's order, so a row's bits are the same whether its group is paired or runs alone. */
 #define INT4_PAIRS 1
