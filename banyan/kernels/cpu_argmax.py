@@ -52,7 +52,7 @@ def argmax_for(x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None
 
 @functools.cache  # one binding per process, over cpu_gemv's one library
 def _load() -> Callable[[torch.Tensor], torch.Tensor] | None:
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if not cpu_gemv.vector_cpu():
         return None
     gemv = cpu_gemv.load()
     if gemv is None:

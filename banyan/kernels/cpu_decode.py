@@ -142,7 +142,7 @@ def kernels_for(device: torch.device, dtype: torch.dtype) -> DecodeKernels | Non
 
 @functools.cache  # one binding per process, over cpu_gemv's one library
 def _load() -> DecodeKernels | None:
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if not cpu_gemv.vector_cpu():
         return None
     gemv = cpu_gemv.load()
     return None if gemv is None else DecodeKernels(gemv._lib)

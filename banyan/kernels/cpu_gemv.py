@@ -134,11 +134,16 @@ def _scratch(m: int, k: int) -> torch.Tensor:
     return torch.empty(m * k + 8 * m * (k // 32), dtype=torch.uint8)
 
 
+def vector_cpu() -> bool:
+    """Whether torch reports AVX2 or AVX-512 here: the x86 vector ISAs this library is built for, and the ones the
+    defaults that rest on it (its kernels, batch invariance) were measured on."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
 def supported(weight_device: torch.device, dtype: torch.dtype, in_features: int) -> bool:
     """Whether these kernels can serve a layer: float32 on an AVX2 (or newer) CPU, inputs in blocks of 32."""
-    capability = torch.backends.cpu.get_cpu_capability()
     return (weight_device.type == "cpu" and dtype == torch.float32 and in_features % 32 == 0
-            and capability in ("AVX2", "AVX512")) and load() is not None
+            and vector_cpu() and load() is not None)
 
 
 @functools.cache  # one compiled library per process, like torch's own extension cache

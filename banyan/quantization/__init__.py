@@ -79,8 +79,7 @@ def default_method(asked: str | None, device: torch.device, dtype: torch.dtype, 
 def _compact_mix(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether compact int4/int8 layers take banyan's kernel (AVX2, or AVX-512 VNNI where the CPU has it) for
     decode and float16 copies for prefill here."""
-    return (fbgemm_fp16_works(device, dtype) and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-            and cpu_gemv.load() is not None)
+    return fbgemm_fp16_works(device, dtype) and cpu_gemv.vector_cpu() and cpu_gemv.load() is not None
 
 
 def plan_formats(model: nn.Module, method: str, group_size: int = 32,
@@ -155,8 +154,7 @@ def why_not_invariant_by_default(model: nn.Module, device: torch.device, dtype: 
     are torch's), no tensor or pipeline parallelism (their collectives sum in their own order)."""
     reasons = (
         (device.type != "cpu", "not a CPU"),
-        (torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), "its cost is measured on x86 CPUs with "
-                                                                             "AVX2 or AVX-512, not this one"),
+        (not cpu_gemv.vector_cpu(), "its cost is measured on x86 CPUs with AVX2 or AVX-512, not this one"),
         (dtype != torch.float32, f"{dtype} activations"),
         (attention != "torch", f"the {attention} attention backend"),
         (lora, "LoRA adapters"),

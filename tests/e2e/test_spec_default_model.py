@@ -6,9 +6,9 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-import torch
 
 from banyan import LLM, SamplingParams
+from banyan.kernels import cpu_gemv
 
 pytestmark = [
     pytest.mark.default_model,
@@ -46,9 +46,9 @@ def test_greedy_equals_without_speculation_on_real_weights(plain_tokens, config)
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
 
 
-@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX2", reason="batch invariance is the default on AVX2-only CPUs")
+@pytest.mark.skipif(not cpu_gemv.vector_cpu(), reason="batch invariance is the default on x86 CPUs with AVX2 or AVX-512")
 def test_greedy_equals_without_speculation_on_the_compact_default():
-    """The compact default (int4 layers, int8 lm_head) with batch invariance, its default on AVX2-only CPUs: a verify
+    """The compact default (int4 layers, int8 lm_head) with batch invariance, its default on AVX2/AVX-512 CPUs: a verify
     pass of k + 1 rows gives each row the bits of a 1-row decode, so speculation keeps the greedy tokens exactly
     (without it they agreed on this prompt too, but nothing promised it: the attention's rows could move)."""
     compact = {"num_threads": 1, "max_model_len": 512, "kv_cache_memory": 64 << 20}

@@ -16,7 +16,7 @@ from banyan.kernels import cpu_features, cpu_gemv
 from banyan.quantization.formats import INT8, WeightFormat
 from banyan.quantization.linear import QuantizedLinear
 
-pytestmark = pytest.mark.skipif(cpu_gemv.load() is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+pytestmark = pytest.mark.skipif(cpu_gemv.load() is None or not cpu_gemv.vector_cpu(),
                                 reason="banyan's CPU kernels need an x86 CPU with AVX2 and a C compiler")
 
 # M: one row, a tile of four, tails of 1-3 rows, more than one tile of weight rows; N: odd counts leave a weight

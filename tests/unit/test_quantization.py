@@ -24,7 +24,7 @@ def make_layer(fmt, w, packed=None, out_sizes=None, gemv=False, wide_fp16=False)
     return layer
 
 
-needs_gemv = pytest.mark.skipif(cpu_gemv.load() is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+needs_gemv = pytest.mark.skipif(cpu_gemv.load() is None or not cpu_gemv.vector_cpu(),
                                 reason="banyan's CPU kernel needs AVX2 and a C compiler")
 
 
@@ -187,7 +187,7 @@ def test_batch_invariance_is_on_by_default_only_where_its_cost_was_measured(chan
     args = dict(model=torch.nn.Sequential(torch.nn.Linear(64, 8)), device=torch.device("cpu"), dtype=torch.float32,
                 plan={"0": WeightFormat("int4", 32)}, attention="torch", lora=False, parallel=False) | change
     why = why_not_invariant_by_default(**args)
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") and args["device"].type == "cpu":
+    if not cpu_gemv.vector_cpu() and args["device"].type == "cpu":
         assert why == "its cost is measured on x86 CPUs with AVX2 or AVX-512, not this one"
     elif blocker is None and cpu_gemv.load() is None:
         assert why == "banyan's CPU kernels are not built here"
@@ -287,7 +287,7 @@ def test_the_cpu_default_keeps_what_the_checkpoint_holds_and_no_more():
     assert default_method(None, cpu, torch.bfloat16, "bfloat16", False) == Choice(None)  # bf16 math: its own dtype
     assert default_method(None, cpu, f32, "bfloat16", False) == Choice("fp16")
     gguf = default_method(None, cpu, f32, None, True)
-    kernel = cpu_gemv.load() is not None and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    kernel = cpu_gemv.load() is not None and cpu_gemv.vector_cpu()
     assert gguf == (Choice("gguf", mix_fp16=True) if kernel else Choice("fp16"))
 
 
