@@ -285,7 +285,13 @@ _ERRORS = {
     500: "internal error",
     503: "at capacity or shutting down (Retry-After)",
 }
-_STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+# One server-sent event as the HTML standard parses a stream (OpenAPI 3.2's generic text/event-stream item; on 3.1 the
+# media type's schema is read as each event's, by schemathesis among others): data is one JSON chunk, then `[DONE]`.
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a JSON chunk of the answer's stream model, or [DONE] last"},
+    "event": {"type": "string", "description": "the Responses API's event type; `message` elsewhere"},
+    "id": {"type": "string"}, "retry": {"type": "integer", "minimum": 0}}}
+_STREAM = {"text/event-stream": {"schema": _SSE_EVENT}}
 
 
 def route_docs(answer: type[BaseModel] | None = None, *, errors: tuple[int, ...] = (401, 503),
