@@ -17,7 +17,7 @@
 /* the kernels of cpu_gemv.c and cpu_decode.c (one library) */
 void int4_gemv(const float *x, void *scratch, const uint8_t *packed, const float *scale, const float *offset, float *y,
                int M, int N, int K, int group, int threads);
-void int8_gemv(const float *x, void *scratch, const int8_t *q, const float *scale, float *y, int M, int N, int K,
+void int8_gemv(const float *x, void *scratch, const uint8_t *packed, const float *scale, float *y, int M, int N, int K,
                int threads);
 void float_gemv(const float *x, const void *w, int half, float *y, int M, int N, int K, int threads);
 void rms_norm(const float *x, const float *residual, float *sum_out, const float *w, float *y, int rows, int dim,
@@ -37,8 +37,8 @@ enum { LINEAR_INT4 = 0, LINEAR_INT8 = 1, LINEAR_FP16 = 2 };
 /* A weight as QuantizedLinear hands it to its narrow kernel (cpu_gemv.c has each layout). */
 typedef struct {
     int kind, out, in, group;  /* LINEAR_*; N, K; int4's group size */
-    const void *q;             /* int4 8 rows interleaved (cpu_gemv.c) | int8 [N, K] | float16 [N, K] */
-    const float *scale;        /* int4 [N8 / 8, K/group, 8] | int8 [N] | unused */
+    const void *q;             /* int4 | int8 8 rows interleaved (cpu_gemv.c) | float16 [N, K] */
+    const float *scale;        /* int4 [N8 / 8, K/group, 8] | int8 [N8] | unused */
     const float *offset;       /* int4 [N8 / 8, K/group, 8] | unused */
     const float *bias;         /* [N] or NULL */
 } Linear;

@@ -40,7 +40,7 @@ class LinearOperands(NamedTuple):
     """A weight as its narrow kernel reads it (QuantizedLinear.narrow_operands), its shape and its bias."""
 
     kind: str  # a key of KINDS
-    weight: torch.Tensor  # int4 interleaved (cpu_gemv.InterleavedInt4.packed) | int8 [N, K] | float16 [N, K]
+    weight: torch.Tensor  # int4 | int8 interleaved (cpu_gemv.InterleavedInt4/8.packed) | float16 [N, K]
     scale: torch.Tensor | None
     offset: torch.Tensor | None
     group_size: int

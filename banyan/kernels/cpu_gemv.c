@@ -8,12 +8,11 @@
  * is built for AVX-512 VNNI: the same exact integers), scaled by the blocks' scales into a float accumulator:
  * errors of 0.4-0.6% in norm on random inputs (tests/unit/test_quantization.py), as llama.cpp's.
  *
- * int4 weights are laid out 8 rows interleaved, so a vector's lanes are 8 weight rows (int4_tile): fewer
- * instructions a product than llama.cpp's row-at-a-time blocks, and faster than FBGEMM's fp16 GEMM at every batch
- * width on an AVX2 EPYC, so int4 layers take this kernel for every call. int8 weights go a row at a time in register
- * tiles of 2 weight rows x 4 rows of x; compute bound from a few rows on (maddubs + madd + convert + fma per 32
- * products, about what FBGEMM's fp16 GEMM pays), so past GEMV_MAX_ROWS rows callers holding a float16 copy use that.
- * In both, a (weight row, x row) pair takes the same instructions in the same order whatever tile slot it falls
+ * int4 and int8 weights are laid out 8 rows interleaved, so a vector's lanes are 8 weight rows (int4_tile, int8_tile):
+ * fewer instructions a product than llama.cpp's row-at-a-time blocks. int4 is faster than FBGEMM's fp16 GEMM at every
+ * batch width on an AVX2 EPYC, so int4 layers take this kernel for every call; int8 too where built for VNNI (2-2.6x
+ * FBGEMM's from 16 rows on a Zen 4), while with AVX2 alone (maddubs + madd a chunk, about what FBGEMM's fp16 GEMM pays)
+ * callers holding a float16 copy use that past GEMV_MAX_ROWS rows. In both, a (weight row, x row) pair takes the same instructions in the same order whatever tile slot it falls
  * in and however many rows the call has, so a row's result never depends on the other rows (batch invariance: a
  * token's logits have the same bits alone, in a batch, or inside a prompt).
  */
@@ -25,16 +24,6 @@
 #define GEMV_MAX_ROWS 8
 
 int gemv_max_rows(void) { return GEMV_MAX_ROWS; }
-
-/* 32 unsigned x 32 signed bytes -> 8 int32 sums of 4 products. Pair sums never saturate int16 here (int4: 2 * 15 *
- * 127; int8 with the sign on x: 2 * 127 * 127), so both forms give the same integers. */
-static inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -81,10 +70,10 @@ static void quantize_rows(const float *x, int8_t *q, float *scale, float *sum, i
     }
 }
 
-/* Rows of x a weight group's unpacked blocks serve at once, and rows of x (as int8) a pass over the weights
- * keeps in cache: wide calls go through the weights once per INT4_PASS_BYTES of x. */
-#define INT4_ROWS 4
-#define INT4_PASS_BYTES (96 * 1024)
+/* Rows of x a weight group's (unpacked) blocks serve at once, and rows of x (as int8) a pass over the weights
+ * keeps in cache: wide calls go through the weights once per PASS_BYTES of x. */
+#define TILE_ROWS 4
+#define PASS_BYTES (96 * 1024)
 
 /* 4-bit weights interleaved by 8 rows, so that the 8 lanes of a vector are 8 weight rows and each lane ends a
  * block holding that row's whole dot product: no horizontal sums, and one convert + one multiply-add per block for
@@ -103,12 +92,12 @@ static void quantize_rows(const float *x, int8_t *q, float *scale, float *sum, i
  * accumulator. The offsets' part, o[g] * xsum[r, g] (xsum summed per group: int4_gemv), once per group. Every
  * (weight row, x row) pair takes the same instructions in the same order whatever tile slot or call it falls in:
  * a row's result does not depend on the call's other rows. */
-static inline __attribute__((always_inline)) void int4_tile(const uint8_t *wp, const float *s8, const float *o8,
+static inline __attribute__((always_inline)) void int4_tile(const int R, const uint8_t *wp, const float *s8, const float *o8,
                                                             const int8_t *xq, const float *xscale, const float *xsum,
-                                                            float *y, const int R, int K, int groups, int per_group) {
+                                                            float *y, int K, int groups, int per_group) {
     const int blocks = K / 32;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[INT4_ROWS], off[INT4_ROWS];
+    __m256 acc[TILE_ROWS], off[TILE_ROWS];
     for (int r = 0; r < R; r++) acc[r] = off[r] = _mm256_setzero_ps();
     for (int g = 0, b = 0; g < groups; g++) {
         const __m256 sg = _mm256_loadu_ps(s8 + 8 * g);
@@ -163,14 +152,14 @@ static inline __m512 load_pair_ps(const float *a, const float *b) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(a))),
                                                _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
 }
-static inline __attribute__((always_inline)) void int4_tile16(const uint8_t *wp, const float *s8, const float *o8,
+static inline __attribute__((always_inline)) void int4_tile16(const int R, const uint8_t *wp, const float *s8, const float *o8,
                                                               const int8_t *xq, const float *xscale, const float *xsum,
-                                                              float *y, const int R, int K, int groups, int per_group) {
+                                                              float *y, int K, int groups, int per_group) {
     const int blocks = K / 32;
     const uint8_t *wp1 = wp + (size_t)blocks * 128;  /* group G + 1's blocks, scales and offsets follow G's */
     const float *s1 = s8 + (size_t)groups * 8, *o1 = o8 + (size_t)groups * 8;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    __m512 acc[INT4_ROWS], off[INT4_ROWS];
+    __m512 acc[TILE_ROWS], off[TILE_ROWS];
     for (int r = 0; r < R; r++) acc[r] = off[r] = _mm512_setzero_ps();
     for (int g = 0, b = 0; g < groups; g++) {
         const __m512 sg = load_pair_ps(s8 + 8 * g, s1 + 8 * g);
@@ -210,13 +199,13 @@ static inline __attribute__((always_inline)) void int4_tile16(const uint8_t *wp,
  * streams a thread measured 6-11% slower than one (1-4 rows, 30 layers' weights, 2 threads on the Zen 4). */
 #define INT4_PAIR_ROWS 8
 
-/* A tile of R rows of x (at most INT4_ROWS) against one row group (TILE int4_tile) or two (int4_tile16). */
-#define INT4_TILE_CALL(TILE)                                                                                       \
+/* A tile of R rows of x (at most TILE_ROWS) against one row group (int4_tile, int8_tile) or two (the *_tile16). */
+#define TILE_CALL(TILE, ...)                                                                                       \
     switch (R) {                                                                                                   \
-        case 1: TILE(wp, s8, o8, xm, xs, xt, tile, 1, K, groups, per_group); break;                                \
-        case 2: TILE(wp, s8, o8, xm, xs, xt, tile, 2, K, groups, per_group); break;                                \
-        case 3: TILE(wp, s8, o8, xm, xs, xt, tile, 3, K, groups, per_group); break;                                \
-        default: TILE(wp, s8, o8, xm, xs, xt, tile, INT4_ROWS, K, groups, per_group); break;                       \
+        case 1: TILE(1, __VA_ARGS__); break;                                                                       \
+        case 2: TILE(2, __VA_ARGS__); break;                                                                       \
+        case 3: TILE(3, __VA_ARGS__); break;                                                                       \
+        default: TILE(TILE_ROWS, __VA_ARGS__); break;                                                              \
     }
 
 /* Rows [begin, end) of x as int8 blocks (quantize_rows), their block sums summed per group when a group spans
@@ -237,45 +226,160 @@ static void quantize_x(const float *x, int8_t *xq, float *xscale, float *xsum, i
         }
 }
 
+/* 8-bit weights, one scale per row: w[n, k] = scale[n] * q[n, k], interleaved by 8 rows as int4's, so a vector's
+ * lanes are 8 weight rows and each lane ends a block holding its row's whole integer dot product (a row at a time
+ * took a convert and a multiply-add per 32 products and row, and a horizontal sum at the end of each).
+ *
+ * Layout (interleave_int8 in cpu_gemv.py writes it): row group G = weight rows 8G..8G+7, block b = k in [32b, 32b + 32):
+ * 256 bytes at (G * blocks + b) * 256, byte 32c + 4r + j holding q[8G + r, 32b + 4c + j] + 128 (q's sign bit
+ * flipped: an unsigned byte) for c < 8, r < 8, j < 4; scale [N8] (padding rows: q 0, scale 0).
+ *
+ * With VNNI a chunk c is one `vpdpbusd` of the unsigned weight bytes against x's four int8 broadcast, which counts
+ * 128 * (the sum of x's block) too much: each block's chain starts from -128 times that sum (int8_corrections), so
+ * it ends on the exact sum of q x. With AVX2, `vpmaddubsw` cannot take unsigned bytes up to 255 against int8 x (a
+ * pair's sum can pass 32767), so the sign moves onto x as in llama.cpp (|q| x sign(x, q): at most 2 * 128 * 127),
+ * and `vpmaddwd` widens each chunk to int32. Both give each block's exact integer, and from there the same float
+ * steps: acc += dot * x's block scale, then y = acc * the row's scale. */
+#define TILE_ROWS 4
+
+static inline __attribute__((always_inline)) void int8_tile(const int R, const uint8_t *wp, const float *s8, const int8_t *xq,
+                                                            const float *xscale, const int32_t *xcorr, float *y, int K) {
+    const int blocks = K / 32;
+    __m256 acc[TILE_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *block = wp + (size_t)b * 256;
+        __m256i dot[TILE_ROWS];
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        __m256i w[8];
+        for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_si256((const __m256i *)(block + 32 * c));
+        for (int r = 0; r < R; r++) {
+            const int32_t *x4 = (const int32_t *)(xq + (size_t)r * K + 32 * b);
+            __m256i even = _mm256_set1_epi32(xcorr[(size_t)r * blocks + b]), odd = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c += 2) {
+                even = _mm256_dpbusd_epi32(even, w[c], _mm256_set1_epi32(x4[c]));
+                odd = _mm256_dpbusd_epi32(odd, w[c + 1], _mm256_set1_epi32(x4[c + 1]));
+            }
+            dot[r] = _mm256_add_epi32(even, odd);
+        }
+#else
+        const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+        for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(block + 32 * c)), flip);
+            const __m256i magnitude = _mm256_abs_epi8(q);  /* -128 stays 0x80: 128 as maddubs' unsigned operand */
+            for (int r = 0; r < R; r++) {
+                const __m256i x = _mm256_set1_epi32(((const int32_t *)(xq + (size_t)r * K + 32 * b))[c]);
+                const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, q));
+                dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
+            }
+        }
+#endif
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_broadcast_ss(xscale + (size_t)r * blocks + b), acc[r]);
+    }
+    const __m256 scale = _mm256_loadu_ps(s8);
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(y + 8 * r, _mm256_mul_ps(acc[r], scale));
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+/* int8_tile for two row groups at once (G in lanes 0-7, G + 1 in lanes 8-15), as int4_tile16: the same instructions
+ * a lane in the same order, so the same bits. */
+static inline __attribute__((always_inline)) void int8_tile16(const int R, const uint8_t *wp, const float *s8, const int8_t *xq,
+                                                              const float *xscale, const int32_t *xcorr, float *y, int K) {
+    const int blocks = K / 32;
+    const uint8_t *wp1 = wp + (size_t)blocks * 256;  /* group G + 1's blocks follow G's */
+    __m512 acc[TILE_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *b0 = wp + (size_t)b * 256, *b1 = wp1 + (size_t)b * 256;
+        __m512i w[8];
+        for (int c = 0; c < 8; c++) w[c] = load_pair_si(b0 + 32 * c, b1 + 32 * c);
+        for (int r = 0; r < R; r++) {
+            const int32_t *x4 = (const int32_t *)(xq + (size_t)r * K + 32 * b);
+            __m512i even = _mm512_set1_epi32(xcorr[(size_t)r * blocks + b]), odd = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c += 2) {
+                even = _mm512_dpbusd_epi32(even, w[c], _mm512_set1_epi32(x4[c]));
+                odd = _mm512_dpbusd_epi32(odd, w[c + 1], _mm512_set1_epi32(x4[c + 1]));
+            }
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+            acc[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(xscale[(size_t)r * blocks + b]), acc[r]);
+        }
+    }
+    const __m512 scale = _mm512_loadu_ps(s8);
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + 16 * r, _mm512_mul_ps(acc[r], scale));
+}
+#endif
+
+/* -128 times the sum of each int8 block of x rows [begin, end), into xcorr (see int8_tile) */
+static void int8_corrections(const int8_t *xq, int32_t *xcorr, int begin, int end, int K) {
+    for (size_t i = (size_t)begin * (K / 32); i < (size_t)end * (K / 32); i++) {
+        int32_t total = 0;
+        for (int j = 0; j < 32; j++) total += xq[32 * i + j];
+        xcorr[i] = -128 * total;
+    }
+}
+
 /* From this many rows of x the threads round their shares of it: below, one thread is quicker than a barrier. */
 #define PARALLEL_QUANTIZE_ROWS 8
 
-/* y [M, N] = x [M, K] W^T, W 4-bit in the layout above, K a multiple of the group (a multiple of 32).
- * scratch: M * K bytes + 2 * M * K / 32 floats, for x as int8 blocks (quantize_rows). */
-void int4_gemv(const float *x, void *scratch, const uint8_t *packed, const float *scale, const float *offset,
-               float *y, int M, int N, int K, int group, int threads) {
+/* Rows [begin, end) of x as int8 blocks with what the weights of `bits` need beside them: int4 each group's sum of
+ * the rounded x (quantize_x), int8 the corrections in place of the sums (int8_corrections). */
+static void prepare_x(const int bits, const float *x, int8_t *xq, float *xscale, float *xsum, int begin, int end, int K,
+                      int groups, int per_group) {
+    quantize_x(x, xq, xscale, xsum, begin, end, K, groups, per_group);
+    if (bits == 8) int8_corrections(xq, (int32_t *)xsum, begin, end, K);
+}
+
+/* y [M, N] = x [M, K] W^T, W 4-bit (bits 4) or 8-bit (bits 8, group 32, offset NULL) in its layout above, K a
+ * multiple of the group (a multiple of 32). scratch: M * K bytes + 2 * M * K / 32 floats, for x as int8 blocks
+ * (quantize_rows). Each thread takes its own range of row groups through every pass over x: one fork and join a
+ * call, no barrier a pass; from INT4_PAIR_ROWS rows of x, two row groups a vector where built for AVX-512. */
+static inline __attribute__((always_inline)) void interleaved_gemv(const int bits, const float *x, void *scratch,
+                                                                   const uint8_t *packed, const float *scale,
+                                                                   const float *offset, float *y, int M, int N, int K,
+                                                                   int group, int threads) {
     const int per_group = group / 32, groups = K / group, blocks = K / 32, row_groups = (N + 7) / 8;
+    const size_t group_bytes = (size_t)blocks * (bits == 4 ? 128 : 256), group_scales = bits == 4 ? groups * 8 : 8;
     float *xscale = (float *)scratch, *xsum = xscale + (size_t)M * blocks;
     int8_t *xq = (int8_t *)(xsum + (size_t)M * blocks);
     const int parallel_quantize = M >= PARALLEL_QUANTIZE_ROWS;
-    if (!parallel_quantize) quantize_x(x, xq, xscale, xsum, 0, M, K, groups, per_group);
-    int pass = INT4_PASS_BYTES / K / INT4_ROWS * INT4_ROWS;
-    if (pass < INT4_ROWS) pass = INT4_ROWS;
-    /* Each thread its own range of row groups, through every pass: one fork and join a call, no barrier a pass */
+    if (!parallel_quantize) prepare_x(bits, x, xq, xscale, xsum, 0, M, K, groups, per_group);
+    int pass = PASS_BYTES / K / TILE_ROWS * TILE_ROWS;
+    if (pass < TILE_ROWS) pass = TILE_ROWS;
 #pragma omp parallel num_threads(threads)
     {
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int g_begin = (int)((long)row_groups * t / nt), g_end = (int)((long)row_groups * (t + 1) / nt);
         if (parallel_quantize) {  /* a row's bits do not depend on which thread rounds it */
-            quantize_x(x, xq, xscale, xsum, (int)((long)M * t / nt), (int)((long)M * (t + 1) / nt), K, groups, per_group);
+            prepare_x(bits, x, xq, xscale, xsum, (int)((long)M * t / nt), (int)((long)M * (t + 1) / nt), K, groups,
+                      per_group);
 #pragma omp barrier
         }
-        float tile[INT4_ROWS * 16];
+        float tile[TILE_ROWS * 16];
         for (int m0 = 0; m0 < M; m0 += pass) {
             const int m_end = m0 + pass < M ? m0 + pass : M;
             for (int G = g_begin; G < g_end; G++) {
                 const int pair = INT4_PAIRS && M >= INT4_PAIR_ROWS && G + 1 < g_end, width = pair ? 16 : 8;
-                const uint8_t *wp = packed + (size_t)G * blocks * 128;
-                const float *s8 = scale + (size_t)G * groups * 8, *o8 = offset + (size_t)G * groups * 8;
+                const uint8_t *wp = packed + (size_t)G * group_bytes;
+                const float *s8 = scale + (size_t)G * group_scales, *o8 = bits == 4 ? offset + (size_t)G * group_scales : NULL;
                 const int lanes = N - 8 * G < width ? N - 8 * G : width;
-                for (int m = m0; m < m_end; m += INT4_ROWS) {
+                for (int m = m0; m < m_end; m += TILE_ROWS) {
                     const int8_t *xm = xq + (size_t)m * K;
                     const float *xs = xscale + (size_t)m * blocks, *xt = xsum + (size_t)m * blocks;
-                    const int R = m_end - m < INT4_ROWS ? m_end - m : INT4_ROWS;
+                    const int R = m_end - m < TILE_ROWS ? m_end - m : TILE_ROWS;
+                    if (bits == 4) {
 #if INT4_PAIRS
-                    if (pair) INT4_TILE_CALL(int4_tile16) else
+                        if (pair) TILE_CALL(int4_tile16, wp, s8, o8, xm, xs, xt, tile, K, groups, per_group) else
 #endif
-                    INT4_TILE_CALL(int4_tile)
+                        TILE_CALL(int4_tile, wp, s8, o8, xm, xs, xt, tile, K, groups, per_group)
+                    } else {
+                        const int32_t *xc = (const int32_t *)xt;
+#if INT4_PAIRS
+                        if (pair) TILE_CALL(int8_tile16, wp, s8, xm, xs, xc, tile, K) else
+#endif
+                        TILE_CALL(int8_tile, wp, s8, xm, xs, xc, tile, K)
+                    }
                     for (int r = 0; r < R; r++)
                         for (int i = 0; i < lanes; i++) y[(size_t)(m + r) * N + 8 * G + i] = tile[width * r + i];
                 }
@@ -285,60 +389,14 @@ void int4_gemv(const float *x, void *scratch, const uint8_t *packed, const float
     }
 }
 
-/* 8-bit weights, one scale per row: w[n, k] = scale[n] * q[n, k]; q [N, K] int8, K a multiple of 32.
- * x goes in as int8 blocks too (scratch as for int4_gemv); signed x signed through maddubs by moving
- * the weight's sign onto x. Tiled as int4_tile: each pair the same instructions whatever the rows around it. */
-static inline __attribute__((always_inline)) void int8_tile(const int8_t *row, const int8_t *xq, const float *xscale,
-                                                            float *y, const int RN, const int R, int N, int K,
-                                                            const float *scale) {
-    const int blocks = K / 32;
-    __m256 acc[2][4];
-    for (int i = 0; i < RN; i++)
-        for (int r = 0; r < R; r++) acc[i][r] = _mm256_setzero_ps();
-    for (int b = 0; b < blocks; b++) {
-        __m256i w[2], wabs[2];
-        _mm_prefetch((const char *)(row + 4 * (size_t)K + 64 * b), _MM_HINT_T0);  /* two tiles ahead: see int4_tile */
-        for (int i = 0; i < RN; i++) {
-            w[i] = _mm256_loadu_si256((const __m256i *)(row + (size_t)i * K + 32 * b));
-            wabs[i] = _mm256_sign_epi8(w[i], w[i]);
-        }
-        for (int r = 0; r < R; r++) {
-            __m256i xr = _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * K + 32 * b));
-            __m256 xs = _mm256_broadcast_ss(xscale + (size_t)r * blocks + b);
-            for (int i = 0; i < RN; i++) {
-                __m256i dot = dot_u8s8(wabs[i], _mm256_sign_epi8(xr, w[i]));
-                acc[i][r] = _mm256_fmadd_ps(xs, _mm256_cvtepi32_ps(dot), acc[i][r]);
-            }
-        }
-    }
-    for (int i = 0; i < RN; i++)
-        for (int r = 0; r < R; r++) y[(size_t)r * N + i] = hsum(acc[i][r]) * scale[i];
+void int4_gemv(const float *x, void *scratch, const uint8_t *packed, const float *scale, const float *offset,
+               float *y, int M, int N, int K, int group, int threads) {
+    interleaved_gemv(4, x, scratch, packed, scale, offset, y, M, N, K, group, threads);
 }
 
-#define INT8_TILES(RN)                                                                 \
-    switch (M - m) {                                                                   \
-        case 1: int8_tile(row, xm, xs, ym, RN, 1, N, K, scale + n); break;             \
-        case 2: int8_tile(row, xm, xs, ym, RN, 2, N, K, scale + n); break;             \
-        case 3: int8_tile(row, xm, xs, ym, RN, 3, N, K, scale + n); break;             \
-        default: int8_tile(row, xm, xs, ym, RN, 4, N, K, scale + n); break;            \
-    }
-
-void int8_gemv(const float *x, void *scratch, const int8_t *q, const float *scale, float *y, int M, int N, int K,
+void int8_gemv(const float *x, void *scratch, const uint8_t *packed, const float *scale, float *y, int M, int N, int K,
                int threads) {
-    const int blocks = K / 32;
-    float *xscale = (float *)scratch, *xsum = xscale + (size_t)M * blocks;
-    int8_t *xq = (int8_t *)(xsum + (size_t)M * blocks);
-    quantize_rows(x, xq, xscale, xsum, M, K);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int n = 0; n < N; n += 2) {
-        const int8_t *row = q + (size_t)n * K;
-        for (int m = 0; m < M; m += 4) {
-            const int8_t *xm = xq + (size_t)m * K;
-            const float *xs = xscale + (size_t)m * blocks;
-            float *ym = y + (size_t)m * N + n;
-            if (n + 1 < N) INT8_TILES(2) else INT8_TILES(1)
-        }
-    }
+    interleaved_gemv(8, x, scratch, packed, scale, NULL, y, M, N, K, 32, threads);
 }
 
 /* Float weights, float32 or float16 (widened in registers, F16C), for batch-invariant mode, where every row of

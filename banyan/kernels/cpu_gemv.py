@@ -43,8 +43,8 @@ ISA_FLAGS = {"avx2": (), "avx512_vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl"
 
 
 class CpuKernels:
-    """The loaded library: y = x W^T with W 4-bit blocked or 8-bit per row (any number of rows; callers that hold a
-    float16 copy send it at most `max_rows`), and causal attention in a fixed order."""
+    """The loaded library: y = x W^T with W 4-bit blocked or 8-bit per row, both 8 rows interleaved (any number of
+    rows; callers that hold a float16 copy send it at most `max_rows`), and causal attention in a fixed order."""
 
     def __init__(self, lib: ctypes.CDLL, isa: str = "avx2"):
         p, i = ctypes.c_void_p, ctypes.c_int
@@ -65,12 +65,12 @@ class CpuKernels:
                             y.data_ptr(), m, w.out_features, w.in_features, w.group_size, torch.get_num_threads())
         return y
 
-    def int8(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """x [M, K] float32 contiguous; q [N, K] int8; scale [N] float32."""
-        m, k = x.shape
-        y, scratch = torch.empty(m, q.shape[0], dtype=torch.float32), _scratch(m, k)  # held through the call
-        self._lib.int8_gemv(x.data_ptr(), scratch.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(),
-                            m, q.shape[0], k, torch.get_num_threads())
+    def int8(self, x: torch.Tensor, w: InterleavedInt8) -> torch.Tensor:
+        """x [M, K] float32 contiguous; w in the kernel's layout (interleave_int8)."""
+        m = x.shape[0]
+        y, scratch = torch.empty(m, w.out_features, dtype=torch.float32), _scratch(m, w.in_features)  # held through the call
+        self._lib.int8_gemv(x.data_ptr(), scratch.data_ptr(), w.packed.data_ptr(), w.scale.data_ptr(), y.data_ptr(),
+                            m, w.out_features, w.in_features, torch.get_num_threads())
         return y
 
 
@@ -127,6 +127,37 @@ def interleave_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Ten
         return padded.view(rows8, 8, -1).transpose(1, 2).contiguous()  # [G, groups, 8]
 
     return InterleavedInt4(interleaved, by_row_group(scale), by_row_group(offset), n, half_k * 2, group_size)
+
+
+class InterleavedInt8(NamedTuple):
+    """An 8-bit weight w[n, k] = scale[n] * q[n, k] in int8_gemv's layout (cpu_gemv.c): 8 rows interleaved a block of
+    32 at a time, each byte q + 128, padded to a multiple of 8 rows (q 0, scale 0)."""
+
+    packed: torch.Tensor  # [ceil(N / 8), K / 32, 8 chunks, 8 rows, 4] uint8
+    scale: torch.Tensor  # [ceil(N / 8) * 8] float32
+    out_features: int
+    in_features: int
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale))
+
+    def rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [len(ids), K] int8, scale [len(ids)]) of the given rows, read back from the layout (embeddings)."""
+        picked = self.packed[ids // 8, :, :, ids % 8]  # [T, blocks, chunks, 4]: row order k = 32b + 4c + j
+        return (picked.reshape(len(ids), self.in_features) ^ 0x80).view(torch.int8), self.scale[ids]
+
+
+def interleave_int8(q: torch.Tensor, scale: torch.Tensor) -> InterleavedInt8:
+    """The kernel's layout of q [N, K] int8 (K a multiple of 32) and its row scales [N]."""
+    n, k = q.shape
+    rows8 = -(-n // 8)
+    flipped = torch.full((rows8 * 8, k), 0x80, dtype=torch.uint8)
+    flipped[:n] = q.view(torch.uint8) ^ 0x80  # q + 128 as an unsigned byte
+    # byte 32c + 4r + j of block b of row group G: q[8G + r, 32b + 4c + j] + 128
+    packed = flipped.view(rows8, 8, k // 32, 8, 4).permute(0, 2, 3, 1, 4).contiguous()  # [G, b, c, r, j]
+    padded = torch.zeros(rows8 * 8, dtype=torch.float32)
+    padded[:n] = scale
+    return InterleavedInt8(packed, padded, n, k)
 
 
 def _scratch(m: int, k: int) -> torch.Tensor:

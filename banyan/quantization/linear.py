@@ -37,7 +37,7 @@ from torch import nn
 
 from banyan.errors import ModelLoadError
 from banyan.kernels import cpu_gemv
-from banyan.quantization.formats import FP8_MAX, QuantizedWeight, WeightFormat, copy_rows, shape_of, take_rows
+from banyan.quantization.formats import FP8_MAX, Int8Weight, QuantizedWeight, WeightFormat, copy_rows, shape_of, take_rows
 from banyan.quantization.packing import InputOrdered, common_input_order
 
 _CPU_CHUNK_VALUES = 1 << 19  # weights dequantized at a time on a CPU: 2 MiB of float32
@@ -82,7 +82,7 @@ class QuantizedLinear(nn.Module):
         self.weight = fmt.empty(out_features, in_features, self.dtype, device=torch.get_default_device())
         self.device = self.weight.q.device
         self.packed = self.scale_zeros = self.offset = None  # int4 and fp16, set by finish_loading
-        self.interleaved = None  # int4 in the CPU kernel's layout (cpu_gemv.InterleavedInt4), where the kernel serves
+        self.interleaved = None  # int4/int8 in the CPU kernel's layout (cpu_gemv.InterleavedInt4/8), where it serves
         self.packed_bytes = 0  # of an FBGEMM-packed weight (an opaque object, not a tensor)
         self._matmul = None  # set by finish_loading
         self.input_order = None  # GPTQ act-order: the weight's inputs are stored permuted, x[:, input_order] meets them
@@ -116,12 +116,14 @@ class QuantizedLinear(nn.Module):
         wanted = kind in ("int8", "int4") and not self.packed_kernels or kind == "fp16" and invariant
         if wanted and self.cpu_kernel and cpu_gemv.supported(device, self.dtype, self.in_features):
             gemv = cpu_gemv.load()
-        every_row = gemv is not None and (invariant or kind == "int4")  # the kernel takes every row count
+        # the kernel takes every row count: int4's and VNNI's int8 beat FBGEMM's fp16 GEMM at every width (int8 2-2.6x
+        # from 16 rows on a Zen 4); AVX2's int8 measured about level with it, so wide batches keep the fp16 copy there
+        every_row = gemv is not None and (invariant or kind == "int4" or kind == "int8" and gemv.isa == "avx512_vnni")
         if self.wide_fp16 and kind != "fp16" and fbgemm_fp16_works(device, self.dtype) and not every_row:
             self.wide = torch.ops.quantized.linear_prepack_fp16(self.weight.dequantize(torch.float32), None)
             self.packed_bytes = self.in_features * self.out_features * 2
         if kind == "int8":
-            self._matmul = self._int8_packed if self.packed_kernels else self._int8_dequant
+            self._finish_int8(gemv)
         elif kind == "int4":
             self._finish_int4(gemv)
         elif kind == "fp16":
@@ -155,7 +157,15 @@ class QuantizedLinear(nn.Module):
         kind, w = self.fmt.kind, self.weight
         if kind == "int4":
             return kind, self.interleaved.packed, self.interleaved.scale, self.interleaved.offset
-        return kind, w.q, w.scale if kind == "int8" else None, None
+        if kind == "int8":
+            return kind, self.interleaved.packed, self.interleaved.scale, None
+        return kind, w.q, None, None
+
+    def weight_rows(self, ids: torch.Tensor) -> QuantizedWeight:
+        """Rows `ids` of the weight (tied embeddings read lm_head's), from the layout its kernel keeps."""
+        if isinstance(self.interleaved, cpu_gemv.InterleavedInt8):
+            return Int8Weight(*self.interleaved.rows(ids))
+        return take_rows(self.weight, ids)
 
     def quantized_bytes(self) -> int:
         held = [self.packed, self.scale_zeros, self.offset, *(vars(self.weight).values() if self.weight is not None else ())]
@@ -169,8 +179,15 @@ class QuantizedLinear(nn.Module):
     def _int8_packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x.contiguous(), self.weight.q, self.weight.scale)
 
+    def _finish_int8(self, gemv: cpu_gemv.CpuKernels | None) -> None:
+        self._matmul = self._int8_packed if self.packed_kernels else self._int8_dequant
+        if gemv is not None:  # the kernel's layout (8 rows interleaved, see cpu_gemv.c) is the only copy kept
+            self.interleaved = cpu_gemv.interleave_int8(self.weight.q, self.weight.scale)
+            self.weight.q = self.weight.scale = None
+            self._matmul = self._int8_gemv
+
     def _int8_gemv(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gemv.int8(x, self.weight.q, self.weight.scale)
+        return self.gemv.int8(x, self.interleaved)
 
     def _int8_dequant(self, x: torch.Tensor) -> torch.Tensor:
         q = self.weight.q
@@ -268,9 +285,10 @@ class QuantizedEmbedding(nn.Module):
         super().__init__()
         lm_head.keep_rows = True  # its kernel may lay the weight out anew; the rows stay for lookups
         self.weight, self.dtype = lm_head.weight, lm_head.dtype  # the same tensors, filled by loading lm_head
+        self.rows = lm_head.weight_rows  # from the layout lm_head's kernel keeps, once loaded
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return take_rows(self.weight, ids).dequantize(self.dtype)  # [num_tokens, hidden]
+        return self.rows(ids).dequantize(self.dtype)  # [num_tokens, hidden]
 
 
 class FixedOrderLinear(nn.Module):

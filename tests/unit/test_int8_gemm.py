@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(cpu_gemv.load() is None or not cpu_gemv.vector_c
 # row without its tile partner, and counts that are not a multiple of 8 pad int4's last row group; K: one block,
 # a few, the default model's 576 and 1536.
 SHAPES = [(1, 1, 32), (3, 7, 96), (4, 2, 64), (5, 33, 160), (8, 16, 576), (13, 9, 1536), (64, 31, 256),
-          (150, 12, 1536)]  # 150 rows of 1536: more than one pass over the weights (INT4_PASS_BYTES of x each)
+          (150, 12, 1536)]  # 150 rows of 1536: more than one pass over the weights (PASS_BYTES of x each)
 
 
 def round_x(x: torch.Tensor) -> torch.Tensor:
@@ -81,15 +81,31 @@ def test_int4_kernel_is_the_rounded_product(m, n, k, group):
     assert_close(cpu_gemv.load().int4(x, weight), *int4_reference(x, q, scale, offset, group))
 
 
+def int8_weight(n: int, k: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, cpu_gemv.InterleavedInt8]:
+    """Random int8 values over the whole range (-128 too: compressed-tensors checkpoints hold it) and row scales, and
+    both in the kernel's layout."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    q[0, :32] = -128  # a block of the value whose magnitude int8 cannot hold
+    scale = torch.rand(n, generator=g) * 0.01
+    return q, scale, cpu_gemv.interleave_int8(q, scale)
+
+
 @pytest.mark.parametrize("m, n, k", SHAPES)
 def test_int8_kernel_is_the_rounded_product(m, n, k):
-    g = torch.Generator().manual_seed(1)
-    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
-    scale = torch.rand(n, generator=g) * 0.01
+    q, scale, weight = int8_weight(n, k)
     x = torch.randn(m, k) * 3
     rounded = round_x(x).double()
     want, magnitude = (rounded @ q.double().T) * scale.double(), (rounded.abs() @ q.double().abs().T) * scale.double()
-    assert_close(cpu_gemv.load().int8(x, q, scale), want, magnitude)
+    assert_close(cpu_gemv.load().int8(x, weight), want, magnitude)
+
+
+def test_the_int8_layout_gives_back_its_rows():
+    """Tied embeddings read lm_head's rows from the kernel's layout: the same values and scales, padding unseen."""
+    q, scale, weight = int8_weight(13, 96)
+    ids = torch.tensor([12, 0, 7, 8, 3, 12])
+    rows, scales = weight.rows(ids)
+    assert rows.dtype == torch.int8 and torch.equal(rows, q[ids]) and torch.equal(scales, scale[ids])
 
 
 def test_a_row_has_its_bits_whatever_the_call():
@@ -97,10 +113,9 @@ def test_a_row_has_its_bits_whatever_the_call():
     only decide which rows share a loaded block, never a row's own order of sums."""
     kernels = cpu_gemv.load()
     weight = interleaved(int4_weight(33, 576, 32), 32)
-    q8 = torch.randint(-127, 128, (33, 576), dtype=torch.int8)
-    scale8 = torch.rand(33)
+    weight8 = int8_weight(33, 576)[2]
     x = torch.randn(37, 576)
-    for multiply in (lambda rows: kernels.int4(rows, weight), lambda rows: kernels.int8(rows, q8, scale8)):
+    for multiply in (lambda rows: kernels.int4(rows, weight), lambda rows: kernels.int8(rows, weight8)):
         whole = multiply(x)
         for r in range(37):
             assert torch.equal(multiply(x[r:r + 1]), whole[r:r + 1])
@@ -110,13 +125,13 @@ def test_a_row_has_its_bits_whatever_the_call():
 
 def test_threads_do_not_change_the_bits():
     kernels, threads = cpu_gemv.load(), torch.get_num_threads()
-    weight = interleaved(int4_weight(65, 256, 32), 32)
+    weight, weight8 = interleaved(int4_weight(65, 256, 32), 32), int8_weight(65, 256)[2]
     x = torch.randn(9, 256)
     try:
         torch.set_num_threads(1)
-        one = kernels.int4(x, weight)
+        one, one8 = kernels.int4(x, weight), kernels.int8(x, weight8)
         torch.set_num_threads(2)
-        assert torch.equal(kernels.int4(x, weight), one)
+        assert torch.equal(kernels.int4(x, weight), one) and torch.equal(kernels.int8(x, weight8), one8)
     finally:
         torch.set_num_threads(threads)
 
@@ -136,7 +151,7 @@ def test_a_layer_without_a_float16_copy_sends_every_row_to_the_kernel(fmt):
 
 
 def test_the_avx512_vnni_build_compiles_and_agrees(monkeypatch, tmp_path):
-    """The library built with -mavx512vnni (vpdpbusd for the dot products, int4 row groups paired in 512-bit
+    """The library built with -mavx512vnni (vpdpbusd for the dot products, int4 and int8 row groups paired in 512-bit
     vectors) compiles wherever the compiler knows the flags, and where the CPU has VNNI it gives the AVX2 build's
     bits: for a row group paired or alone (33 rows: 5 groups, the last of 1 row, split 5 / 3+2 / 2+2+1 between
     threads), and for x rounded by one thread or by all."""
@@ -152,13 +167,13 @@ def test_the_avx512_vnni_build_compiles_and_agrees(monkeypatch, tmp_path):
     vnni = cpu_gemv.CpuKernels(ctypes.CDLL(str(library)), "avx512_vnni")
     avx2 = cpu_gemv.CpuKernels(ctypes.CDLL(str(cpu_gemv.build(compiler, "avx2"))), "avx2")
     weight = interleaved(int4_weight(33, 576, 32), 32)
-    q8, scale8 = torch.randint(-127, 128, (33, 576), dtype=torch.int8), torch.rand(33)
+    weight8 = int8_weight(33, 576)[2]
     threads = torch.get_num_threads()
     try:
         for num_threads, rows in itertools.product((1, 2, 3), (1, 13)):
             torch.set_num_threads(num_threads)
             x = torch.randn(rows, 576)
             assert torch.equal(vnni.int4(x, weight), avx2.int4(x, weight)), (num_threads, rows)
-            assert torch.equal(vnni.int8(x, q8, scale8), avx2.int8(x, q8, scale8)), (num_threads, rows)
+            assert torch.equal(vnni.int8(x, weight8), avx2.int8(x, weight8)), (num_threads, rows)
     finally:
         torch.set_num_threads(threads)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,13 +119,31 @@ def _int4_values(layer):
 
 
 @needs_gemv
-def test_cpu_gemv_takes_a_few_int8_rows_and_the_float16_copy_the_rest(weight_and_input):
+def test_avx2s_int8_kernel_takes_a_few_rows_and_the_float16_copy_the_rest(weight_and_input, monkeypatch):
+    """Built for AVX2, the int8 kernel measured about level with FBGEMM's fp16 GEMM on wide batches, so a layer
+    asked for a float16 copy keeps one for them (the AVX2 build runs on any CPU these kernels serve)."""
+    avx2 = cpu_gemv.CpuKernels(ctypes.CDLL(str(cpu_gemv.build(shutil.which("cc"), "avx2"))), "avx2")
+    monkeypatch.setattr(cpu_gemv, "load", lambda: avx2)
     w, _ = weight_and_input
     layer = make_layer(INT8, w, packed=False, gemv=True, wide_fp16=True)
+    assert layer.gemv is avx2 and layer.wide is not None
     values = make_layer(INT8, w, packed=False).weight.dequantize()
     wide = torch.randn(layer.gemv.max_rows + 1, 256)
     torch.testing.assert_close(layer(wide), F.linear(wide, values.half().float()), rtol=1e-4, atol=1e-4)
     assert layer.quantized_bytes() > 256 * 96 * 2  # the float16 copy is counted
+
+
+@pytest.mark.skipif(cpu_gemv.load() is None or cpu_gemv.load().isa != "avx512_vnni",
+                    reason="the int8 kernel takes every width where it is built for AVX-512 VNNI")
+def test_vnnis_int8_kernel_takes_every_width_and_keeps_no_float16_copy(weight_and_input):
+    """With vpdpbusd the int8 kernel is 2-2.6x FBGEMM's fp16 GEMM from 16 rows on (a Zen 4), so a wide batch's rows
+    are the kernel's too (each row's bits as alone), and the layer holds the int8 weight once."""
+    w, _ = weight_and_input
+    layer = make_layer(INT8, w, packed=False, gemv=True, wide_fp16=True)
+    assert layer.wide is None and layer.weight.q is None
+    wide = torch.randn(layer.gemv.max_rows + 5, 256)
+    assert torch.equal(layer(wide), _rows_alone(layer, wide))
+    assert layer.quantized_bytes() < 256 * 96 * 1.1  # a byte a weight and the row scales
 
 
 @needs_gemv
