@@ -11,7 +11,8 @@ or one prefill chunk's attention through 30 layers, each layer its own K/V pages
 from memory, not cache), with the default model's shape (9 query heads, 3 KV heads, head_dim 64, pages of 16):
 
     decode      8 sequences at 1,400 tokens, one new row each (float32, float16 and fp8 pages), 1 sequence, and
-                64 sequences at 192 tokens (offline 64 x 128/128 halfway through its decode)
+                64 sequences at 192 tokens (offline 64 x 128/128 halfway through its decode), 16 at 330 (16
+                streams late in a 128/128 request's decode and beyond)
     prefill     8 sequences, 128 new rows each after a 1,272-token prefix (a multi-turn conversation's next turn)
     mixed       prefill chunks of 64 rows beside decode rows, contexts of 467-1,400 tokens
 
@@ -68,6 +69,7 @@ CASES = {
     "decode 8 x 1,400, fp8": lambda: case(8, 1400, 1, torch.float8_e4m3fn),
     "decode 1 x 1,400, float32": lambda: case(1, 1400, 1, torch.float32),
     "decode 64 x 192, float16": lambda: case(64, 192, 1, torch.float16),
+    "decode 16 x 330, float16": lambda: case(16, 330, 1, torch.float16),
     "prefill 8 x 128 at 1,400, float32": lambda: case(8, 1400, 128, torch.float32),
     "prefill 8 x 128 at 1,400, float16": lambda: case(8, 1400, 128, torch.float16),
     "prefill 8 x 128 at 1,400, fp8": lambda: case(8, 1400, 128, torch.float8_e4m3fn),

@@ -49,10 +49,13 @@ static inline __attribute__((always_inline)) __m256 load_kv(const void *cache, s
     return _mm256_loadu_ps((const float *)cache + i);
 }
 
-/* The cache lines of `width` values from element i on, into the caches ahead of use. */
+/* The cache lines of `width` values from element i on, into L2 ahead of use. Into L1 (T0) each prefetch held one of
+ * the core's few L1 miss buffers until its line came, and a decode row stalled on its own prefetch instructions (a
+ * quarter of the kernel's samples on a Zen 4); into L2 the loads find them there, and decode attention from memory ran
+ * 1.35-1.4x faster with a pool's scattered pages (benchmarks/paged_attention_ab.py, 2026-12-02). */
 static inline __attribute__((always_inline)) void prefetch_kv(const void *cache, size_t i, int width, const int kind) {
     const char *at = (const char *)cache + i * kv_bytes(kind);
-    for (int b = 0; b < width * kv_bytes(kind); b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
+    for (int b = 0; b < width * kv_bytes(kind); b += 64) _mm_prefetch(at + b, _MM_HINT_T1);
 }
 
 #define PREFETCH_KEYS 64 /* how far ahead a decode row fetches its K rows (32 and 128 measured no better) */
@@ -413,9 +416,11 @@ static inline __attribute__((always_inline)) void attend_pages(
                     keys = block;
                 } else {
                     for (int u = 0; u < 8; u++) kr[u] = head_at + slot[j + (u < m ? u : 0)] * token;
-                    /* a decode row reads its keys in place: fetch the K rows ahead, from its first key on */
-                    for (int u = j == 0 ? 0 : j + PREFETCH_KEYS; u < j + PREFETCH_KEYS + 8 && u < span; u++)
-                        prefetch_kv(k_cache, fetch_at + slot[u] * token, fetch_width, kind);
+                    /* a decode row reads its keys in place: fetch the K rows ahead, from its first key on, and past the
+                     * last key the first V rows, so the V pass starts on rows already on their way */
+                    for (int u = j == 0 ? 0 : j + PREFETCH_KEYS; u < j + PREFETCH_KEYS + 8 && u < 2 * span; u++)
+                        prefetch_kv(u < span ? k_cache : v_cache, fetch_at + slot[u < span ? u : u - span] * token,
+                                    fetch_width, kind);
                 }
                 for (int t = 0; t < rows_here; t++) {
                     const float *qr = q + (size_t)rows[i0 + t] * q_stride + (size_t)kh * group * D;
@@ -471,8 +476,8 @@ static inline __attribute__((always_inline)) void attend_pages(
                     if (gather) {
                         gather_rows(v_cache, head_at + c, slot + j, token, j_end - j, width, block, kind);
                         values = block, value_at = 0, value_token = (size_t)width;
-                    } else if (c == 0)  /* in place: the next block's V rows while this one's are added */
-                        for (int u = j == 0 ? 0 : j_end; u < j_end + V_BLOCK && u < span; u++)
+                    } else if (c == 0)  /* in place: V rows as far ahead as the K pass fetched them (its tail began) */
+                        for (int u = j + PREFETCH_KEYS; u < j_end + PREFETCH_KEYS && u < span; u++)
                             prefetch_kv(v_cache, fetch_at + slot[u] * token, fetch_width, kind);
                     for (int t = 0; t < rows_here; t++) {  /* each row's keys of this block, in position order */
                         const int lo = first[t] - base, hi = positions[i0 + t] - base + 1;
