@@ -79,6 +79,7 @@ CASES = {
     "prefill 8 x 128 at 1,400, float32": lambda: case(8, 1400, 128, torch.float32),
     "prefill 8 x 128 at 1,400, float16": lambda: case(8, 1400, 128, torch.float16),
     "prefill 8 x 128 at 1,400, fp8": lambda: case(8, 1400, 128, torch.float8_e4m3fn),
+    "prefill 8 x 128 at 1,400, float16, scattered": lambda: case(8, 1400, 128, torch.float16, scattered=True),
     "mixed, float32": lambda: case(8, 1400, 64, torch.float32, mixed=True),
 }
 
