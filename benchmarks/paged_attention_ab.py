@@ -12,10 +12,11 @@ from memory, not cache), with the default model's shape (9 query heads, 3 KV hea
 
     decode      8 sequences at 1,400 tokens, one new row each (float32, float16 and fp8 pages), 1 sequence, and
                 64 sequences at 192 tokens (offline 64 x 128/128 halfway through its decode), 16 at 330 (16
-                streams late in a 128/128 request's decode and beyond); and two with each sequence's pages scattered
-                through the pool (as a server's are), the others' consecutive
+                streams late in a 128/128 request's decode and beyond)
     prefill     8 sequences, 128 new rows each after a 1,272-token prefix (a multi-turn conversation's next turn)
     mixed       prefill chunks of 64 rows beside decode rows, contexts of 467-1,400 tokens
+Each sequence's pages are consecutive, except in the three cases marked scattered (two decode, one prefill), whose
+pages lie in a random order through the pool, as a server's are.
 
 A then B, alternating, `--rounds` times; prints the medians, A/B (above 1: B faster) and the largest difference
 of their outputs (0 where B keeps A's bits).

@@ -283,7 +283,7 @@ class QuantizedEmbedding(nn.Module):
 
     def __init__(self, lm_head: QuantizedLinear):
         super().__init__()
-        lm_head.keep_rows = True  # its kernel may lay the weight out anew; the rows stay for lookups
+        lm_head.keep_rows = True  # its kernel may lay the weight out anew: lookups read the rows it keeps (weight_rows)
         self.weight, self.dtype = lm_head.weight, lm_head.dtype  # the same tensors, filled by loading lm_head
         self.rows = lm_head.weight_rows  # from the layout lm_head's kernel keeps, once loaded
 
