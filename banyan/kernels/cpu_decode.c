@@ -282,8 +282,9 @@ static inline __attribute__((always_inline)) void weighted_add(const float *p, c
     for (int r = 0; r < lanes; r++) _mm256_storeu_ps(o + 8 * r, acc[r]);
 }
 
-/* weighted_add for NH (1 to 3) heads at once over width <= 32 floats (64 with AVX-512's registers; lanes = width / 8): o[h] += sum_j p[h][j] * v[slot[j]] in j order,
- * each V row loaded once for every head (the same FMAs in the same order for each output, so the same bits). */
+/* weighted_add for NH (1 to 3) heads at once over width <= 32 floats (64 with AVX-512's registers; lanes = width / 8):
+ * o[h] += sum_j p[h][j] * v[slot[j]] in j order, each V row loaded once for every head (the same FMAs in the same
+ * order for each output, so the same bits). */
 static inline __attribute__((always_inline)) void weighted_add_heads(const float *const p[3], const int NH, const void *v,
                                                                      size_t at, const uint32_t *slot, size_t token, int n,
                                                                      const int lanes, float *const o[3], const int kind) {

@@ -12,9 +12,10 @@
  * fewer instructions a product than llama.cpp's row-at-a-time blocks. int4 is faster than FBGEMM's fp16 GEMM at every
  * batch width on an AVX2 EPYC, so int4 layers take this kernel for every call; int8 too where built for VNNI (2-2.6x
  * FBGEMM's from 16 rows on a Zen 4), while with AVX2 alone (maddubs + madd a chunk, about what FBGEMM's fp16 GEMM pays)
- * callers holding a float16 copy use that past GEMV_MAX_ROWS rows. In both, a (weight row, x row) pair takes the same instructions in the same order whatever tile slot it falls
- * in and however many rows the call has, so a row's result never depends on the other rows (batch invariance: a
- * token's logits have the same bits alone, in a batch, or inside a prompt).
+ * callers holding a float16 copy use that past GEMV_MAX_ROWS rows. In both, a (weight row, x row) pair takes the same
+ * instructions in the same order whatever tile slot it falls in and however many rows the call has, so a row's
+ * result never depends on the other rows (batch invariance: a token's logits have the same bits alone, in a batch,
+ * or inside a prompt).
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -89,7 +90,7 @@ static void quantize_rows(const float *x, int8_t *q, float *scale, float *sum, i
  * A chunk is one `vpmaddubsw` against x's four bytes broadcast (unsigned 4-bit x signed 8-bit); the 8 chunks' int16
  * pair sums add exactly in int16 (at most 16 products of 15 * 127 = 30480 < 32767), one `vpmaddwd` makes them the
  * block's int32 dot products, which are scaled by the weight's group scales times x's block scale into a float
- * accumulator. The offsets' part, o[g] * xsum[r, g] (xsum summed per group: int4_gemv), once per group. Every
+ * accumulator. The offsets' part, o[g] * xsum[r, g] (xsum summed per group: quantize_x), once per group. Every
  * (weight row, x row) pair takes the same instructions in the same order whatever tile slot or call it falls in:
  * a row's result does not depend on the call's other rows. */
 static inline __attribute__((always_inline)) void int4_tile(const int R, const uint8_t *wp, const float *s8, const float *o8,
@@ -143,7 +144,7 @@ static inline __attribute__((always_inline)) void int4_tile(const int R, const u
  * products at about half its rate on a Zen 4, but the broadcasts, converts and scalings a block are halved: 1.35-1.8x
  * int4_tile's rate from 8 rows of x up where the weights are in cache (docs/quantization.md). Every lane takes int4_tile's
  * instructions in int4_tile's order, so a row's bits are the same whether its group is paired or runs alone. */
-#define INT4_PAIRS 1
+#define PAIRS 1
 static inline __m512i load_pair_si(const uint8_t *a, const uint8_t *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
                               _mm256_loadu_si256((const __m256i *)b), 1);
@@ -193,11 +194,11 @@ static inline __attribute__((always_inline)) void int4_tile16(const int R, const
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + 16 * r, _mm512_add_ps(acc[r], off[r]));
 }
 #else
-#define INT4_PAIRS 0
+#define PAIRS 0
 #endif
 /* Rows of x from which row groups go in pairs. Below, a call is bound by streaming the weights from memory, and two
  * streams a thread measured 6-11% slower than one (1-4 rows, 30 layers' weights, 2 threads on the Zen 4). */
-#define INT4_PAIR_ROWS 8
+#define PAIR_ROWS 8
 
 /* A tile of R rows of x (at most TILE_ROWS) against one row group (int4_tile, int8_tile) or two (the *_tile16). */
 #define TILE_CALL(TILE, ...)                                                                                       \
@@ -240,7 +241,6 @@ static void quantize_x(const float *x, int8_t *xq, float *xscale, float *xsum, i
  * pair's sum can pass 32767), so the sign moves onto x as in llama.cpp (|q| x sign(x, q): at most 2 * 128 * 127),
  * and `vpmaddwd` widens each chunk to int32. Both give each block's exact integer, and from there the same float
  * steps: acc += dot * x's block scale, then y = acc * the row's scale. */
-#define TILE_ROWS 4
 
 static inline __attribute__((always_inline)) void int8_tile(const int R, const uint8_t *wp, const float *s8, const int8_t *xq,
                                                             const float *xscale, const int32_t *xcorr, float *y, int K) {
@@ -334,7 +334,7 @@ static void prepare_x(const int bits, const float *x, int8_t *xq, float *xscale,
 /* y [M, N] = x [M, K] W^T, W 4-bit (bits 4) or 8-bit (bits 8, group 32, offset NULL) in its layout above, K a
  * multiple of the group (a multiple of 32). scratch: M * K bytes + 2 * M * K / 32 floats, for x as int8 blocks
  * (quantize_rows). Each thread takes its own range of row groups through every pass over x: one fork and join a
- * call, no barrier a pass; from INT4_PAIR_ROWS rows of x, two row groups a vector where built for AVX-512. */
+ * call, no barrier a pass; from PAIR_ROWS rows of x, two row groups a vector where built for AVX-512. */
 static inline __attribute__((always_inline)) void interleaved_gemv(const int bits, const float *x, void *scratch,
                                                                    const uint8_t *packed, const float *scale,
                                                                    const float *offset, float *y, int M, int N, int K,
@@ -360,7 +360,7 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
         for (int m0 = 0; m0 < M; m0 += pass) {
             const int m_end = m0 + pass < M ? m0 + pass : M;
             for (int G = g_begin; G < g_end; G++) {
-                const int pair = INT4_PAIRS && M >= INT4_PAIR_ROWS && G + 1 < g_end, width = pair ? 16 : 8;
+                const int pair = PAIRS && M >= PAIR_ROWS && G + 1 < g_end, width = pair ? 16 : 8;
                 const uint8_t *wp = packed + (size_t)G * group_bytes;
                 const float *s8 = scale + (size_t)G * group_scales, *o8 = bits == 4 ? offset + (size_t)G * group_scales : NULL;
                 const int lanes = N - 8 * G < width ? N - 8 * G : width;
@@ -369,13 +369,13 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
                     const float *xs = xscale + (size_t)m * blocks, *xt = xsum + (size_t)m * blocks;
                     const int R = m_end - m < TILE_ROWS ? m_end - m : TILE_ROWS;
                     if (bits == 4) {
-#if INT4_PAIRS
+#if PAIRS
                         if (pair) TILE_CALL(int4_tile16, wp, s8, o8, xm, xs, xt, tile, K, groups, per_group) else
 #endif
                         TILE_CALL(int4_tile, wp, s8, o8, xm, xs, xt, tile, K, groups, per_group)
                     } else {
                         const int32_t *xc = (const int32_t *)xt;
-#if INT4_PAIRS
+#if PAIRS
                         if (pair) TILE_CALL(int8_tile16, wp, s8, xm, xs, xc, tile, K) else
 #endif
                         TILE_CALL(int8_tile, wp, s8, xm, xs, xc, tile, K)

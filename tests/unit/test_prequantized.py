@@ -112,8 +112,8 @@ def test_the_default_route_is_within_the_kernels_rounding(checkpoints, name):
     32 inputs (measured 0.4-1.6% of a layer's output on these layers, most where symmetric weights cancel; 3%
     allowed): every row of an int4 layer (the kernel is faster than FBGEMM's fp16 GEMM at any width), and of an int8
     one where the kernel is built for AVX-512 VNNI; with AVX2 alone decode rows of an int8 one, whose prefill takes
-    a float16 copy of the same weights (measured under 0.2% at the logits; 1% allowed). These random tiny models amplify a layer's error by their logits (0.5% of noise added to each
-    projection moved them 1.7-3.3%): rows through the kernel measured 1.3-6.3% off (the most on the wider gptq-128
+    a float16 copy of the same weights (measured under 0.2% at the logits; 1% allowed). These random tiny models
+    amplify a layer's error by their logits (0.5% of noise added to each projection moved them 1.7-3.3%): rows through the kernel measured 1.3-6.3% off (the most on the wider gptq-128
     model), so 15% is allowed there, which still catches a layout read wrong (AWQ's nibbles in plain order, or
     act-order without permuting x: 120-150% off)."""
     path, reference = checkpoints[name]
