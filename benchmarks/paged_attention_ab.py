@@ -12,7 +12,8 @@ from memory, not cache), with the default model's shape (9 query heads, 3 KV hea
 
     decode      8 sequences at 1,400 tokens, one new row each (float32, float16 and fp8 pages), 1 sequence, and
                 64 sequences at 192 tokens (offline 64 x 128/128 halfway through its decode), 16 at 330 (16
-                streams late in a 128/128 request's decode and beyond)
+                streams late in a 128/128 request's decode and beyond); 8 at 1,400 and 32 at 1,200 whose
+                tables begin with the same 64 pages (a 1,024-token system prompt the prefix cache shares)
     prefill     8 sequences, 128 new rows each after a 1,272-token prefix (a multi-turn conversation's next turn)
     mixed       prefill chunks of 64 rows beside decode rows, contexts of 467-1,400 tokens
 Each sequence's pages are consecutive, except in the three cases marked scattered (two decode, one prefill), whose
@@ -47,14 +48,17 @@ def build(source: str, out: Path) -> cpu_decode.DecodeKernels:
     return cpu_decode.DecodeKernels(ctypes.CDLL(str(out)))
 
 
-def case(seqs: int, context: int, new_rows: int, dtype: torch.dtype, mixed: bool = False, scattered: bool = False):
+def case(seqs: int, context: int, new_rows: int, dtype: torch.dtype, mixed: bool = False, scattered: bool = False,
+         shared: int = 0):
     """(q, out, rows, [(k, v)] per layer): every sequence's pages its own, rows in sequence order; scattered: the
     pages in a random order, as a pool hands them out to sequences growing side by side (else each sequence's are
-    consecutive)."""
+    consecutive); shared: tokens of a prompt whose pages begin every table (the prefix cache's pages of a system
+    prompt: the first sequence's)."""
     pages_each = -(-context // PAGE)
     num_pages = seqs * pages_each + 1
     order = torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(0)) if scattered else torch.arange(num_pages - 1)
     tables = (order + 1).view(seqs, pages_each).int()
+    tables[:, : shared // PAGE] = tables[0, : shared // PAGE]
     rows, seq_of_row, positions = [], [], []
     for s in range(seqs):
         n = new_rows if not mixed or s % 2 == 0 else 1
@@ -77,6 +81,10 @@ CASES = {
     "decode 16 x 330, float16": lambda: case(16, 330, 1, torch.float16),
     "decode 16 x 330, float16, scattered": lambda: case(16, 330, 1, torch.float16, scattered=True),
     "decode 8 x 1,400, float16, scattered": lambda: case(8, 1400, 1, torch.float16, scattered=True),
+    "decode 8 x 1,400 sharing 1,024, float16, scattered": lambda: case(8, 1400, 1, torch.float16, scattered=True,
+                                                                       shared=1024),
+    "decode 32 x 1,200 sharing 1,024, float16, scattered": lambda: case(32, 1200, 1, torch.float16, scattered=True,
+                                                                        shared=1024),
     "prefill 8 x 128 at 1,400, float32": lambda: case(8, 1400, 128, torch.float32),
     "prefill 8 x 128 at 1,400, float16": lambda: case(8, 1400, 128, torch.float16),
     "prefill 8 x 128 at 1,400, fp8": lambda: case(8, 1400, 128, torch.float8_e4m3fn),

@@ -339,9 +339,213 @@ static inline __attribute__((always_inline)) void gather_rows(const void *cache,
             _mm256_storeu_ps(buf + (size_t)j * width + d, load_kv(cache, at + slot[j] * token + d, kind));
 }
 
-/* Query rows of one sequence that go through the keys together (a prefill chunk's rows; a decode row is a tile
- * alone). Must match banyan/kernels/cpu_decode.py's ATTENTION_TILE, which sizes the scratch. */
+/* Query rows that go through the keys together: up to Q_TILE consecutive rows of one sequence (a prefill chunk's), or
+ * the decode rows of up to Q_TILE sequences over the pages their tables begin with alike (a shared prompt's pages:
+ * see plan_tiles). Must match banyan/kernels/cpu_decode.py's ATTENTION_TILE, which sizes the scratch. */
 #define Q_TILE 8
+
+/* Leading pages two decode rows' tables must have alike for the rows to read them together. */
+#define MIN_SHARED_PAGES 2
+
+/* One (tile, KV head) of attend_pages. Key j of the tile's span is position base + j, in cache row slot[j] (page * P +
+ * offset); the tile's row t is q row rows[t] at position positions[t], seeing keys [first[t] - base, positions[t] -
+ * base] of the span; its scores for query head g of this KV head lie at p + (t * group + g) * max_keys. */
+typedef struct {
+    const float *q;          /* q + this KV head's first query head: row r's at q + r * q_stride */
+    float *out;              /* out + this KV head's first query head: row r's at out + r * out_stride */
+    const void *k_cache, *v_cache;
+    const int32_t *rows, *positions;
+    const int *first;
+    int q_stride, out_stride, group, D, base, max_keys;
+    size_t token, head_at, fetch_at, fetch_width;  /* elements a token's row, this head's within it, what to prefetch */
+    float scale, *p;
+    uint32_t *slot;
+} Tile;
+
+/* slot[j] for keys [jb, je) of the span: the cache rows `table` gives their positions */
+static void fill_slots(const Tile *w, const int32_t *table, int jb, int je, int P) {
+    for (int j = jb, page = (w->base + jb) / P, at = (w->base + jb) % P; j < je; j++) {  /* one division, not one a key */
+        w->slot[j] = (uint32_t)table[page] * P + at;
+        if (++at == P) at = 0, page++;
+    }
+}
+
+/* Scores of rows [t0, t1) for keys [jb, je) (a row's keys it does not see, past its position or before its window,
+ * are computed and never read). gather: the keys gathered 8 at a time (float16 widened) for every row and head (see
+ * MAX_GATHER_HEAD_DIM); else read in place, the K rows fetched ahead and, past je, the first V rows of [jb, je). */
+static inline __attribute__((always_inline)) void score_keys(const Tile *w, int t0, int t1, int jb, int je,
+                                                             const int gather, const int kind) {
+    const int D = w->D, group = w->group, n = je - jb;
+    float block[8 * MAX_GATHER_HEAD_DIM];  /* 8 keys x D */
+    for (int j = jb; j < je; j += 8) {
+        const int m = je - j < 8 ? je - j : 8;
+        size_t kr[8];
+        const void *keys = w->k_cache;
+        for (int u = j == jb ? jb : j + PREFETCH_KEYS; u < j + PREFETCH_KEYS + 8 && u < je + n; u++)
+            prefetch_kv(u < je ? w->k_cache : w->v_cache, w->fetch_at + w->slot[u < je ? u : u - n] * w->token,
+                        w->fetch_width, kind);
+        if (gather) {
+            uint32_t edge[8];
+            for (int u = 0; u < 8; u++) edge[u] = w->slot[j + (u < m ? u : 0)];
+            gather_rows(w->k_cache, w->head_at, edge, w->token, 8, D, block, kind);
+            for (int u = 0; u < 8; u++) kr[u] = (size_t)u * D;
+            keys = block;
+        } else
+            for (int u = 0; u < 8; u++) kr[u] = w->head_at + w->slot[j + (u < m ? u : 0)] * w->token;
+        for (int t = t0; t < t1; t++) {
+            const float *qr = w->q + (size_t)w->rows[t] * w->q_stride;
+            for (int g = 0; g < group; g++) {
+                float *pg = w->p + ((size_t)t * group + g) * w->max_keys + j;
+                const int nh = group - g < 3 ? group - g : 3;
+                if (!gather && kind == KV_FP8 && nh > 1) {  /* fp8 in place: each key widened once for 2-3 heads */
+                    float *ph[3], *ph4[3];
+                    for (int h = 0; h < 3; h++) ph[h] = pg + (size_t)(h < nh ? h : 0) * w->max_keys, ph4[h] = ph[h] + 4;
+                    const float *qg = qr + (size_t)g * D;
+                    const int lo = m < 4 ? m : 4;
+                    if (nh == 3) {
+                        score4_heads(qg, 3, keys, kr, lo, D, w->scale, ph, kind);
+                        if (m > 4) score4_heads(qg, 3, keys, kr + 4, m - 4, D, w->scale, ph4, kind);
+                    } else {
+                        score4_heads(qg, 2, keys, kr, lo, D, w->scale, ph, kind);
+                        if (m > 4) score4_heads(qg, 2, keys, kr + 4, m - 4, D, w->scale, ph4, kind);
+                    }
+                    g += nh - 1;
+                    continue;
+                }
+                if (!gather) score8(qr + (size_t)g * D, keys, kr, m, D, w->scale, pg, kind);
+                else if (D == 64) score8_rows(qr + (size_t)g * D, block, m, 64, w->scale, pg);
+                else if (D == 128) score8_rows(qr + (size_t)g * D, block, m, 128, w->scale, pg);
+                else score8_rows(qr + (size_t)g * D, block, m, D, w->scale, pg);
+            }
+        }
+    }
+}
+
+/* out rows [t0, t1) += their weights times the V rows of keys [jb, je), each row's keys in position order. gather: V
+ * rows gathered a block at a time; else read in place, fetched ahead as far as score_keys fetched them. */
+static inline __attribute__((always_inline)) void add_values(const Tile *w, int t0, int t1, int jb, int je,
+                                                             const int gather, const int kind) {
+    const int D = w->D, group = w->group;
+    static const uint32_t in_order[V_BLOCK] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
+                                               16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
+    _Static_assert(V_BLOCK * 64 <= 8 * MAX_GATHER_HEAD_DIM, "a V block fits the gathering buffer");
+    float block[8 * MAX_GATHER_HEAD_DIM];  /* a V block: V_BLOCK rows x 64 columns at most */
+    /* the output columns at a time: 8 registers for one head, 4 for more; with AVX-512's 32 registers, a row reading in
+     * place takes 64 columns of three heads (24 registers), each V row's in one pass (a column's sums are the same
+     * FMAs in the same order however the columns are cut: the same bits) */
+#if defined(__AVX512F__)
+    const int cw = group > 1 && gather ? 32 : 64;
+#else
+    const int cw = group > 1 ? 32 : 64;
+#endif
+    for (int c = 0; c < D; c += cw)
+        for (int j = jb; j < je; j += V_BLOCK) {
+            const int j_end = je - j < V_BLOCK ? je : j + V_BLOCK, width = D - c < cw ? D - c : cw;
+            /* the block's V rows: in the cache, or gathered once into `block` [j_end - j, width] */
+            const void *values = w->v_cache;
+            size_t value_at = w->head_at + c, value_token = w->token;
+            if (c == 0)  /* V rows as far ahead as the K pass fetched them (its tail began) */
+                for (int u = j + PREFETCH_KEYS; u < j_end + PREFETCH_KEYS && u < je; u++)
+                    prefetch_kv(w->v_cache, w->fetch_at + w->slot[u] * w->token, w->fetch_width, kind);
+            if (gather) {
+                gather_rows(w->v_cache, w->head_at + c, w->slot + j, w->token, j_end - j, width, block, kind);
+                values = block, value_at = 0, value_token = (size_t)width;
+            }
+            for (int t = t0; t < t1; t++) {  /* each row's keys of this block, in position order */
+                const int lo = w->first[t] - w->base, hi = w->positions[t] - w->base + 1;
+                const int from = j > lo ? j : lo, to = j_end < hi ? j_end : hi;
+                if (from >= to) continue;
+                float *o = w->out + (size_t)w->rows[t] * w->out_stride;
+                const float *pt = w->p + (size_t)t * group * w->max_keys;
+                if (group == 1) {
+                    weighted_add(pt + from, values, value_at, gather ? in_order + (from - j) : w->slot + from,
+                                 value_token, to - from, width, o + c, gather ? KV_F32 : kind);
+                    continue;
+                }
+                for (int g = 0; g < group; g += 3) {
+                    const float *ph[3];
+                    float *oh[3];
+                    for (int h = 0; h < 3; h++) {
+                        const int gh = g + h < group ? g + h : g;
+                        ph[h] = pt + (size_t)gh * w->max_keys + from;
+                        oh[h] = o + (size_t)gh * D + c;
+                    }
+                    const int nh = group - g < 3 ? group - g : 3, n = to - from;
+                    const uint32_t *vs = gather ? in_order + (from - j) : w->slot + from;
+                    const float *gathered = block + (size_t)(from - j) * 32;  /* when gather and width 32 */
+                    if (gather && width == 32 && nh == 3) weighted_add_heads_rows(ph, 3, gathered, n, oh);
+                    else if (gather && width == 32 && nh == 2) weighted_add_heads_rows(ph, 2, gathered, n, oh);
+                    else if (width == 64 && nh == 3 && !gather) weighted_add_heads(ph, 3, values, value_at, vs, value_token, n, 8, oh, kind);
+                    else if (width == 64 && nh == 2 && !gather) weighted_add_heads(ph, 2, values, value_at, vs, value_token, n, 8, oh, kind);
+                    else if (width == 32 && nh == 3) weighted_add_heads(ph, 3, values, value_at, vs, value_token, n, 4, oh, gather ? KV_F32 : kind);
+                    else if (width == 32 && nh == 2) weighted_add_heads(ph, 2, values, value_at, vs, value_token, n, 4, oh, gather ? KV_F32 : kind);
+                    else
+                        for (int h = 0; h < nh; h++)
+                            weighted_add(ph[h], values, value_at, vs, value_token, n, width, oh[h], gather ? KV_F32 : kind);
+                }
+            }
+        }
+}
+
+/* The end of the run of decode rows sharing pages that begins at row i (i + 1: none), and of the rows of one
+ * sequence that begin there (Q_TILE at most) */
+static inline int run_end(const int32_t *shared, int window, int n, int i) {
+    int end = i + 1;
+    if (shared != NULL && window == 0)
+        while (end < n && shared[end] >= MIN_SHARED_PAGES) end++;
+    return end;
+}
+static inline int sequence_end(const int32_t *seq_of_row, int n, int i) {
+    int end = i + 1;
+    while (end < n && seq_of_row[end] == seq_of_row[i] && end - i < Q_TILE) end++;
+    return end;
+}
+
+/* The tiles of n rows: tile i is rows [start[i], start[i + 1]), and keys[i] how many keys from position 0 on all its
+ * rows' tables give alike (0: one sequence's rows, one table for all its keys). A run of decode rows whose tables
+ * begin with the same MIN_SHARED_PAGES pages or more (shared[i]: the leading pages row i's table has alike with row
+ * i - 1's; cpu_decode.py's PagedRows puts such rows side by side) is cut into tiles of at most Q_TILE rows, and into
+ * more while the threads would have fewer than two (tile, KV head) items each. A tile's shared keys: the fewest any
+ * two neighbours in it share, and no more than any of its rows sees. Returns the number of tiles. */
+static int plan_tiles(const int32_t *seq_of_row, const int32_t *positions, const int32_t *shared, int n, int P,
+                      int window, int KVH, int threads, int *start, int *keys) {
+    int *run_rows = (int *)__builtin_alloca(sizeof(int) * n), *parts = (int *)__builtin_alloca(sizeof(int) * n);
+    int runs = 0, tiles = 0;
+    for (int i = 0; i < n;) {
+        const int end = run_end(shared, window, n, i);
+        if (end - i > 1) run_rows[runs] = end - i, parts[runs] = (end - i + Q_TILE - 1) / Q_TILE, tiles += parts[runs++], i = end;
+        else tiles++, i = sequence_end(seq_of_row, n, i);
+    }
+    while (tiles * KVH < 2 * threads) {  /* cut the run of the widest tiles once more, down to 2 rows a tile */
+        int widest = -1;
+        for (int r = 0; r < runs; r++)
+            if (run_rows[r] / (parts[r] + 1) >= 2 && (widest < 0 || run_rows[r] * parts[widest] > run_rows[widest] * parts[r]))
+                widest = r;
+        if (widest < 0) break;
+        parts[widest]++, tiles++;
+    }
+    tiles = 0;
+    for (int i = 0, r = 0; i < n;) {
+        const int end = run_end(shared, window, n, i);
+        if (end - i == 1) {
+            const int rows_end = sequence_end(seq_of_row, n, i);
+            start[tiles] = i, keys[tiles++] = 0, i = rows_end;
+            continue;
+        }
+        for (int k = 0; k < parts[r]; k++) {
+            const int a = i + (end - i) * k / parts[r], b = i + (end - i) * (k + 1) / parts[r];
+            int common = INT32_MAX;
+            for (int row = a; row < b; row++) {
+                if (row > a && shared[row] * P < common) common = shared[row] * P;
+                if (positions[row] + 1 < common) common = positions[row] + 1;
+            }
+            start[tiles] = a, keys[tiles++] = b - a > 1 ? common : 0;
+        }
+        r++, i = end;
+    }
+    start[tiles] = n;
+    return tiles;
+}
 
 /* Causal attention of n query rows over a paged cache [pages, P, KVH, D]. Query row i is q row rows[i] (rows
  * q_stride floats apart, heads D apart), at position positions[i] of the sequence whose pages are
@@ -351,25 +555,24 @@ static inline __attribute__((always_inline)) void gather_rows(const void *cache,
  *     s_t = scale * <q, k_t>      p_t = exp(s_t - max s)      out row rows[i] = sum_t p_t v_t / sum_t p_t
  *
  * each sum taken in position order, each dot product in one fixed tree. The H / KVH query heads of a KV head
- * go together, so each K and V row is read from memory once for all of them; so do up to Q_TILE consecutive rows
- * of one sequence (a prefill chunk), which read the keys of all of them once: a row's numbers are the same as
- * alone, since a score is one key's own dot product (score8 treats its eight keys apart), a row's exponentials
- * and sums cover exactly its own keys in position order, and only the loads are shared. out [T, H, D]; scratch:
+ * go together, so each K and V row is read from memory once for all of them; so do the rows of a tile (plan_tiles:
+ * up to Q_TILE consecutive rows of one sequence, a prefill chunk's; or decode rows of sequences whose first pages are
+ * the same pages, over those pages), which read those keys once for all of them, gathered: a row's numbers are the
+ * same as alone, since a score is one key's own dot product (score8 treats its eight keys apart), a row's
+ * exponentials and sums cover exactly its own keys in position order, and only the loads are shared. shared: NULL,
+ * or per row the leading pages its table has alike with the row before's (see plan_tiles). out [T, H, D]; scratch:
  * threads * (Q_TILE * H / KVH + 1) * max_keys floats (each row and head's scores, the slots), max_keys at least
  * the keys a tile spans (the largest position + 1). D a multiple of 8. The caches hold float32, float16 or fp8 (kind:
  * a constant, so each is its own compiled loop); fp8 values are K / kv_scale and V / kv_scale, so the scores take
  * scale * kv_scale and the outputs kv_scale / sum p (1.0 for the others: the same bits as without it). */
 static inline __attribute__((always_inline)) void attend_pages(
         const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *tables, int table_stride,
-        const int32_t *rows, const int32_t *seq_of_row, const int32_t *positions, int n, int H, int KVH, int D, int P,
-        int window, float scale, float value_scale, float *out, float *scratch, int max_keys, int threads,
-        const int kind) {
+        const int32_t *rows, const int32_t *seq_of_row, const int32_t *positions, const int32_t *shared, int n, int H,
+        int KVH, int D, int P, int window, float scale, float value_scale, float *out, float *scratch, int max_keys,
+        int threads, const int kind) {
     const int group = H / KVH;
-    const size_t token = (size_t)KVH * D;
-    int tiles = 0, *tile_start = (int *)__builtin_alloca(sizeof(int) * (n + 1));
-    for (int i = 0; i < n; i++)  /* consecutive rows of one sequence, Q_TILE at most */
-        if (i == 0 || seq_of_row[i] != seq_of_row[i - 1] || i - tile_start[tiles - 1] == Q_TILE) tile_start[tiles++] = i;
-    tile_start[tiles] = n;
+    int *tile_start = (int *)__builtin_alloca(sizeof(int) * (n + 1)), *tile_keys = (int *)__builtin_alloca(sizeof(int) * n);
+    const int tiles = plan_tiles(seq_of_row, positions, shared, n, P, window, KVH, threads, tile_start, tile_keys);
     /* Taken a few at a time as threads come free (a prefill tile costs many decode rows), a tile's KV heads
      * together where there are enough to go round: one thread then walks whole token rows, which its prefetcher
      * follows, where two threads reading different heads of the same rows ran 20% slower in a decode step. */
@@ -378,7 +581,7 @@ static inline __attribute__((always_inline)) void attend_pages(
 #pragma omp parallel for collapse(2) num_threads(threads) schedule(dynamic, chunk)
     for (int tile = 0; tile < tiles; tile++) {
         for (int kh = 0; kh < KVH; kh++) {
-            const int i0 = tile_start[tile], rows_here = tile_start[tile + 1] - i0;
+            const int i0 = tile_start[tile], rows_here = tile_start[tile + 1] - i0, alike = tile_keys[tile];
             int first[Q_TILE], base = INT32_MAX, top = 0;
             for (int t = 0; t < rows_here; t++) {
                 const int pos = positions[i0 + t];
@@ -386,69 +589,26 @@ static inline __attribute__((always_inline)) void attend_pages(
                 base = first[t] < base ? first[t] : base;
                 top = pos > top ? pos : top;
             }
-            const int span = top - base + 1;  /* the keys any row of the tile sees: [base, top] */
-            const int32_t *table = tables + (size_t)seq_of_row[i0] * table_stride;
-            const size_t head_at = (size_t)kh * D;  /* this KV head's elements within a token's row */
+            const size_t token = (size_t)KVH * D, head_at = (size_t)kh * D;  /* this KV head's elements in a token's row */
+            float *p = scratch + (size_t)omp_get_thread_num() * (Q_TILE * group + 1) * max_keys;  /* [t][g][span] */
             /* what a row reading in place fetches ahead of a key: the first KV head every head's row of it (one run of
              * memory: the next heads find theirs in cache), the others their own */
-            const size_t fetch_at = kh == 0 ? 0 : head_at, fetch_width = kh == 0 ? token : (size_t)D;
-            float *p = scratch + (size_t)omp_get_thread_num() * (Q_TILE * group + 1) * max_keys;  /* [t][g][span] */
-            uint32_t *slot = (uint32_t *)(p + (size_t)Q_TILE * group * max_keys);
-            for (int j = 0, page = base / P, at = base % P; j < span; j++) {  /* one division, not one a key */
-                slot[j] = (uint32_t)table[page] * P + at;
-                if (++at == P) at = 0, page++;
-            }
-            /* every row's scores over the whole span (the few keys a row does not see, past its position or before its
-             * window, are computed and never read) */
-            const int gather = rows_here > 1 && D <= MAX_GATHER_HEAD_DIM;  /* gather K and V blocks (see above) */
-            _Static_assert(V_BLOCK * 64 <= 8 * MAX_GATHER_HEAD_DIM, "a V block fits the gathering buffer");
-            float block[8 * MAX_GATHER_HEAD_DIM];  /* 8 keys x D, or a V block: V_BLOCK rows x 64 columns at most */
-            static const uint32_t in_order[V_BLOCK] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
-                                                       16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
-            for (int j = 0; j < span; j += 8) {
-                const int m = span - j < 8 ? span - j : 8;
-                size_t kr[8];
-                const void *keys = k_cache;
-                if (gather) {  /* the 8 keys gathered once (float16 widened) for every row and head */
-                    uint32_t edge[8];
-                    for (int u = 0; u < 8; u++) edge[u] = slot[j + (u < m ? u : 0)];
-                    gather_rows(k_cache, head_at, edge, token, 8, D, block, kind);
-                    for (int u = 0; u < 8; u++) kr[u] = (size_t)u * D;
-                    keys = block;
-                } else {
-                    for (int u = 0; u < 8; u++) kr[u] = head_at + slot[j + (u < m ? u : 0)] * token;
-                    /* a decode row reads its keys in place: fetch the K rows ahead, from its first key on, and past the
-                     * last key the first V rows, so the V pass starts on rows already on their way */
-                    for (int u = j == 0 ? 0 : j + PREFETCH_KEYS; u < j + PREFETCH_KEYS + 8 && u < 2 * span; u++)
-                        prefetch_kv(u < span ? k_cache : v_cache, fetch_at + slot[u < span ? u : u - span] * token,
-                                    fetch_width, kind);
-                }
-                for (int t = 0; t < rows_here; t++) {
-                    const float *qr = q + (size_t)rows[i0 + t] * q_stride + (size_t)kh * group * D;
-                    for (int g = 0; g < group; g++) {
-                        float *pg = p + ((size_t)t * group + g) * max_keys + j;
-                        const int nh = group - g < 3 ? group - g : 3;
-                        if (!gather && kind == KV_FP8 && nh > 1) {  /* fp8 in place: each key widened once for 2-3 heads */
-                            float *ph[3], *ph4[3];
-                            for (int h = 0; h < 3; h++) ph[h] = pg + (size_t)(h < nh ? h : 0) * max_keys, ph4[h] = ph[h] + 4;
-                            const float *qg = qr + (size_t)g * D;
-                            const int lo = m < 4 ? m : 4;
-                            if (nh == 3) {
-                                score4_heads(qg, 3, keys, kr, lo, D, scale, ph, kind);
-                                if (m > 4) score4_heads(qg, 3, keys, kr + 4, m - 4, D, scale, ph4, kind);
-                            } else {
-                                score4_heads(qg, 2, keys, kr, lo, D, scale, ph, kind);
-                                if (m > 4) score4_heads(qg, 2, keys, kr + 4, m - 4, D, scale, ph4, kind);
-                            }
-                            g += nh - 1;
-                            continue;
-                        }
-                        if (!gather) score8(qr + (size_t)g * D, keys, kr, m, D, scale, pg, kind);
-                        else if (D == 64) score8_rows(qr + (size_t)g * D, block, m, 64, scale, pg);
-                        else if (D == 128) score8_rows(qr + (size_t)g * D, block, m, 128, scale, pg);
-                        else score8_rows(qr + (size_t)g * D, block, m, D, scale, pg);
-                    }
-                }
+            const Tile w = {.q = q + head_at * group, .out = out + head_at * group, .k_cache = k_cache, .v_cache = v_cache,
+                            .rows = rows + i0, .positions = positions + i0, .first = first, .q_stride = q_stride,
+                            .out_stride = H * D, .group = group, .D = D, .base = base, .max_keys = max_keys,
+                            .token = token, .head_at = head_at, .fetch_at = kh == 0 ? 0 : head_at,
+                            .fetch_width = kh == 0 ? token : (size_t)D, .scale = scale, .p = p,
+                            .slot = (uint32_t *)(p + (size_t)Q_TILE * group * max_keys)};
+            /* keys [0, common) of the span: every row's, from the first row's table; read once for the tile's rows,
+             * gathered (a decode row alone reads its keys in place: gathering would cost it more than it saves) */
+            const int span = top - base + 1, common = alike ? alike : span;
+            const int gather = rows_here > 1 && D <= MAX_GATHER_HEAD_DIM;
+            fill_slots(&w, tables + (size_t)seq_of_row[i0] * table_stride, 0, common, P);
+            score_keys(&w, 0, rows_here, 0, common, gather, kind);
+            for (int t = 0; alike && t < rows_here; t++) {  /* each row's own keys after the pages it shares */
+                const int end = positions[i0 + t] - base + 1;
+                fill_slots(&w, tables + (size_t)seq_of_row[i0 + t] * table_stride, common, end, P);
+                score_keys(&w, t, t + 1, common, end, 0, kind);
             }
             float totals[Q_TILE * group];  /* each row and head's sum of its exponentials */
             for (int t = 0; t < rows_here; t++) {
@@ -457,64 +617,17 @@ static inline __attribute__((always_inline)) void attend_pages(
                     float *pg = p + ((size_t)t * group + g) * max_keys + lo;
                     totals[t * group + g] = exp_shifted_sum(pg, keys, max_of(pg, keys));
                 }
-                float *o = out + ((size_t)rows[i0 + t] * H + (size_t)kh * group) * D;
+                float *o = w.out + (size_t)rows[i0 + t] * w.out_stride;
                 for (int d = 0; d < group * D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
             }
-            /* the output columns at a time: 8 registers for one head, 4 for more; with AVX-512's 32 registers, a row
-             * reading in place takes 64 columns of three heads (24 registers), each V row's in one pass (a column's
-             * sums are the same FMAs in the same order however the columns are cut: the same bits) */
-#if defined(__AVX512F__)
-            const int cw = group > 1 && gather ? 32 : 64;
-#else
-            const int cw = group > 1 ? 32 : 64;
-#endif
-            for (int c = 0; c < D; c += cw)
-                for (int j = 0; j < span; j += V_BLOCK) {
-                    const int j_end = span - j < V_BLOCK ? span : j + V_BLOCK, width = D - c < cw ? D - c : cw;
-                    /* the block's V rows: in the cache, or gathered once into `block` [j_end - j, width] */
-                    const void *values = v_cache;
-                    size_t value_at = head_at + c, value_token = token;
-                    if (gather) {
-                        gather_rows(v_cache, head_at + c, slot + j, token, j_end - j, width, block, kind);
-                        values = block, value_at = 0, value_token = (size_t)width;
-                    } else if (c == 0)  /* in place: V rows as far ahead as the K pass fetched them (its tail began) */
-                        for (int u = j + PREFETCH_KEYS; u < j_end + PREFETCH_KEYS && u < span; u++)
-                            prefetch_kv(v_cache, fetch_at + slot[u] * token, fetch_width, kind);
-                    for (int t = 0; t < rows_here; t++) {  /* each row's keys of this block, in position order */
-                        const int lo = first[t] - base, hi = positions[i0 + t] - base + 1;
-                        const int from = j > lo ? j : lo, to = j_end < hi ? j_end : hi;
-                        if (from >= to) continue;
-                        float *o = out + ((size_t)rows[i0 + t] * H + (size_t)kh * group) * D;
-                        if (group == 1) {
-                            weighted_add(p + (size_t)t * max_keys + from, values, value_at, gather ? in_order + (from - j) : slot + from,
-                                         value_token, to - from, width, o + c, gather ? KV_F32 : kind);
-                            continue;
-                        }
-                        for (int g = 0; g < group; g += 3) {
-                            const float *ph[3];
-                            float *oh[3];
-                            for (int h = 0; h < 3; h++) {
-                                const int gh = g + h < group ? g + h : g;
-                                ph[h] = p + ((size_t)t * group + gh) * max_keys + from;
-                                oh[h] = o + (size_t)gh * D + c;
-                            }
-                            const int nh = group - g < 3 ? group - g : 3, n = to - from;
-                            const uint32_t *vs = gather ? in_order + (from - j) : slot + from;
-                            const float *gathered = block + (size_t)(from - j) * 32;  /* when gather and width 32 */
-                            if (gather && width == 32 && nh == 3) weighted_add_heads_rows(ph, 3, gathered, n, oh);
-                            else if (gather && width == 32 && nh == 2) weighted_add_heads_rows(ph, 2, gathered, n, oh);
-                            else if (width == 64 && nh == 3 && !gather) weighted_add_heads(ph, 3, values, value_at, vs, value_token, n, 8, oh, kind);
-                            else if (width == 64 && nh == 2 && !gather) weighted_add_heads(ph, 2, values, value_at, vs, value_token, n, 8, oh, kind);
-                            else if (width == 32 && nh == 3) weighted_add_heads(ph, 3, values, value_at, vs, value_token, n, 4, oh, gather ? KV_F32 : kind);
-                            else if (width == 32 && nh == 2) weighted_add_heads(ph, 2, values, value_at, vs, value_token, n, 4, oh, gather ? KV_F32 : kind);
-                            else
-                                for (int h = 0; h < nh; h++)
-                                    weighted_add(ph[h], values, value_at, vs, value_token, n, width, oh[h], gather ? KV_F32 : kind);
-                        }
-                    }
-                }
+            add_values(&w, 0, rows_here, 0, common, gather, kind);
+            for (int t = 0; alike && t < rows_here; t++) {
+                const int end = positions[i0 + t] - base + 1;
+                fill_slots(&w, tables + (size_t)seq_of_row[i0 + t] * table_stride, common, end, P);
+                add_values(&w, t, t + 1, common, end, 0, kind);
+            }
             for (int t = 0; t < rows_here; t++) {
-                float *o = out + ((size_t)rows[i0 + t] * H + (size_t)kh * group) * D;
+                float *o = w.out + (size_t)rows[i0 + t] * w.out_stride;
                 for (int g = 0; g < group; g++) {
                     const __m256 inv = _mm256_set1_ps(value_scale / totals[t * group + g]);
                     for (int d = 0; d < D; d += 8)
@@ -527,17 +640,17 @@ static inline __attribute__((always_inline)) void attend_pages(
 
 void paged_attention(const float *q, int q_stride, const void *k_cache, const void *v_cache,
                      const int32_t *tables, int table_stride, const int32_t *rows, const int32_t *seq_of_row,
-                     const int32_t *positions, int n, int H, int KVH, int D, int P, int window, float scale,
+                     const int32_t *positions, const int32_t *shared, int n, int H, int KVH, int D, int P, int window, float scale,
                      float *out, float *scratch, int max_keys, int kv_kind, float kv_scale, int threads) {
     const float s = scale * kv_scale;  /* kv_scale 1.0 (float32, float16): scale itself */
     if (kv_kind == KV_FP8)
-        attend_pages(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, n, H, KVH, D, P,
+        attend_pages(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, shared, n, H, KVH, D, P,
                      window, s, kv_scale, out, scratch, max_keys, threads, KV_FP8);
     else if (kv_kind == KV_F16)
-        attend_pages(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, n, H, KVH, D, P,
+        attend_pages(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, shared, n, H, KVH, D, P,
                      window, s, kv_scale, out, scratch, max_keys, threads, KV_F16);
     else
-        attend_pages(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, n, H, KVH, D, P,
+        attend_pages(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, shared, n, H, KVH, D, P,
                      window, s, kv_scale, out, scratch, max_keys, threads, KV_F32);
 }
 

@@ -13,6 +13,7 @@ BANYAN_DISABLE_FUSED_DECODE=1 (these fused ops only; the matmul kernels stay: fo
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import os
@@ -40,7 +41,7 @@ class DecodeKernels:
         p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         lib.rms_norm.argtypes = [p, p, p, p, p, i, i, f, i]
         lib.rope_store_kv.argtypes = [p, i, p, i, p, i, p, p, p, i, p, p, p, i, i, i, i, i, i]
-        lib.paged_attention.argtypes = [p, i, p, p, p, i, p, p, p, i, i, i, i, i, i, f, p, p, i, i, f, i]
+        lib.paged_attention.argtypes = [p, i, p, p, p, i, p, p, p, p, i, i, i, i, i, i, f, p, p, i, i, f, i]
         lib.silu_mul.argtypes = [p, p, i, i, i]
         lib.rms_norm.restype = lib.paged_attention.restype = lib.silu_mul.restype = None
         lib.rope_store_kv.restype = ctypes.c_int
@@ -90,7 +91,8 @@ class DecodeKernels:
         tables = rows.tables
         self._lib.paged_attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-            rows.rows.data_ptr(), rows.seq_of_row.data_ptr(), rows.positions.data_ptr(), rows.rows.numel(), heads,
+            rows.rows.data_ptr(), rows.seq_of_row.data_ptr(), rows.positions.data_ptr(), rows.shared_ptr(),
+            rows.rows.numel(), heads,
             kv_heads, dim, page_size, sliding_window or 0, scale, out.data_ptr(), rows.scratch.data_ptr(),
             rows.max_keys, kv_kind(k_cache, KV_DTYPES), kv_scale, threads)
 
@@ -122,15 +124,60 @@ class PagedRows:
         rows[i]        the row of q and out
         seq_of_row[i]  its request: the row of `tables` [num_seqs, max_pages] that holds its pages
         positions[i]   its position p; it sees positions [0, p], or (p - w, p] with a sliding window w
+        shared[i]      None, or the leading pages row i's table has alike with row i - 1's
+
+    Decode rows whose tables begin with the same pages (a system prompt or few-shot examples the prefix cache serves
+    every request, the prompt of n samples) are put side by side after the other rows, and `shared` says how far they
+    agree, so the kernel reads those pages once for all of them (cpu_decode.c's plan_tiles); each row's numbers stay
+    its own.
     """
 
     def __init__(self, rows: list[int], seq_of_row: list[int], positions: list[int], tables: torch.Tensor):
+        self.tables = tables.to(torch.int32).contiguous()
+        self.max_keys = max(positions, default=0) + 1
+        order, shared = _side_by_side(seq_of_row, self.tables)
+        if order is not None:
+            rows, seq_of_row, positions = ([x[i] for i in order] for x in (rows, seq_of_row, positions))
         self.rows = torch.tensor(rows, dtype=torch.int32)
         self.seq_of_row = torch.tensor(seq_of_row, dtype=torch.int32)
         self.positions = torch.tensor(positions, dtype=torch.int32)
-        self.tables = tables.to(torch.int32).contiguous()
-        self.max_keys = max(positions, default=0) + 1
+        self.shared = None if shared is None else torch.tensor(shared, dtype=torch.int32)
         self.scratch: torch.Tensor | None = None  # scores and slots, allocated by the first layer
+
+    def shared_ptr(self) -> int | None:
+        return None if self.shared is None else self.shared.data_ptr()
+
+
+def _side_by_side(seq_of_row: list[int], tables: torch.Tensor) -> tuple[list[int] | None, list[int] | None]:
+    """(An order of the rows, shared per row in that order) where two decode rows (each its request's only row) have
+    tables beginning with the same page, else (None, None): the other rows first in their order (the dearer tiles,
+    taken first by the threads), then the decode rows by first page and, among those, by how many leading pages they
+    have alike with the first of them, most first (a request sharing less of a prompt goes to the edge of its run);
+    shared[i]: the leading pages the i-th row's table has alike with the one before's (0 for the others)."""
+    counts = collections.Counter(seq_of_row)
+    decode = [i for i, seq in enumerate(seq_of_row) if counts[seq] == 1]
+    if len(decode) < 2:
+        return None, None
+    seqs = torch.tensor([seq_of_row[i] for i in decode])
+    first_page = tables[seqs, 0]
+    by_first = torch.argsort(first_page, stable=True)
+    _, run = torch.unique_consecutive(first_page[by_first], return_counts=True)
+    if len(run) == len(decode):  # no two alike
+        return None, None
+    leader = by_first[torch.repeat_interleave(torch.cumsum(run, 0) - run, run)]
+    depth = _leading_alike(tables[seqs[by_first]], tables[seqs[leader]])
+    width = tables.shape[1] + 1
+    group = torch.repeat_interleave(torch.arange(len(run)), run)
+    order = by_first[torch.argsort(group * width + (width - 1 - depth), stable=True)]
+    ordered = tables[seqs[order]]
+    others = [i for i, seq in enumerate(seq_of_row) if counts[seq] > 1]
+    alike = _leading_alike(ordered[1:], ordered[:-1]).tolist()
+    return others + [decode[i] for i in order.tolist()], [0] * (len(others) + 1) + alike
+
+
+def _leading_alike(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per row, how many leading entries a and b have alike."""
+    return (a == b).to(torch.int32).cumprod(1).sum(1)
 
 
 def kernels_for(device: torch.device, dtype: torch.dtype) -> DecodeKernels | None:

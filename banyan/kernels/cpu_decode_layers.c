@@ -28,8 +28,8 @@ int rope_store_kv(float *q, int q_stride, float *k, int k_stride, const float *v
                   int threads);
 void paged_attention(const float *q, int q_stride, const void *k_cache, const void *v_cache,
                      const int32_t *tables, int table_stride, const int32_t *rows, const int32_t *seq_of_row,
-                     const int32_t *positions, int n, int H, int KVH, int D, int P, int window, float scale,
-                     float *out, float *scratch, int max_keys, int kv_kind, float kv_scale, int threads);
+                     const int32_t *positions, const int32_t *shared, int n, int H, int KVH, int D, int P, int window,
+                     float scale, float *out, float *scratch, int max_keys, int kv_kind, float kv_scale, int threads);
 void silu_mul(const float *x, float *y, int rows, int n, int threads);
 
 enum { LINEAR_INT4 = 0, LINEAR_INT8 = 1, LINEAR_FP16 = 2 };
@@ -56,7 +56,7 @@ typedef struct {
     float eps, scale;
     const float *cos, *sin;               /* [max_pos, head_dim / 2] */
     const int64_t *positions, *slots;     /* [M] */
-    const int32_t *tables, *rows, *seq_of_row, *row_positions;
+    const int32_t *tables, *rows, *seq_of_row, *row_positions, *shared;  /* shared: NULL or per row */
     int table_stride, max_keys;
     void *quant_scratch;                  /* x as int8 blocks: M * K + 8 * M * K / 32 bytes for the widest K */
     float *attn_scratch;                  /* threads * (heads / kv_heads + 1) * max_keys floats */
@@ -91,7 +91,7 @@ int decode_layers(const Layer *layers, int num_layers, const Step *s, float *x, 
                                 s->head_dim, s->kv_half, s->threads);
         if (bad) return bad;
         paged_attention(qkv, qkv_n, L->k_cache, L->v_cache, s->tables, s->table_stride, s->rows, s->seq_of_row,
-                        s->row_positions, M, s->heads, s->kv_heads, s->head_dim, s->page_size, L->window, s->scale,
+                        s->row_positions, s->shared, M, s->heads, s->kv_heads, s->head_dim, s->page_size, L->window, s->scale,
                         attn, s->attn_scratch, s->max_keys, s->kv_half, 1.0f, s->threads);
         linear(&L->o, attn, a, M, s);
         rms_norm(x, a, x, L->post_norm, h, M, s->hidden, s->eps, s->threads);  /* x += a, h = its norm */

@@ -32,7 +32,7 @@ class Step(ctypes.Structure):
     _fields_ = [(name, _i) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "page_size",
                                         "max_pos", "threads", "kv_half")] + [
         ("eps", _f), ("scale", _f), ("cos", _p), ("sin", _p), ("positions", _p), ("slots", _p), ("tables", _p),
-        ("rows", _p), ("seq_of_row", _p), ("row_positions", _p), ("table_stride", _i), ("max_keys", _i),
+        ("rows", _p), ("seq_of_row", _p), ("row_positions", _p), ("shared", _p), ("table_stride", _i), ("max_keys", _i),
         ("quant_scratch", _p), ("attn_scratch", _p)]
 
 

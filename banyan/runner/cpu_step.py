@@ -85,7 +85,7 @@ class CpuDecodeStep:
         s.threads, s.positions, s.slots = threads, fb.positions.data_ptr(), fb.slot_mapping.data_ptr()
         s.tables, s.table_stride = rows.tables.data_ptr(), rows.tables.stride(0)
         s.rows, s.seq_of_row, s.row_positions = rows.rows.data_ptr(), rows.seq_of_row.data_ptr(), rows.positions.data_ptr()
-        s.max_keys, s.attn_scratch = rows.max_keys, self.attn_scratch.data_ptr()
+        s.shared, s.max_keys, s.attn_scratch = rows.shared_ptr(), rows.max_keys, self.attn_scratch.data_ptr()
         self.kernel(self.layers, len(self.layers), s, x, self.work)
         return self.model.model.norm(x)
 

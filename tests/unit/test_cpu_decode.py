@@ -272,6 +272,69 @@ def assert_rows_together_are_rows_alone(specs, case, window):
     torch.testing.assert_close(together, expected, atol=2e-6, rtol=1e-5)
 
 
+def shared_prompt_case(page_size, kv_heads, heads, dim, seed, kv_dtype):
+    """Requests whose tables begin with the same pages, as the prefix cache hands a shared prompt's out: prompt A's 6
+    pages begin 11 tables (one of them only A's first 4, one's row still inside A's pages), prompt B's 3 pages begin
+    two, one request shares only B's first page, and a prefill chunk lies among them. (q, caches, tables, request
+    and position per row, specs as paged_case's, the rows' table rows.)"""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    # (prompt, its pages the table begins with, own pages after them, new rows)
+    requests = [("A", 6, 2, 1), ("A", 6, 1, 1), (None, 0, 3, 5), ("A", 6, 3, 1), ("A", 6, 0, 1), ("B", 3, 1, 1),
+                ("B", 3, 2, 1), ("B", 1, 2, 1), ("A", 4, 1, 1)] + [("A", 6, 1 + i % 3, 1) for i in range(7)]
+    free = list(range(1, 200))
+    rng.shuffle(free)
+    prompts = {"A": [free.pop() for _ in range(6)], "B": [free.pop() for _ in range(3)]}
+    tables, specs = [], []
+    for prompt, alike, own, new in requests:
+        pages = (prompts[prompt][:alike] if prompt else []) + [free.pop() for _ in range(own)]
+        context = len(pages) * page_size - rng.randrange(page_size)  # the last page partly filled
+        tables.append(pages)
+        specs.append((context - new, new))
+    width = max(map(len, tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    k_cache, v_cache = torch.randn(2, 200, page_size, kv_heads, dim, generator=gen).to(kv_dtype)
+    seq_of_row = [i for i, (_, new) in enumerate(specs) for _ in range(new)]
+    positions = [prefix + j for prefix, new in specs for j in range(new)]
+    q = torch.randn(len(positions), heads, dim, generator=gen)
+    return (q, k_cache, v_cache, table, seq_of_row, positions), specs
+
+
+def test_decode_rows_whose_tables_begin_alike_are_put_side_by_side():
+    """PagedRows: the prefill chunk's rows first, then the decode rows by first page, each with the leading pages
+    its table has alike with the row before's; no sharing, no reordering."""
+    (q, _, _, table, seq_of_row, positions), specs = shared_prompt_case(4, 1, 1, 8, 0, torch.float32)
+    rows = cpu_decode.PagedRows(list(range(len(positions))), seq_of_row, positions, table)
+    order = rows.rows.tolist()
+    assert order[:5] == [2, 3, 4, 5, 6]  # request 2's chunk
+    shared = dict(zip(order, rows.shared.tolist()))
+    prompt_a = [r for r in order if table[seq_of_row[r], 0] == table[0, 0]]
+    assert len(prompt_a) == 12 and order[-12:] == prompt_a or order[5:17] == prompt_a
+    assert sorted(shared[r] for r in prompt_a[1:]) == [4] + [6] * 10
+    assert rows.positions.tolist() == [positions[r] for r in order]
+    alone = [0, 1]  # two requests, nothing shared
+    rows = cpu_decode.PagedRows(alone, [seq_of_row[r] for r in (0, 9)], [positions[r] for r in (0, 9)], table)
+    assert rows.shared is None and rows.rows.tolist() == alone
+
+
+@needs_kernels
+@READ_DTYPES
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("page_size,kv_heads,group", [(4, 1, 4), (16, 3, 3), (8, 2, 1)])
+def test_decode_rows_read_shared_pages_together_with_the_bits_of_each_row_alone(page_size, kv_heads, group, window,
+                                                                                kv_dtype):
+    """Decode rows over pages their tables share go through those pages together, then each through its own (a run
+    longer than a tile, cut in two and more by the thread count): each row equals itself alone bit for bit, and SDPA
+    closely; a sliding window turns the sharing off."""
+    case, specs = shared_prompt_case(page_size, kv_heads, kv_heads * group, 64, page_size + group, kv_dtype)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 5):
+            torch.set_num_threads(n)
+            assert_rows_together_are_rows_alone(specs, case, window)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @needs_kernels
 @pytest.mark.parametrize("window", [None, 6])
 def test_torch_backend_sends_decode_and_verify_rows_to_the_kernel(window):
