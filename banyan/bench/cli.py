@@ -58,6 +58,8 @@ def add_bench_parser(commands) -> None:
     spec.add_argument("--methods", default="ngram,suffix", help="comma-separated speculative methods (ngram, suffix, "
                                                                 "layer_skip, draft_model)")
     spec.add_argument("--draft-model", default=None, help="draft_model: the draft's checkpoint")
+    spec.add_argument("--draft-quantization", default=None,
+                      help="draft_model: how the draft's weights load (default: as the target's)")
     spec.add_argument("--policies", default="adaptive,fixed", help="comma-separated controller policies")
     spec.add_argument("--num-speculative-tokens", type=int, default=5)
     spec.add_argument("--request-rate", type=float, default=float("inf"),

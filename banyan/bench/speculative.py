@@ -68,11 +68,12 @@ def copy_prompts(llm: LLM, num_prompts: int, output_len: int, *, sentences: int 
 
 
 def spec_configs(methods: list[str], policies: list[str], num_speculative_tokens: int,
-                 draft_model: str | None = None) -> dict[str, SpeculativeConfig | None]:
+                 draft_model: str | None = None, draft_quantization: str | None = None
+                 ) -> dict[str, SpeculativeConfig | None]:
     """Label -> speculative config: `off` first, then every method with every policy."""
     configs: dict[str, SpeculativeConfig | None] = {"off": None}
     for method in methods:
-        extra = {"model": draft_model} if method == "draft_model" else {}
+        extra = {"model": draft_model, "quantization": draft_quantization} if method == "draft_model" else {}
         for policy in policies:
             configs[f"{method}-{policy}"] = SpeculativeConfig.from_dict(
                 {"method": method, "num_speculative_tokens": num_speculative_tokens, "policy": policy, **extra})
@@ -84,7 +85,7 @@ def run_speculative(config: EngineConfig, args) -> tuple[dict, dict]:
     if args.temperature is None:  # greedy copies; sampled random prompts do not fall into repeating loops
         args.temperature = 0.0 if args.workload == "copy" else 1.0
     configs = spec_configs(_names(args.methods), _names(args.policies), args.num_speculative_tokens,
-                           getattr(args, "draft_model", None))
+                           getattr(args, "draft_model", None), getattr(args, "draft_quantization", None))
     llms = {label: LLM.from_config(_with(config, spec, args.batch_size)) for label, spec in configs.items()}
     try:
         prompts = _workload(next(iter(llms.values())), args)
@@ -99,7 +100,8 @@ def run_speculative(config: EngineConfig, args) -> tuple[dict, dict]:
             llm.engine.close()
     bench = {k: getattr(args, k, None) for k in ("workload", "num_prompts", "copy_sentences", "input_len", "output_len",
                                                  "batch_size", "rounds", "methods", "policies", "num_speculative_tokens",
-                                                 "draft_model", "temperature", "workload_seed")}
+                                                 "draft_model", "draft_quantization", "temperature",
+                                                 "workload_seed")}
     bench["request_rate"] = str(getattr(args, "request_rate", math.inf))  # inf is not JSON
     return {"engine": dataclasses.asdict(config), "bench": bench}, results
 

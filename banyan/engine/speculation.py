@@ -62,7 +62,7 @@ def start_speculation(speculator: Speculator, runner, config: EngineConfig, limi
                                                   "tensor-parallel workers)")
         if draft is not None:  # its own K/V tensors, as many pages as the target's pool
             cache = dataclasses.replace(config.cache, num_pages=runner.num_pages, kv_cache_memory=None)
-            runner.use_draft_model(ModelRunner(config.model, cache, draft, limits))
+            runner.use_draft_model(ModelRunner(spec.draft_settings(config.model), cache, draft, limits))
         else:
             runner.use_layer_skip(spec.num_layers or max(1, runner.arch.num_hidden_layers // 2))
         time_draft = runner.time_draft

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -39,10 +39,14 @@ from banyan.scheduler.batch import ScheduledRequest
 
 class NetworkDrafter:
     def __init__(self, model, kv_caches, vocab_size: int, page_size: int, device: torch.device, *,
-                 num_layers: int | None = None, own_cache: bool = False):
+                 num_layers: int | None = None, own_cache: bool = False,
+                 forward: Callable[[ForwardBatch], torch.Tensor] | None = None):
         """num_layers: run only the model's first layers (layer_skip); own_cache: kv_caches are the draft's own
-        (draft_model), so it must catch up on verified tokens it has not seen."""
+        (draft_model), so it must catch up on verified tokens it has not seen; forward: the final hidden states of a
+        batch where the draft's runner has a faster way than the modules (a draft model's own runner: its one-call
+        CPU step or CUDA graphs)."""
         self.model, self.kv_caches, self.num_layers, self.own_cache = model, kv_caches, num_layers, own_cache
+        self.forward = forward or (lambda fb: model(fb, kv_caches, num_layers=num_layers))
         self.vocab_size, self.page_size, self.device = vocab_size, page_size, device
         self._valid: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> (preemptions, end)
 
@@ -90,7 +94,7 @@ class NetworkDrafter:
     def _next_tokens(self, rows: list[tuple[tuple[list[int], int], list[int]]]) -> list[int]:
         """The draft network's greedy next token after each ((tokens, first position), pages) row."""
         fb = self._batch(rows)
-        hidden = self.model(fb, self.kv_caches, num_layers=self.num_layers)
+        hidden = self.forward(fb)
         return self.model.compute_logits(hidden[fb.logits_indices])[:, : self.vocab_size].argmax(dim=-1).tolist()
 
     def _batch(self, rows: list[tuple[tuple[list[int], int], list[int]]]) -> ForwardBatch:

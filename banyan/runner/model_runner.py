@@ -256,7 +256,8 @@ class ModelRunner:
         """A draft model's runner (its weights, and K/V tensors with as many pages as this pool) drafts each step's
         placeholders, catching up on what it has not seen (runner/drafter.py)."""
         vocab = min(self.sampler.vocab_size, draft.sampler.vocab_size)
-        self.drafter = NetworkDrafter(draft.model, draft.kv_caches, vocab, self.page_size, self.device, own_cache=True)
+        self.drafter = NetworkDrafter(draft.model, draft.kv_caches, vocab, self.page_size, self.device, own_cache=True,
+                                      forward=draft._forward)
 
     def time_draft(self, context_len: int = 256) -> float:
         """Seconds of one draft position for one request (the drafter's forward), on the reserved page."""

@@ -37,6 +37,10 @@ class SpeculativeConfig:
     """ngram: longest suffix looked up (default: prompt_lookup_min, else 5)."""
     model: str | None = None
     """draft_model: the draft's Hugging Face directory or .gguf file (its tokenizer must be the target's)."""
+    quantization: str | None = None
+    """draft_model: how the draft's weights load (--quantization's choices, e.g. int4, or gguf to keep a GGUF
+    file's own; default: the target's). A compact draft of the target's own checkpoint drafts for it in full
+    precision: the same model, a fraction of the bytes a token."""
     num_layers: int | None = None
     """layer_skip: how many of the target's first layers draft (default: chosen when the model is loaded)."""
     policy: str | None = None
@@ -72,6 +76,10 @@ class SpeculativeConfig:
             raise InvalidParameterError("method", f"is required; choose from {', '.join(METHODS)}")
         return cls(**data)
 
+    def draft_settings(self, model):
+        """A draft model's settings: the target's (a ModelConfig), with this config's quantization where it has one."""
+        return model if self.quantization is None else dataclasses.replace(model, quantization=self.quantization)
+
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
         """Build from the text of `--speculative-config '<json>'`."""
@@ -105,8 +113,10 @@ class SpeculativeConfig:
         if self.method == "draft_model":
             if not isinstance(self.model, str) or not self.model:
                 raise InvalidParameterError("model", "method draft_model needs the draft model's path")
-        elif self.model is not None:
-            raise InvalidParameterError("model", f"applies to method draft_model only, not {self.method!r}")
+        else:
+            for name in ("model", "quantization"):
+                if getattr(self, name) is not None:
+                    raise InvalidParameterError(name, f"applies to method draft_model only, not {self.method!r}")
         if self.num_layers is not None:
             if self.method != "layer_skip":
                 raise InvalidParameterError("num_layers", f"applies to method layer_skip only, not {self.method!r}")

@@ -173,6 +173,7 @@ def test_no_verifier_call_when_the_proposer_has_nothing(tiny, verify_calls, monk
     ({"method": "suffix", "policy": "sometimes"}, "policy"),
     ({"method": "ngram", "k": 3}, "k"),
     ({"num_speculative_tokens": 3}, "method"),
+    ({"method": "ngram", "quantization": "int4"}, "quantization"),
 ])
 def test_bad_config_is_a_typed_error_naming_the_field(config, field):
     with pytest.raises(InvalidParameterError) as e:
@@ -211,6 +212,26 @@ def test_a_draft_model_with_another_vocabulary_is_refused_naming_model(tiny, dra
             LLM(str(path), block_size=4, num_threads=1,
                 speculative_config={"method": "draft_model", "model": str(draft)})
         assert e.value.param == "model"
+
+
+def test_a_compact_copy_of_the_target_drafts_for_it_in_full_precision(tiny, verify_calls):
+    """speculative_config's quantization loads the draft compact (int8) while the target stays float32: greedy
+    tokens equal the float32 model's own, and the compact draft's are nearly always right. An unknown one is refused
+    naming quantization."""
+    path, prompts = tiny
+    config = {"method": "draft_model", "model": str(path), "quantization": "int8", "num_speculative_tokens": 3,
+              "policy": "fixed"}
+    plain, _ = generate(path, prompts, greedy(), quantization="none")
+    spec, engine = generate(path, prompts, greedy(), config, quantization="none")
+    assert token_ids(spec) == token_ids(plain)
+    draft_layers = {type(m).__name__ for m in engine.runner.drafter.model.modules()}
+    target_layers = {type(m).__name__ for m in engine.runner.model.modules()}
+    assert "QuantizedLinear" in draft_layers and "QuantizedLinear" not in target_layers
+    stats = engine.speculator.stats
+    assert verify_calls and stats.num_accepted_tokens >= 0.8 * stats.num_draft_tokens > 0
+    with pytest.raises(InvalidParameterError) as e:
+        LLM(str(path), block_size=4, num_threads=1, speculative_config={**config, "quantization": "int3"})
+    assert e.value.param == "quantization"
 
 
 def test_the_draft_models_kv_counts_in_the_pool(tiny):
