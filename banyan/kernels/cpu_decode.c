@@ -304,23 +304,24 @@ static inline __attribute__((always_inline)) void weighted_add_heads(const float
         for (int r = 0; r < lanes; r++) _mm256_storeu_ps(o[h] + 8 * r, acc[h][r]);
 }
 
-/* weighted_add_heads over V rows gathered one after another, 32 columns each (rows [n, 32]): one pointer walks
- * them, no slot lookups. Same FMAs in the same order, same bits. */
+/* weighted_add_heads over V rows gathered one after another, 8 * lanes columns each (rows [n, 8 * lanes], lanes 4, or 8
+ * with AVX-512's 32 registers): one pointer walks them, no slot lookups. Same FMAs in the same order, same bits. */
 static inline __attribute__((always_inline)) void weighted_add_heads_rows(const float *const p[3], const int NH,
-                                                                          const float *rows, int n, float *const o[3]) {
-    __m256 acc[3][4];
+                                                                          const float *rows, int n, const int lanes,
+                                                                          float *const o[3]) {
+    __m256 acc[3][8];
     for (int h = 0; h < NH; h++)
-        for (int r = 0; r < 4; r++) acc[h][r] = _mm256_loadu_ps(o[h] + 8 * r);
-    for (int j = 0; j < n; j++, rows += 32) {
+        for (int r = 0; r < lanes; r++) acc[h][r] = _mm256_loadu_ps(o[h] + 8 * r);
+    for (int j = 0; j < n; j++, rows += 8 * lanes) {
         __m256 w[3];
         for (int h = 0; h < NH; h++) w[h] = _mm256_set1_ps(p[h][j]);
-        for (int r = 0; r < 4; r++) {
+        for (int r = 0; r < lanes; r++) {
             const __m256 vr = _mm256_loadu_ps(rows + 8 * r);
             for (int h = 0; h < NH; h++) acc[h][r] = _mm256_fmadd_ps(w[h], vr, acc[h][r]);
         }
     }
     for (int h = 0; h < NH; h++)
-        for (int r = 0; r < 4; r++) _mm256_storeu_ps(o[h] + 8 * r, acc[h][r]);
+        for (int r = 0; r < lanes; r++) _mm256_storeu_ps(o[h] + 8 * r, acc[h][r]);
 }
 
 #define V_BLOCK 32 /* keys whose V rows serve every head of a group from L1 (32 x 64 floats: 8 KiB) */
@@ -430,11 +431,11 @@ static inline __attribute__((always_inline)) void add_values(const Tile *w, int 
                                                16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
     _Static_assert(V_BLOCK * 64 <= 8 * MAX_GATHER_HEAD_DIM, "a V block fits the gathering buffer");
     float block[8 * MAX_GATHER_HEAD_DIM];  /* a V block: V_BLOCK rows x 64 columns at most */
-    /* the output columns at a time: 8 registers for one head, 4 for more; with AVX-512's 32 registers, a row reading in
-     * place takes 64 columns of three heads (24 registers), each V row's in one pass (a column's sums are the same
-     * FMAs in the same order however the columns are cut: the same bits) */
+    /* the output columns at a time: 8 registers for one head, 4 for more; with AVX-512's 32 registers, 64 columns of
+     * three heads (24 registers), each V row's in one pass (a column's sums are the same FMAs in the same order however
+     * the columns are cut: the same bits) */
 #if defined(__AVX512F__)
-    const int cw = group > 1 && gather ? 32 : 64;
+    const int cw = 64;
 #else
     const int cw = group > 1 ? 32 : 64;
 #endif
@@ -472,9 +473,11 @@ static inline __attribute__((always_inline)) void add_values(const Tile *w, int 
                     }
                     const int nh = group - g < 3 ? group - g : 3, n = to - from;
                     const uint32_t *vs = gather ? in_order + (from - j) : w->slot + from;
-                    const float *gathered = block + (size_t)(from - j) * 32;  /* when gather and width 32 */
-                    if (gather && width == 32 && nh == 3) weighted_add_heads_rows(ph, 3, gathered, n, oh);
-                    else if (gather && width == 32 && nh == 2) weighted_add_heads_rows(ph, 2, gathered, n, oh);
+                    const float *gathered = block + (size_t)(from - j) * width;  /* when gather */
+                    if (gather && width == 64 && nh == 3) weighted_add_heads_rows(ph, 3, gathered, n, 8, oh);
+                    else if (gather && width == 64 && nh == 2) weighted_add_heads_rows(ph, 2, gathered, n, 8, oh);
+                    else if (gather && width == 32 && nh == 3) weighted_add_heads_rows(ph, 3, gathered, n, 4, oh);
+                    else if (gather && width == 32 && nh == 2) weighted_add_heads_rows(ph, 2, gathered, n, 4, oh);
                     else if (width == 64 && nh == 3 && !gather) weighted_add_heads(ph, 3, values, value_at, vs, value_token, n, 8, oh, kind);
                     else if (width == 64 && nh == 2 && !gather) weighted_add_heads(ph, 2, values, value_at, vs, value_token, n, 8, oh, kind);
                     else if (width == 32 && nh == 3) weighted_add_heads(ph, 3, values, value_at, vs, value_token, n, 4, oh, gather ? KV_F32 : kind);
