@@ -92,9 +92,8 @@ class DecodeKernels:
         self._lib.paged_attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
             rows.rows.data_ptr(), rows.seq_of_row.data_ptr(), rows.positions.data_ptr(), rows.shared_ptr(),
-            rows.rows.numel(), heads,
-            kv_heads, dim, page_size, sliding_window or 0, scale, out.data_ptr(), rows.scratch.data_ptr(),
-            rows.max_keys, kv_kind(k_cache, KV_DTYPES), kv_scale, threads)
+            rows.rows.numel(), heads, kv_heads, dim, page_size, sliding_window or 0, scale, out.data_ptr(),
+            rows.scratch.data_ptr(), rows.max_keys, kv_kind(k_cache, KV_DTYPES), kv_scale, threads)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [..., 2n] -> silu(gate) * up, [..., n]."""
