@@ -8,6 +8,7 @@ import importlib.util
 import pytest
 
 from banyan import LLM, SamplingParams
+from banyan.config import DEFAULT_MODEL
 from banyan.kernels import cpu_gemv
 
 pytestmark = [
@@ -34,6 +35,7 @@ def plain_tokens():
     {"method": "ngram"},
     pytest.param({"method": "suffix"}, marks=pytest.mark.long),  # CI: ngram's verify path here, suffix on tiny models
     {"method": "layer_skip", "num_layers": 27},  # half the layers would never be accepted on a model this small
+    {"method": "draft_model", "model": DEFAULT_MODEL, "quantization": "gguf"},  # its compact self drafts for float32
 ])
 def test_greedy_equals_without_speculation_on_real_weights(plain_tokens, config):
     llm = LLM(speculative_config={**config, "num_speculative_tokens": 3, "policy": "fixed"}, **EXACT)
