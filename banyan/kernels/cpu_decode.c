@@ -5,7 +5,7 @@
  *
  *     rms_norm         s = x + residual (optional), y = (s / sqrt(mean(s^2) + eps)) * w
  *     rope_store_kv    q, k rotated in place (neox rotate_half), k and v written to their cache slot
- *     paged_attention  each row over the keys it sees, read from the pages where they lie (no gather)
+ *     paged_attention  each row over the keys it sees, from the pages where they lie
  *     silu_mul         y = silu(gate) * up, gate and up the halves of one row
  *
  * The KV cache is float32 or float16 (KV_F16), and attention also reads fp8 (KV_FP8: float8_e4m3fn holding K/V
@@ -345,7 +345,8 @@ static inline __attribute__((always_inline)) void gather_rows(const void *cache,
  * see plan_tiles). Must match banyan/kernels/cpu_decode.py's ATTENTION_TILE, which sizes the scratch. */
 #define Q_TILE 8
 
-/* Leading pages two decode rows' tables must have alike for the rows to read them together. */
+/* Leading pages two decode rows' tables must have alike for the rows to read them together (not tuned: the 1,024-token
+ * prompts measured share 64). */
 #define MIN_SHARED_PAGES 2
 
 /* One (tile, KV head) of attend_pages. Key j of the tile's span is position base + j, in cache row slot[j] (page * P +
@@ -372,8 +373,8 @@ static void fill_slots(const Tile *w, const int32_t *table, int jb, int je, int 
 }
 
 /* Scores of rows [t0, t1) for keys [jb, je) (a row's keys it does not see, past its position or before its window,
- * are computed and never read). gather: the keys gathered 8 at a time (float16 widened) for every row and head (see
- * MAX_GATHER_HEAD_DIM); else read in place, the K rows fetched ahead and, past je, the first V rows of [jb, je). */
+ * are computed and never read), the K rows fetched ahead and, past je, the first V rows of [jb, je). gather: the keys
+ * gathered 8 at a time (float16 widened) for every row and head (see MAX_GATHER_HEAD_DIM); else read in place. */
 static inline __attribute__((always_inline)) void score_keys(const Tile *w, int t0, int t1, int jb, int je,
                                                              const int gather, const int kind) {
     const int D = w->D, group = w->group, n = je - jb;
@@ -422,8 +423,8 @@ static inline __attribute__((always_inline)) void score_keys(const Tile *w, int 
     }
 }
 
-/* out rows [t0, t1) += their weights times the V rows of keys [jb, je), each row's keys in position order. gather: V
- * rows gathered a block at a time; else read in place, fetched ahead as far as score_keys fetched them. */
+/* out rows [t0, t1) += their weights times the V rows of keys [jb, je), each row's keys in position order, the V rows
+ * fetched ahead as far as score_keys fetched them. gather: gathered a block at a time; else read in place. */
 static inline __attribute__((always_inline)) void add_values(const Tile *w, int t0, int t1, int jb, int je,
                                                              const int gather, const int kind) {
     const int D = w->D, group = w->group;
