@@ -30,11 +30,25 @@ NETWORK_METHODS = ("layer_skip", "draft_model")
 """Methods whose drafts a network makes in the runner's step (the proposer offers placeholders)."""
 STEP_TIME_SHAPE = ((1, 1.0), (8, 1.05), (32, 1.3), (256, 4.0), (2048, 30.0))
 """(tokens, relative seconds) of one forward when nothing could be measured at start-up."""
-CALIBRATION_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 3, 5, 6, 12, 24, 48, 96, 192, 384, 768)
-"""Token counts whose forward `calibrate` times, in this order: powers of two first, so that a time budget spent
-early (a loaded machine) still spans the steps a batch verifies (beyond the last point the fit only extrapolates:
-on a 2-vCPU EPYC at load 10 the old smallest-first ladder stopped at 4 tokens, and its slope overestimated
-24-token steps by 10-30%), then the counts between them."""
+SMALL_SPAN = (1, 2, 4, 8, 16)
+"""Token counts `calibrate` times first: the span of a small batch's verify steps, so that a time budget spent early (a
+loaded machine) still reaches them (on a 2-vCPU EPYC at load 10 a smallest-first ladder stopped at 4 tokens, and its
+slope overestimated 24-token steps by 10-30%)."""
+LARGE_SPAN = (32, 64, 128, 256, 512, 1024)
+BETWEEN = (12, 24, 48, 96, 192, 384, 768)
+
+
+def calibration_ladder(max_k: int) -> tuple[int, ...]:
+    """The token counts `calibrate` times, in order: the small span, then every count of one request's verify pass
+    (1 + k for k <= max_k), then the large span, then counts between. One request's counts come before the large
+    span because the kernels' row tiles make the curve step there (4 rows a tile: 5 tokens cost a second pass over
+    the weights), where interpolating between 4 and 8 priced 6 tokens 40% above their measured time and talked the
+    controller out of its 4th and 5th drafts at batch 1 (a 2-vCPU Zen 4, 1 thread: the old ladder's 2 s ran out at 256
+    before it reached 3, 5 or 6)."""
+    verify = tuple(n for n in range(3, max_k + 2) if n not in SMALL_SPAN)
+    return SMALL_SPAN + verify + LARGE_SPAN + tuple(n for n in BETWEEN if n not in verify)
+
+
 DRAFT_COST_RATE = 0.1
 """EWMA weight of each step's measured cost per network draft."""
 STEP_TIME_RATES = (0.1, 0.02)
@@ -120,14 +134,14 @@ class Speculator:
         """Measure the step-time model: time_forward(n) is the seconds of one forward over n tokens (the runner's);
         time_draft() the seconds of one draft token of a network proposer (the controller's draft cost).
 
-        Times each of CALIBRATION_TOKENS up to max_tokens, in its order (after one warm-up forward), until the time
+        Times each count of `calibration_ladder` up to max_tokens, in its order (after one warm-up forward), until the time
         spent passes budget_seconds, so a slow model stops early and the model extrapolates past its last point."""
         if time_draft is not None:
             time_draft()  # warm-up
             self.controller.draft_seconds = min(time_draft() for _ in range(CALIBRATION_REPEATS))
         time_forward(1)  # warm-up: first-call allocations and kernel builds are not a step's cost
         points, spent = [], 0.0
-        for n in (n for n in CALIBRATION_TOKENS if n <= max_tokens):
+        for n in (n for n in calibration_ladder(self.max_k) if n <= max_tokens):
             times = [time_forward(n) for _ in range(CALIBRATION_REPEATS)]
             points.append((n, min(times)))
             spent += sum(times)

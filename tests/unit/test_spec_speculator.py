@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from banyan.spec.config import SpeculativeConfig
-from banyan.spec.speculator import CALIBRATION_REPEATS, STEP_TIME_SHAPE, Speculator
+from banyan.spec.speculator import CALIBRATION_REPEATS, STEP_TIME_SHAPE, Speculator, calibration_ladder
 
 
 def make_speculator() -> Speculator:
@@ -38,7 +38,7 @@ def test_calibration_warms_up_first_and_repeats_each_count():
     spec.calibrate(forward, max_tokens=8)
     assert forward.calls[0] == 1  # the warm-up, not kept
     counts = forward.calls[1:]
-    assert sorted(set(counts)) == [1, 2, 3, 4, 5, 6, 8]
+    assert sorted(set(counts)) == [1, 2, 3, 4, 5, 8]  # one request's verify passes (k <= 4) and the span
     assert all(counts.count(n) == CALIBRATION_REPEATS for n in set(counts))
 
 
@@ -50,10 +50,19 @@ def test_calibration_stops_at_its_time_budget_and_extrapolates():
     assert model.predict(100) == pytest.approx(10.0)  # the last slope goes on
 
 
-def test_a_spent_budget_still_spans_a_batch_of_verify_passes():
+def test_a_spent_budget_still_spans_a_batch_of_verify_passes_and_one_requests_every_count():
     spec, forward = make_speculator(), FakeForward(lambda n: 0.05 + 0.002 * n)
     spec.calibrate(forward, max_tokens=1024, budget_seconds=1.5)
-    assert spec.controller.step_time.tokens == [1, 2, 4, 8, 16, 32, 64]  # not 1..8, dense and short
+    # the span of a small batch, then 1 + k for every k <= 4 (where row tiles make the curve step), then wider
+    assert spec.controller.step_time.tokens == [1, 2, 3, 4, 5, 8, 16, 32]
+    assert forward.calls[1:].index(3) > forward.calls[1:].index(16)  # the span first
+
+
+def test_the_ladder_times_each_count_once_in_span_first_order():
+    assert calibration_ladder(5)[:8] == (1, 2, 4, 8, 16, 3, 5, 6)
+    for k in (1, 5, 12):
+        ladder = calibration_ladder(k)
+        assert len(ladder) == len(set(ladder)) and set(range(1, k + 2)) <= set(ladder)
 
 
 def test_a_failed_measurement_keeps_the_assumed_shape_for_the_first_step_to_scale():
