@@ -80,7 +80,7 @@ class Engine:
             config.scheduler, self.kv, self.max_model_len, self.speculator, self.adapters)
         self.overlap = Overlap(self.scheduler, self.runner) if overlap else None  # async scheduling (overlap.py)
         self._spec_logged = (time.monotonic(), self.speculator.stats.copy() if self.speculator is not None else None)
-        self._stepped = (0.0, 0, 0.0, 0)  # the last step's start, tokens, drafting seconds and drafts: _time_steps
+        self._stepped = (0.0, 0, 0.0, 0, 0)  # the last step's start, tokens, drafting seconds, drafts, sequences
         self.grammars = Grammars(
             config.model.structured_output_backend, self.tokenizer, self.arch.vocab_size, self.eos_token_ids,
             cache_size=config.model.structured_output_cache_size, options=config.model.structured_outputs_config,
@@ -270,7 +270,7 @@ class Engine:
         if self.speculator is not None:
             if self.scheduler.has_unfinished_requests():  # a next step follows at once: its start ends this period
                 drafts = sum(len(item.draft_token_ids) for item in batch.scheduled)
-                self._stepped = (self._stepped[0], batch.num_tokens, result.draft_seconds, drafts)
+                self._stepped = (self._stepped[0], batch.num_tokens, result.draft_seconds, drafts, len(batch.scheduled))
             self._log_spec()
         return ended + [make_delta(request) for request in advanced]
 
@@ -282,10 +282,10 @@ class Engine:
         if self.speculator is None:
             return
         now = time.perf_counter()
-        started, num_tokens, draft_seconds, drafts = self._stepped
+        started, num_tokens, draft_seconds, drafts, seqs = self._stepped
         if num_tokens:
-            self.speculator.observe_step(num_tokens, now - started, draft_seconds, drafts)
-        self._stepped = (now, 0, 0.0, 0)
+            self.speculator.observe_step(num_tokens, now - started, draft_seconds, drafts, seqs)
+        self._stepped = (now, 0, 0.0, 0, 0)
 
     def _log_spec(self) -> None:
         """At most every SPEC_LOG_INTERVAL seconds, and only when something was drafted: the acceptance since."""

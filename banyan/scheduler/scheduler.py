@@ -268,7 +268,7 @@ class Scheduler:
     # -- speculation ---------------------------------------------------------------------------
     def _drafts(self) -> dict[str, list[int]]:
         """Draft tokens for the running requests that decode this step, by request id (absent: k = 0)."""
-        candidates, base_tokens, base_emitted = [], 0, 0
+        candidates, base_tokens = [], 0
         for request in self.running:
             behind = request.num_tokens - request.num_computed_tokens
             room = self._draft_room(request) if behind == 1 else 0
@@ -276,10 +276,10 @@ class Scheduler:
                 candidates.append((request.request_id, request.all_token_ids, room))
             else:
                 base_tokens += behind
-                base_emitted += 1
         if not candidates:
             return {}
-        drafts = self.speculator.drafts(candidates, base_tokens, base_emitted, self.config.max_num_batched_tokens)
+        others = len(self.running) - len(candidates)  # each a sequence of the step, expected to emit a token
+        drafts = self.speculator.drafts(candidates, base_tokens, others, self.config.max_num_batched_tokens, others)
         for request_id, draft in list(drafts.items()):  # structured output: cut at the first token the grammar refuses
             matcher = self.requests[request_id].matcher
             if matcher is not None:

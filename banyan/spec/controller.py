@@ -15,13 +15,13 @@ The model (the acceptance math, written once here):
     E[emitted_i | k_i] = 1 + sum_{j=1..k_i} g_{i,j}
 
     A step holds B base tokens (prefill chunks, ...) that emit E_base tokens, and n decoding requests that
-    each feed 1 + k_i tokens; a forward of N tokens takes t(N) seconds (StepTimeModel). The controller maximises
-    the step's expected rate
+    each feed 1 + k_i tokens; a forward of N tokens of one sequence takes t(N) seconds (StepTimeModel), and each
+    sequence past the first s more (SpecController.seq_seconds). The controller maximises the step's expected rate
 
-    R(k) = (E_base + sum_i E[emitted_i | k_i]) / (t(B + n + T) + c T),     T = sum_i k_i
+    R(k) = (E_base + sum_i E[emitted_i | k_i]) / (t(B + n + T) + s (S - 1) + c T),     T = sum_i k_i
 
-where c is what making one draft costs besides verifying it (0 for a lookup proposer; a network's forward per
-draft token for layer_skip, measured like t).
+where S is the step's sequences and c is what making one draft costs besides verifying it (0 for a lookup
+proposer; a network's forward per draft token for layer_skip, measured like t).
 
 Exactness. The cost depends on k only through T. Since alpha <= 1, g_{i,j} is non-increasing in j: each request's
 expected output is concave in k_i, so for a fixed T the best numerator takes the T largest gains over all
@@ -131,6 +131,7 @@ class AcceptanceStats:
 NEW_BUCKET_FACTOR = 2
 """A step of at least this many times the last bucket's tokens opens a bucket of its own (StepTimeModel._add_bucket):
 buckets stay about a power of two apart."""
+SEQ_RATE = 0.05  # EWMA weight of each step of several sequences in SpecController.seq_seconds
 MAX_RISE = 2.0
 """One observation counts as at most this many times the fit's prediction: a lasting rise is still learned, a step
 at a time, but one stalled step cannot move the fit far."""
@@ -236,17 +237,19 @@ class StepTimeModel:
 
 
 def allocate(gains: Sequence[Sequence[float]], step_time: StepTimeModel, base_tokens: int = 0,
-             base_emitted: float = 0.0, max_drafts: int | None = None, draft_seconds: float = 0.0) -> list[int]:
+             base_emitted: float = 0.0, max_drafts: int | None = None, draft_seconds: float = 0.0,
+             overhead: float = 0.0) -> list[int]:
     """The exact argmax of R(k) (module docstring): k_i drafts for request i, given its gains g_{i,1..cap_i}.
 
     gains[i] must be non-increasing (as products of probabilities are); max_drafts bounds T (a token budget);
-    draft_seconds is c, the cost of making each draft.
+    draft_seconds is c, the cost of making each draft; overhead is the step's seconds besides its tokens' forward
+    and its drafts (s (S - 1)), whatever k.
     Candidates with gain <= 0 are never drafted. The scan over T stops as soon as `_can_beat` proves that no
     larger T wins; when speculation cannot pay at all (a large compute-bound batch) that is before sorting.
     """
     n = len(gains)
     tokens, emitted = base_tokens + n, base_emitted + n
-    seconds = step_time.predict(tokens)
+    seconds = step_time.predict(tokens) + overhead
     best_rate, best_total = emitted / seconds, 0
     top = max((row[0] for row in gains if row), default=0.0)
     if max_drafts == 0 or not _can_beat(best_rate, emitted, seconds, step_time.min_slope(tokens) + draft_seconds, top):
@@ -260,7 +263,7 @@ def allocate(gains: Sequence[Sequence[float]], step_time: StepTimeModel, base_to
         if not _can_beat(best_rate, emitted, seconds, step_time.min_slope(tokens + total - 1) + draft_seconds, g):
             break  # every draft left is worth at most g
         emitted += g
-        seconds = step_time.predict(tokens + total) + draft_seconds * total
+        seconds = step_time.predict(tokens + total) + overhead + draft_seconds * total
         if emitted / seconds > best_rate:
             best_rate, best_total = emitted / seconds, total
     ks = [0] * n
@@ -338,16 +341,18 @@ class SpecController:
         self.stats: dict[str, AcceptanceStats] = {}
         self.buckets: dict[str, int] = {}  # request id -> the evidence bucket of its latest proposal
         self.draft_seconds = 0.0  # c: what making one draft costs (a network proposer's forward per draft token)
+        self.seq_seconds = 0.0  # s: what each sequence of a step past the first adds to it (observe_step)
 
     def choose(self, request_ids: Sequence[str], proposal_lens: Sequence[int], base_tokens: int = 0,
                base_emitted: float = 0.0, token_budget: int | None = None,
-               evidence: Sequence[int] | None = None) -> list[int]:
+               evidence: Sequence[int] | None = None, base_seqs: int = 0) -> list[int]:
         """k_i for each decoding request of the step, in order.
 
         proposal_lens[i]: drafts request i's proposer has (0: nothing to propose; cap it by the tokens the
-        request may still emit, less one). base_tokens / base_emitted: tokens the rest of the step feeds /
-        is expected to emit. token_budget: the step's token limit, if any. evidence[i]: the length of the match
-        request i's proposal continues (None or 0: nothing to tell). All zeros means the plain path.
+        request may still emit, less one). base_tokens / base_emitted / base_seqs: tokens the rest of the step
+        feeds / is expected to emit / sequences it holds. token_budget: the step's token limit, if any. evidence[i]:
+        the length of the match request i's proposal continues (None or 0: nothing to tell). All zeros means the
+        plain path.
         """
         caps = [min(length, self.max_k) for length in proposal_lens]
         if not any(caps):
@@ -367,7 +372,8 @@ class SpecController:
         if not any(row and row[0] > 0.0 for row in gains):
             ks = [0] * len(caps)  # every draft is expected to fail: the plain path, step time not read
         else:
-            ks = allocate(gains, self.step_time, base_tokens, base_emitted, room, self.draft_seconds)
+            overhead = self.seq_seconds * max(0, len(caps) + base_seqs - 1)
+            ks = allocate(gains, self.step_time, base_tokens, base_emitted, room, self.draft_seconds, overhead)
         for rid, cap, k in zip(request_ids, caps, ks):
             if cap and not k:
                 stats = self.stats[rid]
@@ -422,9 +428,21 @@ class SpecController:
             self.request_stats(request_id).update(drafted, accepted)
             self.prior_of(request_id).update(drafted, accepted)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A forward of `num_tokens` tokens took `seconds` (measured by the caller)."""
-        self.step_time.observe(num_tokens, seconds)
+    def observe_step(self, num_tokens: int, seconds: float, num_seqs: int = 1) -> None:
+        """A step of `num_tokens` tokens in `num_seqs` sequences took `seconds` (measured by the caller).
+
+        The step-time model is one sequence's, as measured at start-up, and only steps of one sequence refresh it;
+        what a step of several takes beyond it (each sequence's attention over its own pages, its sampling and
+        output) is learned from the others as seq_seconds per sequence past the first. Both from every step are not
+        identified: a rising model and a falling seq_seconds explain the same steps (a simulated fit: 60% of s)."""
+        if num_seqs <= 1:
+            self.step_time.observe(num_tokens, seconds)
+        elif seconds > 0:
+            predicted, extra = self.step_time.predict(num_tokens), num_seqs - 1
+            seconds = min(seconds, MAX_RISE * (predicted + self.seq_seconds * extra))  # a stall is not a cost
+            one = self.step_time.predict(1)  # a sequence adds at most a decode step: one noisy prefill moves s little
+            per_seq = min(one, max(-one, (seconds - predicted) / extra))
+            self.seq_seconds = max(0.0, self.seq_seconds + SEQ_RATE * (per_seq - self.seq_seconds))
 
     def finish(self, request_id: str) -> None:
         """Forget a finished or aborted request."""

@@ -2,7 +2,7 @@
 
     each step, before pages are handed out:
         drafts = speculator.drafts([(request_id, verified token ids, room), ...], base_tokens, ...)
-    after the forward (the engine):      speculator.observe_step(tokens in the step, seconds)
+    after the forward (the engine):      speculator.observe_step(tokens in the step, seconds, ..., sequences)
     after verification (the scheduler):  speculator.observe(request_id, drafted, accepted)
     when a request ends:                 speculator.finish(request_id, output token ids)
 
@@ -109,14 +109,15 @@ class Speculator:
         return self.config.method in NETWORK_METHODS
 
     def drafts(self, candidates: Sequence[tuple[str, Sequence[int], int]], base_tokens: int, base_emitted: float,
-               token_budget: int) -> dict[str, list[int]]:
+               token_budget: int, base_seqs: int = 0) -> dict[str, list[int]]:
         """Draft tokens per request id, for those the controller gives k > 0 (absent: the plain path).
-        candidates: (request_id, its verified tokens, room); base_tokens / base_emitted: the rest of the step."""
+        candidates: (request_id, its verified tokens, room); base_tokens / base_emitted / base_seqs: the rest of
+        the step."""
         found = [self.proposer.propose_with_evidence(rid, tokens, min(room, self.max_k)) for rid, tokens, room in candidates]
         proposals = [drafts for drafts, _ in found]
         ids = [rid for rid, _, _ in candidates]
         ks = self.controller.choose(ids, [len(p) for p in proposals], base_tokens, base_emitted, token_budget,
-                                    evidence=[evidence for _, evidence in found])
+                                    evidence=[evidence for _, evidence in found], base_seqs=base_seqs)
         return {rid: proposal[:k] for rid, proposal, k in zip(ids, proposals, ks) if k}
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
@@ -154,9 +155,11 @@ class Speculator:
         logger.info("speculation: step time at start-up (tokens: ms) %s",
                     ", ".join(f"{n}: {seconds * 1e3:.1f}" for n, seconds in points))
 
-    def observe_step(self, num_tokens: int, seconds: float, draft_seconds: float = 0.0, num_drafts: int = 0) -> None:
-        """A step over `num_tokens` tokens took `seconds`, of which `draft_seconds` a network spent making its
-        `num_drafts` drafts; without a start-up measurement the first step scales the assumed shape."""
+    def observe_step(self, num_tokens: int, seconds: float, draft_seconds: float = 0.0, num_drafts: int = 0,
+                     num_seqs: int = 1) -> None:
+        """A step over `num_tokens` tokens of `num_seqs` sequences took `seconds`, of which `draft_seconds` a network
+        spent making its `num_drafts` drafts; without a start-up measurement the first step scales the assumed
+        shape."""
         if num_drafts and draft_seconds > 0:
             controller = self.controller
             controller.draft_seconds += DRAFT_COST_RATE * (draft_seconds / num_drafts - controller.draft_seconds)
@@ -165,7 +168,7 @@ class Speculator:
             scale = seconds / self.controller.step_time.predict(num_tokens)  # still the assumed shape
             self.controller.step_time = step_time_model([(n, t * scale) for n, t in STEP_TIME_SHAPE])
             self._measured = True
-        self.controller.observe_step(num_tokens, seconds)
+        self.controller.observe_step(num_tokens, seconds, num_seqs)
 
     def finish(self, request_id: str, output_token_ids: Sequence[int]) -> None:
         """The request ended (finished, aborted): both forget it, a cross-request proposer learns its output."""

@@ -44,16 +44,16 @@ class NoTime:
         raise AssertionError("the step-time model was updated")
 
 
-def rate_of(ks, gains, curve, base_tokens=0, base_emitted=0.0):
-    """R(k) = (E_base + sum_i (1 + sum_{j<=k_i} g_ij)) / t(B + sum_i (1 + k_i))."""
+def rate_of(ks, gains, curve, base_tokens=0, base_emitted=0.0, overhead=0.0):
+    """R(k) = (E_base + sum_i (1 + sum_{j<=k_i} g_ij)) / (t(B + sum_i (1 + k_i)) + overhead)."""
     emitted = base_emitted + sum(1 + sum(row[:k]) for row, k in zip(gains, ks))
-    return emitted / curve(base_tokens + len(ks) + sum(ks))
+    return emitted / (curve(base_tokens + len(ks) + sum(ks)) + overhead)
 
 
-def brute_force(gains, curve, base_tokens=0, base_emitted=0.0, max_drafts=None):
+def brute_force(gains, curve, base_tokens=0, base_emitted=0.0, max_drafts=None, overhead=0.0):
     choices = itertools.product(*(range(len(row) + 1) for row in gains))
     allowed = [ks for ks in choices if max_drafts is None or sum(ks) <= max_drafts]
-    return max(rate_of(ks, gains, curve, base_tokens, base_emitted) for ks in allowed)
+    return max(rate_of(ks, gains, curve, base_tokens, base_emitted, overhead) for ks in allowed)
 
 
 def random_gains(rng, n, max_k):
@@ -107,6 +107,19 @@ def test_allocation_matches_brute_force(curve, sparse):
         assert max_drafts is None or sum(ks) <= max_drafts
         best = brute_force(gains, model.predict, base_tokens, base_emitted, max_drafts)
         assert rate_of(ks, gains, model.predict, base_tokens, base_emitted) == pytest.approx(best, rel=1e-12)
+
+
+def test_allocation_with_a_per_sequence_cost_matches_brute_force():
+    """A step's cost besides its tokens (s per sequence past the first) is part of the optimum, not a constant
+    to drop: the rate divides by it."""
+    rng = random.Random(1)
+    model = make_time_model(CURVES["linear"], points=range(1, 81))
+    for _ in range(150):
+        gains = random_gains(rng, rng.randint(1, 4), 4)
+        overhead = rng.choice([0.0, 0.002, 0.02])
+        ks = allocate(gains, model, overhead=overhead)
+        best = brute_force(gains, model.predict, overhead=overhead)
+        assert rate_of(ks, gains, model.predict, overhead=overhead) == pytest.approx(best, rel=1e-12)
 
 
 def test_a_bump_in_step_time_does_not_stop_the_scan():
@@ -374,6 +387,44 @@ def test_step_time_converges_to_a_new_curve():
         m.observe(n, slower(n))
     for n in (1, 8, 64, 256):
         assert m.predict(n) == pytest.approx(slower(n), rel=0.05)
+
+
+def test_what_each_sequence_adds_is_learned_apart_from_the_token_curve():
+    """Steps of several sequences cost the one-sequence curve plus s per sequence past the first: the controller
+    learns s from them, and the curve stays the one-sequence one (a step of 8 decoding requests is not an 8-token
+    verify), refreshed by steps of one sequence."""
+    curve, s = CURVES["linear"], 0.0008
+    c = make_controller(time_model=make_time_model(curve))
+    rng = random.Random(0)
+    for _ in range(2000):
+        n, seqs = rng.randint(1, 48), rng.choice([1, 1, 2, 4, 8])
+        seqs = min(seqs, n)
+        c.observe_step(n, curve(n) + s * (seqs - 1) + rng.uniform(0, 0.0002), seqs)
+    assert c.seq_seconds == pytest.approx(s, rel=0.2)
+    for n in (1, 6, 16, 40):
+        assert c.step_time.predict(n) == pytest.approx(curve(n), rel=0.05)
+
+
+def test_per_sequence_cost_makes_drafts_pay_beside_many_decoding_requests():
+    """8 requests whose drafts pass at 0.7: priced as one sequence's 8 tokens alone (14 ms), a draft (1.5 ms) pays
+    only above 0.86; with the 0.8 ms each request past the first adds (19.6 ms), above 0.61: it pays, as the brute-force
+    optimum over the true cost says."""
+    curve = lambda n: 0.002 + 0.0015 * n  # noqa: E731
+    ids = [f"r{i}" for i in range(8)]
+    c = make_controller(prior=(0.7,), k=1, time_model=make_time_model(curve))
+    assert c.choose(ids, [1] * 8) == [0] * 8
+    c.seq_seconds = 0.0008
+    ks = c.choose(ids, [1] * 8)
+    gains = [[0.7]] * 8
+    assert ks == [1] * 8
+    assert rate_of(ks, gains, curve, overhead=0.0008 * 7) == pytest.approx(brute_force(gains, curve, overhead=0.0056))
+
+
+def test_a_stalled_step_of_many_sequences_moves_the_per_sequence_cost_little():
+    c = make_controller()
+    c.observe_step(8, 60.0, num_seqs=8)  # descheduled for a minute
+    c.observe_step(1000, 2 * c.step_time.predict(1000), num_seqs=2)  # a prefill chunk beside a decode, slowed 2x
+    assert c.seq_seconds < 0.1 * c.step_time.predict(1)
 
 
 def test_step_time_trusts_fast_steps_more_than_slow_ones():
