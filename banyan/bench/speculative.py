@@ -7,7 +7,10 @@ a shared machine falls on all of them alike:
     round 0:  off    ngram  suffix
     round 1:  ngram  suffix off
     round 2:  suffix off    ngram
-Output tok/s sums tokens and seconds over the rounds; `ratio` is that over the `off` configuration's.
+Output tok/s sums tokens and seconds over the rounds; `ratio` is that over the `off` configuration's, and
+`ratio_median` the median over rounds of each round's tok/s over off's in the same round: the machine's speed
+drifts by more than speculation's effect at many streams (configurations doing the same work differed by 3-8% in
+sums over 5 rounds), and a round's pair ran within seconds of each other.
 With --request-rate, each run replays the same seeded Poisson arrivals instead (banyan.bench.arrivals), and each
 configuration also reports TTFT / TPOT / end-to-end latency over all its rounds' requests, `e2el_ratio` being its
 mean end-to-end latency over off's (below 1: faster), and `cpu_ratio`, its output tokens per second of this
@@ -27,7 +30,7 @@ import random
 import time
 
 from banyan.bench.arrivals import poisson_offsets, run_arrivals
-from banyan.bench.metrics import summarize
+from banyan.bench.metrics import percentile, summarize
 from banyan.bench.offline import generate_all
 from banyan.bench.workloads import BenchPrompt, random_prompts
 from banyan.config import EngineConfig
@@ -111,16 +114,22 @@ def side_by_side(llms: dict[str, LLM], prompts: list[BenchPrompt], rounds: int, 
     before = _warm_up(llms, prompts, temperature)
     tokens = dict.fromkeys(llms, 0)
     seconds = dict.fromkeys(llms, 0.0)
+    per_round: dict[str, list[float]] = {label: [] for label in llms}  # each round's tok/s
     for _, label in _rotations(list(llms), rounds):
         start = time.perf_counter()
         run = generate_all(llms[label], prompts, temperature, use_tqdm=False)
-        seconds[label] += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        seconds[label] += elapsed
         tokens[label] += run["total_output_tokens"]
+        per_round[label].append(run["total_output_tokens"] / elapsed)
     base = next(iter(tokens.values())) / next(iter(seconds.values()))
+    base_rounds = next(iter(per_round.values()))
     results = {}
     for label, llm in llms.items():
         rate = tokens[label] / seconds[label]
+        paired = [mine / off for mine, off in zip(per_round[label], base_rounds)]
         results[label] = {"output_throughput": rate, "ratio": rate / base, "elapsed_s": seconds[label],
+                          "round_ratios": paired, "ratio_median": percentile(paired, 50),
                           "total_output_tokens": tokens[label], **_acceptance(before[label], _counters(llm))}
     return results
 
@@ -155,12 +164,14 @@ def markdown(results: dict) -> str:
     """One row per configuration: tok/s, ratio, mean accepted length, acceptance per position."""
     if "e2el_ms" in next(iter(results.values()), {}):
         return _latency_markdown(results)
-    rows = ["| configuration | output tok/s | vs off | mean accepted length | acceptance per position |",
-            "|---|---|---|---|---|"]
+    rows = ["| configuration | output tok/s | vs off | vs off, median of rounds (range) | mean accepted length "
+            "| acceptance per position |", "|---|---|---|---|---|---|"]
     for label, r in results.items():
         accept = " / ".join(f"{a:.2f}" for a in r.get("acceptance_per_pos", [])) or "-"
         length = f"{r['mean_accepted_len']:.2f}" if "mean_accepted_len" in r else "-"
-        rows.append(f"| {label} | {r['output_throughput']:.1f} | {r['ratio']:.2f}x | {length} | {accept} |")
+        paired = r["round_ratios"]
+        rounds = f"{r['ratio_median']:.2f}x ({min(paired):.2f}-{max(paired):.2f})"
+        rows.append(f"| {label} | {r['output_throughput']:.1f} | {r['ratio']:.2f}x | {rounds} | {length} | {accept} |")
     return "\n".join(rows)
 
 

@@ -307,8 +307,11 @@ def test_speculative_cli_runs_every_configuration_side_by_side(model_dir, tmp_pa
     results = json.loads(out.read_text())["results"]
     assert list(results) == ["off", "ngram-adaptive", "ngram-fixed", "suffix-adaptive", "suffix-fixed"]
     assert results["off"]["ratio"] == 1.0 and "mean_accepted_len" not in results["off"]
+    assert results["off"]["round_ratios"] == [1.0, 1.0] and results["off"]["ratio_median"] == 1.0
     for label, r in results.items():
         assert r["total_output_tokens"] == 2 * 2 * 8 and r["output_throughput"] > 0, label
+        low, high = min(r["round_ratios"]), max(r["round_ratios"])  # each round's pair, then their median
+        assert len(r["round_ratios"]) == 2 and low <= r["ratio_median"] <= high, label
         if label != "off":
             assert len(r["acceptance_per_pos"]) == 5 and r["mean_accepted_len"] >= 1.0
             assert r["num_accepted_tokens"] == sum(r["accepted_per_pos"]) <= r["num_draft_tokens"]

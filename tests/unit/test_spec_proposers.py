@@ -197,13 +197,56 @@ def test_suffix_nothing_matches_is_cheap():
     assert time.perf_counter() - start < 1.0
 
 
-def test_suffix_builds_no_trie_while_nothing_repeats():
-    """Random text (nothing to copy) costs a set insertion a token; the first repeated token builds the trie."""
-    proposer = SuffixProposer()
+def test_suffix_builds_no_trie_until_two_tokens_repeat():
+    """Random text (nothing to copy) costs a list append a token; a repeated token alone is answered from where it
+    occurs; the first repeated pair of tokens builds the trie."""
+    proposer = SuffixProposer(max_spec_factor=2.0)
     text = list(range(100, 300))  # no token twice
     for end in range(150, len(text) + 1, 10):
         assert proposer.propose("r", text[:end], 4) == []
     assert proposer._local["r"].trie is None
+    text += [130]  # 130 occurred once, followed by 131 132 ...: a one-token match, two drafts (max_spec_factor 2)
+    assert proposer.propose("r", text, 4) == [131, 132]
+    assert proposer._local["r"].trie is None
     text += [120, 121]  # 120 121 occurred before, followed by 122 123 ...
-    assert proposer.propose("r", text, 4) == [122, 123]  # as far as the match is long (max_spec_factor 1)
+    assert proposer.propose("r", text, 8) == [122, 123, 124, 125]
     assert proposer._local["r"].trie is not None
+
+
+def reference_suffix_proposal(proposer, text, max_k):
+    """What SuffixProposer proposes, the slow way: a fresh trie of the text, and in it and the shared trie the longest
+    suffix with a continuation found by trying every length from the longest down."""
+    def longest(trie):
+        for m in range(min(proposer.max_match, len(text), trie.max_depth - 1), 0, -1):
+            node = trie.find(text[len(text) - m :])
+            if node is not None and node.has_children():
+                return node, m
+        return None, 0
+
+    own = SuffixTrie(proposer.max_depth)
+    own.add(text)
+    options = (max_k, proposer.max_spec_factor, proposer.min_token_prob)
+    drafts, _, matched = max(own.speculate(longest(own), *options), proposer.shared.speculate(longest(proposer.shared),
+                             *options), key=lambda option: option[1])
+    return drafts, matched if drafts else 0
+
+
+@pytest.mark.parametrize("vocab", [3, 12, 400])
+@pytest.mark.parametrize("options", [{}, {"max_depth": 3, "max_match": 2, "max_spec_factor": 4.0, "min_token_prob": 0.0},
+                                     {"max_depth": 8, "max_match": 4, "max_spec_factor": 3.0, "min_token_prob": 0.2}])
+def test_suffix_proposals_equal_a_fresh_trie_searched_at_every_length(vocab, options):
+    """The incremental index (no trie until two tokens repeat, then open ends) and the galloping search of the shared
+    trie change what a proposal costs, never what it is: texts that grow by drafts and random tokens, rewind, end."""
+    rng = random.Random(vocab)
+    proposer = SuffixProposer(**options, max_cached_requests=20, max_cached_nodes=2_000)
+    for r in range(60):
+        text = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        for _ in range(rng.randrange(1, 30)):
+            k = rng.randrange(0, 7)
+            drafts, matched = proposer.propose_with_evidence(str(r), text, k)
+            assert (drafts, matched) == (reference_suffix_proposal(proposer, text, k) if k else ([], 0))
+            if rng.random() < 0.05 and len(text) > 3:
+                text = text[: rng.randrange(1, len(text))]
+            else:
+                text += drafts[: rng.randrange(1, len(drafts) + 1)] if drafts and rng.random() < 0.5 else [rng.randrange(vocab)]
+        proposer.finish(str(r), text[5:])
