@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import random
 import time
@@ -34,6 +35,7 @@ from banyan.bench.metrics import percentile, summarize
 from banyan.bench.offline import generate_all
 from banyan.bench.workloads import BenchPrompt, random_prompts
 from banyan.config import EngineConfig
+from banyan.errors import InvalidParameterError
 from banyan.frontend.llm import LLM
 from banyan.spec.config import SpeculativeConfig
 from banyan.spec.speculator import SpecStats
@@ -71,12 +73,14 @@ def copy_prompts(llm: LLM, num_prompts: int, output_len: int, *, sentences: int 
 
 
 def spec_configs(methods: list[str], policies: list[str], num_speculative_tokens: int,
-                 draft_model: str | None = None, draft_quantization: str | None = None
-                 ) -> dict[str, SpeculativeConfig | None]:
+                 draft_model: str | None = None, draft_quantization: str | None = None,
+                 suffix_options: dict | None = None) -> dict[str, SpeculativeConfig | None]:
     """Label -> speculative config: `off` first, then every method with every policy."""
     configs: dict[str, SpeculativeConfig | None] = {"off": None}
     for method in methods:
         extra = {"model": draft_model, "quantization": draft_quantization} if method == "draft_model" else {}
+        if method == "suffix":
+            extra = dict(suffix_options or {})
         for policy in policies:
             configs[f"{method}-{policy}"] = SpeculativeConfig.from_dict(
                 {"method": method, "num_speculative_tokens": num_speculative_tokens, "policy": policy, **extra})
@@ -87,8 +91,10 @@ def run_speculative(config: EngineConfig, args) -> tuple[dict, dict]:
     """Every configuration on the workload, `args.rounds` rounds after a warm-up; results per label."""
     if args.temperature is None:  # greedy copies; sampled random prompts do not fall into repeating loops
         args.temperature = 0.0 if args.workload == "copy" else 1.0
+    suffix_options = getattr(args, "suffix_options", None)
     configs = spec_configs(_names(args.methods), _names(args.policies), args.num_speculative_tokens,
-                           getattr(args, "draft_model", None), getattr(args, "draft_quantization", None))
+                           getattr(args, "draft_model", None), getattr(args, "draft_quantization", None),
+                           _json_object("suffix_options", suffix_options))
     llms = {label: LLM.from_config(_with(config, spec, args.batch_size)) for label, spec in configs.items()}
     try:
         prompts = _workload(next(iter(llms.values())), args)
@@ -103,7 +109,7 @@ def run_speculative(config: EngineConfig, args) -> tuple[dict, dict]:
             llm.engine.close()
     bench = {k: getattr(args, k, None) for k in ("workload", "num_prompts", "copy_sentences", "input_len", "output_len",
                                                  "batch_size", "rounds", "methods", "policies", "num_speculative_tokens",
-                                                 "draft_model", "draft_quantization", "temperature",
+                                                 "draft_model", "draft_quantization", "suffix_options", "temperature",
                                                  "workload_seed")}
     bench["request_rate"] = str(getattr(args, "request_rate", math.inf))  # inf is not JSON
     return {"engine": dataclasses.asdict(config), "bench": bench}, results
@@ -249,3 +255,15 @@ def _with(config: EngineConfig, spec: SpeculativeConfig | None, batch_size: int)
 
 def _names(value: str) -> list[str]:
     return [name.strip() for name in value.split(",") if name.strip()]
+
+
+def _json_object(name: str, text: str | None) -> dict | None:
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise InvalidParameterError(name, f"is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise InvalidParameterError(name, f"must be a JSON object, got {type(value).__name__}")
+    return value

@@ -22,6 +22,9 @@ POLICIES = ("adaptive", "fixed", "table")
 MAX_SPECULATIVE_TOKENS = 16
 PROMPT_LOOKUP_DEFAULTS = (2, 5)  # (min, max) when neither is given
 _LOOKUP_METHODS = ("ngram",)
+SUFFIX_OPTIONS = {"max_tree_depth": "max_depth", "max_cached_requests": "max_cached_requests",
+                  "max_spec_factor": "max_spec_factor", "min_token_prob": "min_token_prob"}
+"""vLLM's suffix_decoding_<field> settings -> SuffixProposer's arguments."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,15 @@ class SpeculativeConfig:
     """ngram: shortest suffix of the text looked up earlier in it (default: prompt_lookup_max, else 2)."""
     prompt_lookup_max: int | None = None
     """ngram: longest suffix looked up (default: prompt_lookup_min, else 5)."""
+    suffix_decoding_max_tree_depth: int | None = None
+    """suffix: the longest path its tries hold, matched text and drafts together (default 24)."""
+    suffix_decoding_max_cached_requests: int | None = None
+    """suffix: finished requests whose outputs the shared trie keeps (default 1000, within a million nodes; 0: none,
+    each request drafts from its own text alone)."""
+    suffix_decoding_max_spec_factor: float | None = None
+    """suffix: at most this many drafts per token of the matched text (default 1.0)."""
+    suffix_decoding_min_token_prob: float | None = None
+    """suffix: drafting stops where the path's estimated probability falls below this (default 0.1)."""
     model: str | None = None
     """draft_model: the draft's Hugging Face directory or .gguf file (its tokenizer must be the target's)."""
     quantization: str | None = None
@@ -76,6 +88,15 @@ class SpeculativeConfig:
             raise InvalidParameterError("method", f"is required; choose from {', '.join(METHODS)}")
         return cls(**data)
 
+    def proposer_options(self) -> dict[str, Any]:
+        """The keyword arguments of this method's proposer (banyan.spec.make_proposer): the fields set for it."""
+        if self.method == "ngram":
+            return {"prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}
+        if self.method != "suffix":
+            return {}
+        options = {option: getattr(self, f"suffix_decoding_{field}") for field, option in SUFFIX_OPTIONS.items()}
+        return {option: value for option, value in options.items() if value is not None}
+
     def draft_settings(self, model):
         """A draft model's settings: the target's (a ModelConfig), with this config's quantization where it has one."""
         return model if self.quantization is None else dataclasses.replace(model, quantization=self.quantization)
@@ -109,7 +130,27 @@ class SpeculativeConfig:
         self._set("prompt_lookup_min", lo)
         self._set("prompt_lookup_max", hi)
 
+    def _check_suffix_fields(self) -> None:
+        for field in SUFFIX_OPTIONS:
+            name = f"suffix_decoding_{field}"
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if self.method != "suffix":
+                raise InvalidParameterError(name, f"applies to method suffix only, not {self.method!r}")
+            if field == "max_tree_depth":
+                _check_int(name, value, 2, 1024)
+            elif field == "max_cached_requests":
+                _check_int(name, value, 0, None)
+            elif not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise InvalidParameterError(name, f"must be a number, got {value!r}")
+            elif field == "max_spec_factor" and not value > 0:
+                raise InvalidParameterError(name, f"must be > 0, got {value}")
+            elif field == "min_token_prob" and not 0 <= value <= 1:
+                raise InvalidParameterError(name, f"must be in [0, 1], got {value}")
+
     def _check_method_fields(self) -> None:
+        self._check_suffix_fields()
         if self.method == "draft_model":
             if not isinstance(self.model, str) or not self.model:
                 raise InvalidParameterError("model", "method draft_model needs the draft model's path")

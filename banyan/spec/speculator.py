@@ -94,10 +94,7 @@ class SpecStats:
 class Speculator:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
-        options = {}
-        if config.method == "ngram":
-            options = {"prompt_lookup_min": config.prompt_lookup_min, "prompt_lookup_max": config.prompt_lookup_max}
-        self.proposer = make_proposer(config.method, **options)
+        self.proposer = make_proposer(config.method, **config.proposer_options())
         self.controller = SpecController(config, step_time_model(STEP_TIME_SHAPE), PRIORS[config.method])
         self.max_k = config.num_speculative_tokens
         self.stats = SpecStats(accepted_per_pos=[0] * self.max_k)

@@ -224,8 +224,10 @@ def speculate_one_token_match(text: Sequence[int], occurrences: list[int], max_k
 
 
 class SuffixProposer(Proposer):
-    def __init__(self, max_depth: int = 24, max_match: int = 16, max_spec_factor: float = 1.0,
+    def __init__(self, max_depth: int = 24, max_match: int | None = None, max_spec_factor: float = 1.0,
                  min_token_prob: float = 0.1, max_cached_requests: int = 1000, max_cached_nodes: int = 1 << 20):
+        """max_match: the longest suffix of the text matched (default 16, less one than a shallower max_depth)."""
+        max_match = min(16, max_depth - 1) if max_match is None else max_match
         if not 1 <= max_match < max_depth:
             raise InvalidParameterError("max_match", f"must be in [1, max_depth={max_depth}), got {max_match}")
         self.max_depth, self.max_match = max_depth, max_match

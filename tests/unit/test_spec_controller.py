@@ -13,6 +13,7 @@ from banyan.errors import InvalidParameterError
 from banyan.spec.config import SpeculativeConfig
 from banyan.spec.controller import (AcceptanceStats, SpecController, StepTimeModel, allocate, cut_to_budget,
                                    evidence_bucket)
+from banyan.spec.speculator import Speculator
 
 # fake forward-time curves over N tokens: memory-bound then compute-bound, concave, and one with tile steps
 CURVES = {
@@ -493,6 +494,12 @@ TABLE = "num_speculative_tokens_per_batch_size"
     ({"method": "ngram", TABLE: [[1, 2]]}, TABLE),
     ({"method": "ngram", TABLE: []}, TABLE),
     ({"method": "ngram", "speculative_model": "x", "typo": 1}, "speculative_model"),
+    ({"method": "ngram", "suffix_decoding_max_tree_depth": 8}, "suffix_decoding_max_tree_depth"),
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 1}, "suffix_decoding_max_tree_depth"),
+    ({"method": "suffix", "suffix_decoding_max_cached_requests": -1}, "suffix_decoding_max_cached_requests"),
+    ({"method": "suffix", "suffix_decoding_max_spec_factor": 0}, "suffix_decoding_max_spec_factor"),
+    ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, "suffix_decoding_min_token_prob"),
+    ({"method": "suffix", "suffix_decoding_min_token_prob": "high"}, "suffix_decoding_min_token_prob"),
     ({"num_speculative_tokens": 3}, "method"),
 ])
 def test_config_errors_name_the_field(fields, param):
@@ -500,6 +507,19 @@ def test_config_errors_name_the_field(fields, param):
         SpeculativeConfig.from_dict(fields)
     assert info.value.param == param
     assert param in str(info.value)
+
+
+def test_config_suffix_settings_reach_the_proposer_with_vllms_names():
+    config = SpeculativeConfig.from_json('{"method": "suffix", "suffix_decoding_max_tree_depth": 8, '
+                                         '"suffix_decoding_max_cached_requests": 0, "suffix_decoding_max_spec_factor": 2, '
+                                         '"suffix_decoding_min_token_prob": 0.3}')
+    proposer = Speculator(config).proposer
+    assert (proposer.max_depth, proposer.max_match, proposer.max_cached_requests) == (8, 7, 0)
+    assert (proposer.max_spec_factor, proposer.min_token_prob) == (2, 0.3)
+    proposer.finish("a", [10, 11, 12, 13])  # no cross-request memory: the next request learns nothing from it
+    assert proposer.propose("b", [1, 10, 11], 4) == [] and proposer.shared.num_nodes == 1
+    default = Speculator(SpeculativeConfig(method="suffix")).proposer
+    assert (default.max_depth, default.max_match, default.max_cached_requests) == (24, 16, 1000)
 
 
 def test_config_json_errors():
