@@ -109,8 +109,8 @@ def run_speculative(config: EngineConfig, args) -> tuple[dict, dict]:
             llm.engine.close()
     bench = {k: getattr(args, k, None) for k in ("workload", "num_prompts", "copy_sentences", "input_len", "output_len",
                                                  "batch_size", "rounds", "methods", "policies", "num_speculative_tokens",
-                                                 "draft_model", "draft_quantization", "suffix_options", "temperature",
-                                                 "workload_seed")}
+                                                 "draft_model", "draft_quantization", "suffix_options",
+                                                 "temperature", "workload_seed")}
     bench["request_rate"] = str(getattr(args, "request_rate", math.inf))  # inf is not JSON
     return {"engine": dataclasses.asdict(config), "bench": bench}, results
 

@@ -18,10 +18,11 @@ per node (how often that path occurs):
   added", not used: crediting a match to the requests whose outputs made it would need a set per node.
 
 To propose: the longest suffix of the text (at most max_match tokens) that is a path with a continuation (in the
-request's trie, read off the nodes its last token reached; in the shared trie, a galloping search), then the most frequent child, step by step, while the path's probability (product of child count / node count)
-stays >= min_token_prob, for at most max_k and max_spec_factor * match length tokens: a long, frequent match
-speculates far, a short or ambiguous one little or not at all. The trie whose path scores more expected
-accepted tokens (the sum of those probabilities) wins.
+request's trie, read off the nodes its last token reached; in the shared trie, a galloping search), then the most
+frequent child, step by step, while the path's probability (product of child count / node count) stays >=
+min_token_prob, for at most max_k and max_spec_factor * match length tokens: a long, frequent match speculates
+far, a short or ambiguous one little or not at all. The trie whose path scores more expected accepted tokens (the
+sum of those probabilities) wins.
 """
 
 from __future__ import annotations
@@ -247,7 +248,7 @@ class SuffixProposer(Proposer):
         options = (max_k, self.max_spec_factor, self.min_token_prob)
         if local.trie is not None:
             own = local.trie.speculate(local.longest_match(self.max_match), *options)
-        elif len(occurrences := local.positions.get(token_ids[-1], ())) > 1:
+        elif token_ids and len(occurrences := local.positions.get(token_ids[-1], ())) > 1:
             own = speculate_one_token_match(token_ids, occurrences, *options, self.max_depth)
         else:
             own = [], 0.0, 0

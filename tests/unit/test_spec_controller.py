@@ -511,8 +511,8 @@ def test_config_errors_name_the_field(fields, param):
 
 def test_config_suffix_settings_reach_the_proposer_with_vllms_names():
     config = SpeculativeConfig.from_json('{"method": "suffix", "suffix_decoding_max_tree_depth": 8, '
-                                         '"suffix_decoding_max_cached_requests": 0, "suffix_decoding_max_spec_factor": 2, '
-                                         '"suffix_decoding_min_token_prob": 0.3}')
+                                         '"suffix_decoding_max_cached_requests": 0, '
+                                         '"suffix_decoding_max_spec_factor": 2, "suffix_decoding_min_token_prob": 0.3}')
     proposer = Speculator(config).proposer
     assert (proposer.max_depth, proposer.max_match, proposer.max_cached_requests) == (8, 7, 0)
     assert (proposer.max_spec_factor, proposer.min_token_prob) == (2, 0.3)

@@ -232,7 +232,8 @@ def reference_suffix_proposal(proposer, text, max_k):
 
 
 @pytest.mark.parametrize("vocab", [3, 12, 400])
-@pytest.mark.parametrize("options", [{}, {"max_depth": 3, "max_match": 2, "max_spec_factor": 4.0, "min_token_prob": 0.0},
+@pytest.mark.parametrize("options", [{},
+                                     {"max_depth": 3, "max_match": 2, "max_spec_factor": 4.0, "min_token_prob": 0.0},
                                      {"max_depth": 8, "max_match": 4, "max_spec_factor": 3.0, "min_token_prob": 0.2}])
 def test_suffix_proposals_equal_a_fresh_trie_searched_at_every_length(vocab, options):
     """The incremental index (no trie until two tokens repeat, then open ends) and the galloping search of the shared
@@ -248,5 +249,6 @@ def test_suffix_proposals_equal_a_fresh_trie_searched_at_every_length(vocab, opt
             if rng.random() < 0.05 and len(text) > 3:
                 text = text[: rng.randrange(1, len(text))]
             else:
-                text += drafts[: rng.randrange(1, len(drafts) + 1)] if drafts and rng.random() < 0.5 else [rng.randrange(vocab)]
+                copied = drafts[: rng.randrange(1, len(drafts) + 1)] if drafts and rng.random() < 0.5 else []
+                text += copied or [rng.randrange(vocab)]
         proposer.finish(str(r), text[5:])
