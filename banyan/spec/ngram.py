@@ -34,7 +34,7 @@ class _History:
 
 
 class NgramProposer(Proposer):
-    def __init__(self, prompt_lookup_min: int = 2, prompt_lookup_max: int = 5):
+    def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 5):
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise InvalidParameterError(
                 "prompt_lookup_min", f"must be in [1, prompt_lookup_max={prompt_lookup_max}], got {prompt_lookup_min}")

@@ -457,7 +457,7 @@ def test_step_time_needs_two_token_counts():
 
 def test_config_defaults_and_vllm_lookup_filling():
     c = SpeculativeConfig(method="ngram")
-    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max, c.policy) == (5, 2, 5, "adaptive")
+    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max, c.policy) == (5, 1, 5, "adaptive")
     assert SpeculativeConfig(method="ngram", prompt_lookup_max=3).prompt_lookup_min == 3
     assert SpeculativeConfig(method="ngram", prompt_lookup_min=4).prompt_lookup_max == 4
     assert SpeculativeConfig(method="suffix").prompt_lookup_min is None
