@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 import random
 import time
@@ -35,9 +34,8 @@ from banyan.bench.metrics import percentile, summarize
 from banyan.bench.offline import generate_all
 from banyan.bench.workloads import BenchPrompt, random_prompts
 from banyan.config import EngineConfig
-from banyan.errors import InvalidParameterError
 from banyan.frontend.llm import LLM
-from banyan.spec.config import SpeculativeConfig
+from banyan.spec.config import SpeculativeConfig, json_object
 from banyan.spec.speculator import SpecStats
 from banyan.text.tokenizer import encode_chat
 
@@ -94,7 +92,7 @@ def run_speculative(config: EngineConfig, args) -> tuple[dict, dict]:
     suffix_options = getattr(args, "suffix_options", None)
     configs = spec_configs(_names(args.methods), _names(args.policies), args.num_speculative_tokens,
                            getattr(args, "draft_model", None), getattr(args, "draft_quantization", None),
-                           _json_object("suffix_options", suffix_options))
+                           json_object("suffix_options", suffix_options) if suffix_options else None)
     llms = {label: LLM.from_config(_with(config, spec, args.batch_size)) for label, spec in configs.items()}
     try:
         prompts = _workload(next(iter(llms.values())), args)
@@ -256,14 +254,3 @@ def _with(config: EngineConfig, spec: SpeculativeConfig | None, batch_size: int)
 def _names(value: str) -> list[str]:
     return [name.strip() for name in value.split(",") if name.strip()]
 
-
-def _json_object(name: str, text: str | None) -> dict | None:
-    if not text:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise InvalidParameterError(name, f"is not valid JSON: {error}") from None
-    if not isinstance(value, dict):
-        raise InvalidParameterError(name, f"must be a JSON object, got {type(value).__name__}")
-    return value

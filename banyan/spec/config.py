@@ -109,11 +109,7 @@ class SpeculativeConfig:
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
         """Build from the text of `--speculative-config '<json>'`."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise InvalidParameterError("speculative_config", f"is not valid JSON: {error}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(json_object("speculative_config", text))
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # a resolved default, set once while the frozen instance is built
@@ -178,6 +174,17 @@ class SpeculativeConfig:
                 "num_speculative_tokens_per_batch_size",
                 "is required by policy table" if not has_table else f"is only read by policy table, not {policy!r}")
         self._set("policy", policy)
+
+
+def json_object(name: str, text: str) -> dict[str, Any]:
+    """The JSON object `text` holds, for the setting `name` (an InvalidParameterError naming it otherwise)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise InvalidParameterError(name, f"is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise InvalidParameterError(name, f"must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int | None) -> None:

@@ -318,13 +318,14 @@ def test_speculative_cli_runs_every_configuration_side_by_side(model_dir, tmp_pa
 
 
 def test_speculative_suffix_options_go_to_the_suffix_configurations_only():
-    from banyan.bench.speculative import _json_object, spec_configs
-    options = _json_object("suffix_options", '{"suffix_decoding_max_cached_requests": 0}')
+    from banyan.bench.speculative import spec_configs
+    from banyan.spec.config import json_object
+    options = json_object("suffix_options", '{"suffix_decoding_max_cached_requests": 0}')
     configs = spec_configs(["ngram", "suffix"], ["adaptive", "fixed"], 5, suffix_options=options)
     assert [c.suffix_decoding_max_cached_requests for c in configs.values() if c is not None] == [None, None, 0, 0]
     for text in ("{no", "[0]"):
         with pytest.raises(InvalidParameterError, match="suffix_options"):
-            _json_object("suffix_options", text)
+            json_object("suffix_options", text)
 
 
 def test_speculative_cli_mixed_workload_with_network_drafters(model_dir, tmp_path):
