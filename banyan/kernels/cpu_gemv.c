@@ -326,6 +326,164 @@ static inline __attribute__((always_inline)) void int8_tile16(const int R, const
 }
 #endif
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__) && defined(__AVX512F__)
+/* AMX tiles (Intel Xeon from Sapphire Rapids) for calls of 16 rows of x and more: one `tdpbsud` multiplies a block
+ * of 32 k's of 16 rows of x (tile A, int8, signed) by the same block of 16 weight rows (tile B, unsigned: int4's
+ * nibbles, int8's q + 128) into 16 x 16 exact int32 dot products (tile C), where int4_tile16 took 128 `vpdpbusd`.
+ * B's rows are the block's 8 chunks as int4_tile16 unpacks them into registers (row c, bytes 4n + j: weight row n's
+ * k = 32b + 4c + j), unpacked once per pair of row groups and pass over x (amx_unpack), so every tile of x rows in
+ * the pass reuses them. From each block's integers on, a lane takes int4_tile16's (int8_tile16's) float steps in
+ * their order, so a row's bits are those of the vector path: a call may mix both, and a row's result still does
+ * not depend on the other rows. Linux hands tiles to a process that asks (cpu_gemv_tiles). */
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX 1
+#define AMX_ROWS 16
+static int use_tiles = 0;
+
+/* Turns the tile path on (on = 1: asks Linux for the tile state once) or off; returns whether it is on. */
+int cpu_gemv_tiles(int on) {
+    static int granted = -1;
+    if (on && granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    use_tiles = on && granted > 0;
+    return use_tiles;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Tiles 0-1: C (16 x 16 int32), 2-3: A (16 rows x 32 bytes), 4-5: B (8 rows x 64 bytes); two sets, so that a block's
+ * products run while the previous block's are scaled. */
+static void amx_configure(void) {
+    tile_config c = {0};
+    c.palette = 1;
+    for (int t = 0; t < 6; t++) {
+        c.rows[t] = t >= 4 ? 8 : 16;
+        c.colsb[t] = t == 2 || t == 3 ? 32 : 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* Row groups G and G + 1 (wp, wp1) as tile B rows, 512 bytes a block: int4 unpacked to one nibble a byte, int8
+ * gathered (its chunks already are 4 bytes a row). */
+static void amx_unpack(const int bits, const uint8_t *wp, const uint8_t *wp1, uint8_t *wb, int blocks) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int b = 0; b < blocks; b++) {
+        __m512i *out = (__m512i *)(wb + (size_t)b * 512);
+        if (bits == 4)
+            for (int t = 0; t < 4; t++) {
+                const __m512i bytes = load_pair_si(wp + (size_t)b * 128 + 32 * t, wp1 + (size_t)b * 128 + 32 * t);
+                _mm512_store_si512(out + 2 * t, _mm512_and_si512(bytes, low4));
+                _mm512_store_si512(out + 2 * t + 1, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4));
+            }
+        else
+            for (int c = 0; c < 8; c++)
+                _mm512_store_si512(out + c, load_pair_si(wp + (size_t)b * 256 + 32 * c, wp1 + (size_t)b * 256 + 32 * c));
+    }
+}
+
+/* Block b's products into tile set C, A, B (0, 2, 4 or 1, 3, 5: the intrinsics take literal tile numbers). */
+#define AMX_ISSUE(C, A, B, b)                                                                                      \
+    do {                                                                                                           \
+        _tile_zero(C);                                                                                             \
+        _tile_loadd(A, xq + 32 * (size_t)(b), K);                                                                  \
+        _tile_loadd(B, wb + 512 * (size_t)(b), 64);                                                                \
+        _tile_dpbsud(C, A, B);                                                                                     \
+    } while (0)
+
+/* Block b's 16 x 16 integers (dots) into the accumulators, with the float steps of int4_tile16 (bits 4: acc += dot *
+ * (s * xs) a block, off += o * xsum a group) or int8_tile16 (bits 8: dot + x's correction, acc += dot * xs). */
+static inline __attribute__((always_inline)) void amx_scale_block(const int bits, const int b, const int32_t *dots,
+                                                                  __m512 *acc, __m512 *off, const float *s8,
+                                                                  const float *s1, const float *o8, const float *o1,
+                                                                  const float *xscale, const float *xsum, int blocks,
+                                                                  int per_group) {
+    if (bits == 4) {
+        const int g = b / per_group;
+        const __m512 sg = load_pair_ps(s8 + 8 * g, s1 + 8 * g);
+#pragma GCC unroll 16
+        for (int r = 0; r < AMX_ROWS; r++) {
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots + 16 * r));
+            acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sg, _mm512_set1_ps(xscale[(size_t)r * blocks + b])), acc[r]);
+        }
+        if ((b + 1) % per_group == 0) {
+            const __m512 og = load_pair_ps(o8 + 8 * g, o1 + 8 * g);
+#pragma GCC unroll 16
+            for (int r = 0; r < AMX_ROWS; r++)
+                off[r] = _mm512_fmadd_ps(og, _mm512_set1_ps(xsum[(size_t)r * blocks + g]), off[r]);
+        }
+    } else {
+        const int32_t *xcorr = (const int32_t *)xsum;
+#pragma GCC unroll 16
+        for (int r = 0; r < AMX_ROWS; r++) {
+            const __m512i dot = _mm512_add_epi32(_mm512_load_si512(dots + 16 * r),
+                                                 _mm512_set1_epi32(xcorr[(size_t)r * blocks + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(xscale[(size_t)r * blocks + b]), acc[r]);
+        }
+    }
+}
+
+/* 16 rows of x against the pair in wb (amx_unpack) into y. Three blocks in flight: while block b - 1's integers are
+ * scaled, block b's leave their tile for memory and block b + 1's are multiplied (a tile's store reaches the vector
+ * loads only through the cache, so its integers are read one block later). */
+static inline __attribute__((always_inline)) void amx_tile16(const int bits, const uint8_t *wb, const float *s8,
+                                                             const float *o8, const int8_t *xq, const float *xscale,
+                                                             const float *xsum, float *y, int ldy, int K, int groups,
+                                                             int per_group) {
+    const int blocks = K / 32;
+    const float *s1 = bits == 4 ? s8 + (size_t)groups * 8 : NULL, *o1 = bits == 4 ? o8 + (size_t)groups * 8 : NULL;
+    int32_t dots[2][256] __attribute__((aligned(64)));
+    __m512 acc[AMX_ROWS], off[AMX_ROWS];
+    for (int r = 0; r < AMX_ROWS; r++) acc[r] = off[r] = _mm512_setzero_ps();
+    AMX_ISSUE(0, 2, 4, 0);
+    for (int b = 0; b < blocks; b++) {
+        if (b & 1) {
+            _tile_stored(1, dots[1], 64);
+            if (b + 1 < blocks) AMX_ISSUE(0, 2, 4, b + 1);
+        } else {
+            _tile_stored(0, dots[0], 64);
+            if (b + 1 < blocks) AMX_ISSUE(1, 3, 5, b + 1);
+        }
+        if (b > 0)
+            amx_scale_block(bits, b - 1, dots[(b - 1) & 1], acc, off, s8, s1, o8, o1, xscale, xsum, blocks, per_group);
+    }
+    amx_scale_block(bits, blocks - 1, dots[(blocks - 1) & 1], acc, off, s8, s1, o8, o1, xscale, xsum, blocks, per_group);
+    const __m512 scale = _mm512_loadu_ps(s8);
+    for (int r = 0; r < AMX_ROWS; r++)
+        _mm512_storeu_ps(y + (size_t)ldy * r, bits == 4 ? _mm512_add_ps(acc[r], off[r]) : _mm512_mul_ps(acc[r], scale));
+}
+
+/* Rows [m, m_end) of x, 16 at a time, against the pair G, G + 1 (wp, its blocks unpacked into wb); returns the first
+ * row left (fewer than 16). A function of its own per weight kind: the caller's parallel region is one function for
+ * both, and the accumulators need every register. */
+#define AMX_ROWS_LOOP(BITS)                                                                                        \
+    {                                                                                                              \
+        const int blocks = K / 32;                                                                                 \
+        amx_unpack(BITS, wp, wp1, wb, blocks);                                                                     \
+        for (; m + AMX_ROWS <= m_end; m += AMX_ROWS)                                                               \
+            amx_tile16(BITS, wb, s8, o8, xq + (size_t)m * K, xscale + (size_t)m * blocks, xsum + (size_t)m * blocks,  \
+                       y + (size_t)m * N, N, K, groups, per_group);                                                \
+        return m;                                                                                                  \
+    }
+static __attribute__((noinline)) int amx_rows_int4(const uint8_t *wp, const uint8_t *wp1, uint8_t *wb, const float *s8,
+                                                   const float *o8, const int8_t *xq, const float *xscale,
+                                                   const float *xsum, float *y, int m, int m_end, int N, int K,
+                                                   int groups, int per_group) AMX_ROWS_LOOP(4)
+static __attribute__((noinline)) int amx_rows_int8(const uint8_t *wp, const uint8_t *wp1, uint8_t *wb, const float *s8,
+                                                   const float *o8, const int8_t *xq, const float *xscale,
+                                                   const float *xsum, float *y, int m, int m_end, int N, int K,
+                                                   int groups, int per_group) AMX_ROWS_LOOP(8)
+#else
+#define AMX 0
+#define AMX_ROWS 16
+static const int use_tiles = 0;
+int cpu_gemv_tiles(int on) { (void)on; return 0; }
+#endif
+
 /* -128 times the sum of each int8 block of x rows [begin, end), into xcorr (see int8_tile) */
 static void int8_corrections(const int8_t *xq, int32_t *xcorr, int begin, int end, int K) {
     for (size_t i = (size_t)begin * (K / 32); i < (size_t)end * (K / 32); i++) {
@@ -362,8 +520,9 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
     int8_t *xq = (int8_t *)(xsum + (size_t)M * blocks);
     const int parallel_quantize = M >= PARALLEL_QUANTIZE_ROWS;
     if (!parallel_quantize) prepare_x(bits, x, xq, xscale, xsum, 0, M, K, groups, per_group);
-    int pass = PASS_BYTES / K / TILE_ROWS * TILE_ROWS;
-    if (pass < TILE_ROWS) pass = TILE_ROWS;
+    const int tiles = AMX && use_tiles && M >= AMX_ROWS, step = tiles ? AMX_ROWS : TILE_ROWS;
+    int pass = PASS_BYTES / K / step * step;
+    if (pass < step) pass = step;
 #pragma omp parallel num_threads(threads)
     {
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
@@ -374,6 +533,10 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
 #pragma omp barrier
         }
         float tile[TILE_ROWS * 16];
+#if AMX
+        uint8_t *wb = tiles ? aligned_alloc(64, (size_t)blocks * 512) : NULL;  /* the pair's blocks as tile B rows */
+        if (tiles) amx_configure();
+#endif
         for (int m0 = 0; m0 < M; m0 += pass) {
             const int m_end = m0 + pass < M ? m0 + pass : M;
             for (int G = g_begin; G < g_end; G++) {
@@ -381,7 +544,13 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
                 const uint8_t *wp = packed + (size_t)G * group_bytes;
                 const float *s8 = scale + (size_t)G * group_scales, *o8 = bits == 4 ? offset + (size_t)G * group_scales : NULL;
                 const int lanes = N - 8 * G < width ? N - 8 * G : width;
-                for (int m = m0; m < m_end; m += TILE_ROWS) {
+                int m = m0;
+#if AMX
+                if (tiles && pair && lanes == 16 && m_end - m0 >= AMX_ROWS)
+                    m = (bits == 4 ? amx_rows_int4 : amx_rows_int8)(wp, wp + group_bytes, wb, s8, o8, xq, xscale, xsum,
+                                                                    y + 8 * G, m, m_end, N, K, groups, per_group);
+#endif
+                for (; m < m_end; m += TILE_ROWS) {
                     const int8_t *xm = xq + (size_t)m * K;
                     const float *xs = xscale + (size_t)m * blocks, *xt = xsum + (size_t)m * blocks;
                     const int R = m_end - m < TILE_ROWS ? m_end - m : TILE_ROWS;
@@ -407,6 +576,12 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
                 G += pair;
             }
         }
+#if AMX
+        if (tiles) {
+            _tile_release();  /* back to the init state: a context switch saves no tile data */
+            free(wb);
+        }
+#endif
     }
 }
 

@@ -11,7 +11,8 @@ rows (tests/unit/test_quantization.py), unlike torch's float GEMMs and SDPA, who
 
 The library is compiled on first use with the system C compiler (`cc -O3 -mavx2 -mfma -mf16c -fopenmp`, about
 a second; with `-mavx512vnni` and its companions too where /proc/cpuinfo lists avx512_vnni, so the integer dot
-products are `vpdpbusd`, giving the same integers) into ~/.cache/banyan/kernels (or $BANYAN_CACHE_DIR/kernels),
+products are `vpdpbusd`, giving the same integers; and `-mamx-tile -mamx-int8` where it lists amx_int8, so calls of
+16 rows and more multiply 16 x 16 blocks in AMX tiles, the same integers again) into ~/.cache/banyan/kernels (or $BANYAN_CACHE_DIR/kernels),
 named by a hash of the sources and flags, and loaded with ctypes; its OpenMP calls run on the libgomp torch has
 already loaded.
 Without a compiler, or on a CPU without AVX2, `load()` returns None and callers dequantize instead.
@@ -39,7 +40,8 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_attention.c", "cpu_decode.c",
                                                          "cpu_decode_layers.c", "cpu_argmax.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
-ISA_FLAGS = {"avx2": (), "avx512_vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")}
+AVX512_VNNI = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
+ISA_FLAGS = {"avx2": (), "avx512_vnni": AVX512_VNNI, "amx": (*AVX512_VNNI, "-mamx-tile", "-mamx-int8")}
 
 
 class CpuKernels:
@@ -49,6 +51,7 @@ class CpuKernels:
     def __init__(self, lib: ctypes.CDLL, isa: str = "avx2"):
         p, i = ctypes.c_void_p, ctypes.c_int
         self.isa = isa  # the ISA the library was built for: a key of ISA_FLAGS
+        self.vnni = isa in ("avx512_vnni", "amx")  # vpdpbusd for the integer dot products
         lib.int4_gemv.argtypes = [p, p, p, p, p, p, i, i, i, i, i]
         lib.int8_gemv.argtypes = [p, p, p, p, p, i, i, i, i]
         lib.float_gemv.argtypes = [p, p, i, p, i, i, i, i]
@@ -56,6 +59,15 @@ class CpuKernels:
         lib.int4_gemv.restype = lib.int8_gemv.restype = lib.float_gemv.restype = lib.attend_rows.restype = None
         self._lib = lib
         self.max_rows = lib.gemv_max_rows()
+        lib.cpu_gemv_tiles.argtypes = [i]
+        # AMX tiles for calls of 16 rows and more, unless BANYAN_DISABLE_AMX=1 (the vector path's bits either way)
+        self.tiles = bool(lib.cpu_gemv_tiles(int(isa == "amx" and os.environ.get("BANYAN_DISABLE_AMX") != "1")))
+
+    def use_tiles(self, on: bool) -> bool:
+        """Turns the AMX tile path on or off for every call (each gives the vector path's bits: tests compare
+        them); returns whether it is on, which needs an AMX build on a CPU and kernel that grant the tiles."""
+        self.tiles = bool(self._lib.cpu_gemv_tiles(int(on and self.isa == "amx")))
+        return self.tiles
 
     def int4(self, x: torch.Tensor, w: InterleavedInt4) -> torch.Tensor:
         """x [M, K] float32 contiguous; w in the kernel's layout (interleave_int4)."""
@@ -185,7 +197,9 @@ def load() -> CpuKernels | None:
     if compiler is None:
         logger.warning("no C compiler (cc) found: 4/8-bit weights are dequantized per matmul, which is slower")
         return None
-    for isa in ("avx512_vnni", "avx2") if "avx512_vnni" in cpu_flags() else ("avx2",):
+    flags = cpu_flags()
+    wanted = ("amx",) * ("amx_int8" in flags) + ("avx512_vnni",) * ("avx512_vnni" in flags) + ("avx2",)
+    for isa in wanted:
         try:
             return CpuKernels(ctypes.CDLL(str(build(compiler, isa))), isa)
         except (OSError, subprocess.CalledProcessError) as e:  # an older compiler may not know the AVX-512 flags

@@ -118,7 +118,7 @@ class QuantizedLinear(nn.Module):
             gemv = cpu_gemv.load()
         # the kernel takes every row count: int4's and VNNI's int8 beat FBGEMM's fp16 GEMM at every width (int8 2-2.6x
         # from 16 rows on a Zen 4); AVX2's int8 measured about level with it, so wide batches keep the fp16 copy there
-        every_row = gemv is not None and (invariant or kind == "int4" or kind == "int8" and gemv.isa == "avx512_vnni")
+        every_row = gemv is not None and (invariant or kind == "int4" or kind == "int8" and gemv.vnni)
         if self.wide_fp16 and kind != "fp16" and fbgemm_fp16_works(device, self.dtype) and not every_row:
             self.wide = torch.ops.quantized.linear_prepack_fp16(self.weight.dequantize(torch.float32), None)
             self.packed_bytes = self.in_features * self.out_features * 2

@@ -177,3 +177,55 @@ def test_the_avx512_vnni_build_compiles_and_agrees(monkeypatch, tmp_path):
             assert torch.equal(vnni.int8(x, weight8), avx2.int8(x, weight8)), (num_threads, rows)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def with_and_without_tiles():
+    """Runs a call with the AMX tile path off and on (the CPU, the kernel and the build must grant it)."""
+    kernels = cpu_gemv.load()
+    if not kernels.use_tiles(True):
+        pytest.skip("no AMX tiles here (needs amx_int8 in /proc/cpuinfo, Linux 5.16+ and a compiler that knows them)")
+
+    def both(call):
+        kernels.use_tiles(False)
+        try:
+            vector = call()
+        finally:
+            kernels.use_tiles(True)
+        return vector, call()
+
+    return both
+
+
+@pytest.mark.parametrize("m, n, k, group", [(16, 16, 32, 32), (33, 33, 576, 32), (64, 48, 1536, 64), (47, 17, 96, 32),
+                                            (100, 40, 256, 128), (200, 24, 1536, 32)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_amx_tiles_give_the_vector_paths_bits(m, n, k, group, threads, with_and_without_tiles):
+    """With AMX, 16 rows of x at a time against 16 weight rows go through one tile product a block; the remaining
+    rows, a row group without its partner and N's ragged end through the vector path. Every row keeps the vector
+    path's bits: odd block counts (the tiles alternate two sets), groups of 1, 2 and 4 blocks, passes over x of
+    several tiles (1536 inputs, 200 rows), and any thread split."""
+    q, scale, offset, packed = int4_weight(n, k, group)
+    weight, weight8 = interleaved((q, scale, offset, packed), group), int8_weight(n, k)[2]
+    x, kernels, before = torch.randn(m, k) * 3, cpu_gemv.load(), torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        vector, tiled = with_and_without_tiles(lambda: (kernels.int4(x, weight), kernels.int8(x, weight8)))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(tiled[0], vector[0]) and torch.equal(tiled[1], vector[1])
+    assert_close(tiled[0], *int4_reference(x, q, scale, offset, group))
+
+
+def test_the_amx_build_compiles_wherever_the_compiler_knows_the_flags(monkeypatch, tmp_path):
+    """The AMX build (the VNNI build plus the tile path) compiles on any machine whose compiler knows -mamx-int8, so a
+    source error shows on every CI machine; where the CPU has AMX, load() picks it and the tiles are granted."""
+    monkeypatch.setenv("BANYAN_CACHE_DIR", str(tmp_path))
+    try:
+        library = cpu_gemv.build(shutil.which("cc"), "amx")
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"the compiler does not build for AMX: {e.stderr[-200:]}")
+    assert library.exists()
+    if "amx_int8" in cpu_features.cpu_flags():
+        kernels = cpu_gemv.load()
+        assert kernels.isa == "amx" and kernels.vnni
