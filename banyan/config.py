@@ -116,8 +116,8 @@ class ModelConfig:
     """A Hugging Face directory (or .gguf file) whose tokenizer and chat template replace the model's."""
     dtype: str = "auto"
     """Weights and activations: auto, float32, bfloat16 or float16 (auto: on a GPU the checkpoint's 16-bit dtype,
-    bfloat16 for float32 checkpoints; on a CPU with AMX or AVX512-BF16 bfloat16 for 16-bit and GGUF checkpoints;
-    float32 otherwise)."""
+    bfloat16 for float32 checkpoints; on a CPU with AMX bfloat16 for 16-bit checkpoints; float32 otherwise, GGUF
+    files included: banyan's integer kernels serve them)."""
     max_model_len: int | str | None = None
     """Longest prompt plus output, in tokens (default: the model's context length); auto: the longest context whose
     K/V fits the cache's budget for one request, at most the model's (logged at start-up)."""

@@ -331,6 +331,7 @@ def test_without_a_compiler_the_cpu_kernel_is_not_built(monkeypatch, tmp_path):
 
 
 def test_auto_dtype_on_a_cpu_is_bf16_only_with_bf16_hardware_and_a_16_bit_checkpoint(monkeypatch):
+    """GGUF files stay float32 even with AMX: their 4/8-bit tensors go through banyan's integer kernels."""
     from banyan.runner import device as model_runner
     from banyan.runner.device import resolve_dtype
 
@@ -339,7 +340,8 @@ def test_auto_dtype_on_a_cpu_is_bf16_only_with_bf16_hardware_and_a_16_bit_checkp
         monkeypatch.setattr(model_runner, "cpu_has_bf16_matmul", lambda hardware=hardware: hardware)
         want = torch.bfloat16 if hardware else torch.float32
         assert resolve_dtype("auto", "bfloat16", cpu) == want
-        assert resolve_dtype("auto", None, cpu, is_gguf=True) == want
+        assert resolve_dtype("auto", None, cpu, is_gguf=True) == torch.float32
+        assert resolve_dtype("auto", "bfloat16", cpu, is_gguf=True) == torch.float32
         assert resolve_dtype("auto", "float32", cpu) == torch.float32  # never rounds a float32 checkpoint
         assert resolve_dtype("auto", None, cpu) == torch.float32  # unknown: exact
         assert resolve_dtype("float32", "bfloat16", cpu) == torch.float32
