@@ -386,11 +386,22 @@ static void amx_unpack(const int bits, const uint8_t *wp, const uint8_t *wp1, ui
     }
 }
 
+/* The whole tiles of 16 rows of x in [m0, m_end) with each block's 16 x 32 bytes together (512 bytes at (tile * blocks
+ * + b) * 512): tile A's load then reads 8 lines in a row where x's own rows put its 16 rows K bytes apart. */
+static void amx_pack_x(const int8_t *xq, int8_t *xa, int m0, int m_end, int K) {
+    const int blocks = K / 32;
+    for (int t = 0; m0 + AMX_ROWS * (t + 1) <= m_end; t++)
+        for (int b = 0; b < blocks; b++)
+            for (int r = 0; r < AMX_ROWS; r++)
+                _mm256_store_si256((__m256i *)(xa + ((size_t)t * blocks + b) * 512 + 32 * r),
+                                   _mm256_loadu_si256((const __m256i *)(xq + (size_t)(m0 + AMX_ROWS * t + r) * K + 32 * b)));
+}
+
 /* Block b's products into tile set C, A, B (0, 2, 4 or 1, 3, 5: the intrinsics take literal tile numbers). */
 #define AMX_ISSUE(C, A, B, b)                                                                                      \
     do {                                                                                                           \
         _tile_zero(C);                                                                                             \
-        _tile_loadd(A, xq + 32 * (size_t)(b), K);                                                                  \
+        _tile_loadd(A, xa + 512 * (size_t)(b), 32);                                                                \
         _tile_loadd(B, wb + 512 * (size_t)(b), 64);                                                                \
         _tile_dpbsud(C, A, B);                                                                                     \
     } while (0)
@@ -431,7 +442,7 @@ static inline __attribute__((always_inline)) void amx_scale_block(const int bits
  * scaled, block b's leave their tile for memory and block b + 1's are multiplied (a tile's store reaches the vector
  * loads only through the cache, so its integers are read one block later). */
 static inline __attribute__((always_inline)) void amx_tile16(const int bits, const uint8_t *wb, const float *s8,
-                                                             const float *o8, const int8_t *xq, const float *xscale,
+                                                             const float *o8, const int8_t *xa, const float *xscale,
                                                              const float *xsum, float *y, int ldy, int K, int groups,
                                                              int per_group) {
     const int blocks = K / 32;
@@ -457,24 +468,25 @@ static inline __attribute__((always_inline)) void amx_tile16(const int bits, con
         _mm512_storeu_ps(y + (size_t)ldy * r, bits == 4 ? _mm512_add_ps(acc[r], off[r]) : _mm512_mul_ps(acc[r], scale));
 }
 
-/* Rows [m, m_end) of x, 16 at a time, against the pair G, G + 1 (wp, its blocks unpacked into wb); returns the first
- * row left (fewer than 16). A function of its own per weight kind: the caller's parallel region is one function for
+/* Rows [m, m_end) of x, 16 at a time (packed from m0 on in xa: amx_pack_x), against the pair G, G + 1 (wp, its
+ * blocks unpacked into wb); returns the first row left (fewer than 16). A function of its own per weight kind: the caller's parallel region is one function for
  * both, and the accumulators need every register. */
 #define AMX_ROWS_LOOP(BITS)                                                                                        \
     {                                                                                                              \
         const int blocks = K / 32;                                                                                 \
         amx_unpack(BITS, wp, wp1, wb, blocks);                                                                     \
         for (; m + AMX_ROWS <= m_end; m += AMX_ROWS)                                                               \
-            amx_tile16(BITS, wb, s8, o8, xq + (size_t)m * K, xscale + (size_t)m * blocks, xsum + (size_t)m * blocks,  \
+            amx_tile16(BITS, wb, s8, o8, xa + (size_t)(m - m0) * K, xscale + (size_t)m * blocks,                     \
+                       xsum + (size_t)m * blocks,                                                                  \
                        y + (size_t)m * N, N, K, groups, per_group);                                                \
         return m;                                                                                                  \
     }
 static __attribute__((noinline)) int amx_rows_int4(const uint8_t *wp, const uint8_t *wp1, uint8_t *wb, const float *s8,
-                                                   const float *o8, const int8_t *xq, const float *xscale,
+                                                   const float *o8, const int8_t *xa, int m0, const float *xscale,
                                                    const float *xsum, float *y, int m, int m_end, int N, int K,
                                                    int groups, int per_group) AMX_ROWS_LOOP(4)
 static __attribute__((noinline)) int amx_rows_int8(const uint8_t *wp, const uint8_t *wp1, uint8_t *wb, const float *s8,
-                                                   const float *o8, const int8_t *xq, const float *xscale,
+                                                   const float *o8, const int8_t *xa, int m0, const float *xscale,
                                                    const float *xsum, float *y, int m, int m_end, int N, int K,
                                                    int groups, int per_group) AMX_ROWS_LOOP(8)
 #else
@@ -535,10 +547,14 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
         float tile[TILE_ROWS * 16];
 #if AMX
         uint8_t *wb = tiles ? aligned_alloc(64, (size_t)blocks * 512) : NULL;  /* the pair's blocks as tile B rows */
+        int8_t *xa = tiles ? aligned_alloc(64, (size_t)pass * K) : NULL;        /* this thread's copy of a pass's tiles */
         if (tiles) amx_configure();
 #endif
         for (int m0 = 0; m0 < M; m0 += pass) {
             const int m_end = m0 + pass < M ? m0 + pass : M;
+#if AMX
+            if (tiles) amx_pack_x(xq, xa, m0, m_end, K);
+#endif
             for (int G = g_begin; G < g_end; G++) {
                 const int pair = PAIRS && M >= PAIR_ROWS && G + 1 < g_end, width = pair ? 16 : 8;
                 const uint8_t *wp = packed + (size_t)G * group_bytes;
@@ -547,8 +563,8 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
                 int m = m0;
 #if AMX
                 if (tiles && pair && lanes == 16 && m_end - m0 >= AMX_ROWS)
-                    m = (bits == 4 ? amx_rows_int4 : amx_rows_int8)(wp, wp + group_bytes, wb, s8, o8, xq, xscale, xsum,
-                                                                    y + 8 * G, m, m_end, N, K, groups, per_group);
+                    m = (bits == 4 ? amx_rows_int4 : amx_rows_int8)(wp, wp + group_bytes, wb, s8, o8, xa, m0, xscale,
+                                                                    xsum, y + 8 * G, m, m_end, N, K, groups, per_group);
 #endif
                 for (; m < m_end; m += TILE_ROWS) {
                     const int8_t *xm = xq + (size_t)m * K;
@@ -580,6 +596,7 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
         if (tiles) {
             _tile_release();  /* back to the init state: a context switch saves no tile data */
             free(wb);
+            free(xa);
         }
 #endif
     }
