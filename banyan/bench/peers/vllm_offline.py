@@ -1,7 +1,7 @@
 """Offline generation with vLLM's LLM class, run by vLLM's own python (banyan is not installed there: this file
 imports nothing of banyan). usage: python vllm_offline.py JOB.json OUT.json
 
-JOB: {"model": dir, "max_model_len": n, "prompts": [[token ids, output len], ...], "warm_up": [...]}
+JOB: {"model": dir, "max_model_len": n, "dtype": "float32", "prompts": [[token ids, output len], ...], "warm_up": [...]}
 OUT: {"output_tokens": n, "seconds": s}: every prompt submitted at once, greedy, ignoring EOS; the model's
 load and the warm-up prompts are not timed.
 """
@@ -26,7 +26,7 @@ def main(job_path: str, out_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
     length = {"max_model_len": job["max_model_len"]} if job["max_model_len"] else {}
-    llm = LLM(model=job["model"], dtype="float32", **length)
+    llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), **length)
     generate(llm, job["warm_up"])
     start = time.perf_counter()
     tokens = generate(llm, job["prompts"])
