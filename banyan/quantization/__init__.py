@@ -132,26 +132,29 @@ def _check_fits(name: str, module: nn.Linear, fmt: WeightFormat) -> None:
 
 
 def quantize_linears(model: nn.Module, plan: dict[str, WeightFormat], wide_fp16: bool = False,
-                     batch_invariant: bool = False) -> None:
+                     batch_invariant: bool = False, wide_bf16: bool = False) -> None:
     """Swap the planned nn.Linear layers for empty QuantizedLinear ones; tie the embeddings to an int8 or
     fp16 lm_head. wide_fp16: int8/int4 layers keep a float16 copy for batches wider than the CPU kernel's;
-    batch_invariant: int8/int4 layers send every row through the CPU kernel instead (no copy)."""
+    wide_bf16 (CPUs with AMX): a bf16 copy for prefill-sized calls; batch_invariant: int8/int4 layers send every row
+    through the CPU kernel instead (no copy)."""
     for name, fmt in plan.items():
         layer = QuantizedLinear.like(model.get_submodule(name), fmt)
-        layer.wide_fp16, layer.batch_invariant = wide_fp16, batch_invariant
+        layer.wide_fp16, layer.batch_invariant, layer.wide_bf16 = wide_fp16, batch_invariant, wide_bf16
         _replace(model, name, layer)
     if model.arch.tie_word_embeddings and plan.get("lm_head") in (INT8, FP16):
         model.model.embed_tokens = QuantizedEmbedding(model.lm_head)
 
 
 def why_not_invariant_by_default(model: nn.Module, device: torch.device, dtype: torch.dtype,
-                                 plan: dict[str, WeightFormat], attention: str, lora: bool, parallel: bool) -> str | None:
+                                 plan: dict[str, WeightFormat], attention: str, lora: bool, parallel: bool,
+                                 amx: bool = False) -> str | None:
     """None where batch-invariant mode goes on unasked, else why it stays off. On where its cost was measured at
     most 10% (docs/quantization.md, 2-vCPU AVX2 EPYC: the default GGUF mix 3% offline, float32 models about 5%,
     long prefills faster; a Zen 4 EPYC with AVX-512 VNNI: none measurable): an x86 CPU with AVX2 or AVX-512 (the
     vector ISA torch reports), banyan's kernels built, a float32 model whose linear layers are
     float32, int8 or int4 with inputs in blocks of 32, the torch attention backend, no LoRA (the adapters' matmuls
-    are torch's), no tensor or pipeline parallelism (their collectives sum in their own order)."""
+    are torch's), no tensor or pipeline parallelism (their collectives sum in their own order). Not on a CPU with AMX
+    tiles (`amx`): there a bf16 copy's prefill was 1.74x the integer kernels' and offline 1.17x (a cost over 10%)."""
     reasons = (
         (device.type != "cpu", "not a CPU"),
         (not cpu_gemv.vector_cpu(), "its cost is measured on x86 CPUs with AVX2 or AVX-512, not this one"),
@@ -159,6 +162,7 @@ def why_not_invariant_by_default(model: nn.Module, device: torch.device, dtype: 
         (attention != "torch", f"the {attention} attention backend"),
         (lora, "LoRA adapters"),
         (parallel, "tensor or pipeline parallelism"),
+        (amx and device.type == "cpu", "AMX tiles: prefill in bf16 through them is 1.7x the integer kernels'"),
         (any(fmt.kind not in ("int4", "int8") for fmt in plan.values()), "fp16 or fp8 weights"),
         (any(isinstance(m, nn.Linear) and m.in_features % 32 for m in model.modules()), "a layer's inputs are not in blocks of 32"),
     )

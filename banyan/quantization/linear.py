@@ -21,6 +21,11 @@ Hopper) for dimensions that are multiples of 16; elsewhere fp8 is dequantized. F
 matmul and converts in registers (F16C): decode, which streams every weight once per step, is
 memory bound, so it runs up to 2x faster there, and no slower at prefill sizes.
 
+On CPUs with AMX tiles, outside batch-invariant mode, int8/int4 layers keep a bf16 copy (`wide_bf16`) for calls of
+BF16_ROWS rows and more (prefill): torch's bf16 GEMM runs on the tiles at 1.0-1.9 TFLOP/s on 2 cores from 256 rows,
+where banyan's integer kernel, whose every block of 32 inputs leaves the tiles for its float scaling, stays near
+1 TOP/s (docs/quantization.md, "CPUs with AMX").
+
 None of torch's GEMMs gives a row the same bits whatever the row count (measured over 1-64 rows: MKL's
 float32 and FBGEMM's fp16 both move in the last bits), and the switch at 8 rows changes x's rounding. With
 `batch_invariant` every row goes through banyan's kernel instead (int8/int4, and fp16 through its float
@@ -41,6 +46,9 @@ from banyan.quantization.formats import FP8_MAX, Int8Weight, QuantizedWeight, We
 from banyan.quantization.packing import InputOrdered, common_input_order
 
 _CPU_CHUNK_VALUES = 1 << 19  # weights dequantized at a time on a CPU: 2 MiB of float32
+BF16_ROWS = 128
+"""Rows of x from which an AMX CPU's bf16 copy serves (`wide_bf16`): at 64 rows the integer kernel was as fast
+(0.94 against 0.78 TFLOP/s, 1536 x 576 int4), from 256 the bf16 GEMM 1.3-1.9x it."""
 
 
 def packed_int_kernels_fast(device: torch.device) -> bool:
@@ -78,6 +86,8 @@ class QuantizedLinear(nn.Module):
         self.batch_invariant = False  # set before finish_loading: every row through the CPU kernel (row-independent)
         self.cpu_kernel = True  # set before finish_loading: False leaves banyan's CPU kernel out (the torch paths)
         self.wide = None  # that copy, FBGEMM-packed
+        self.wide_bf16 = False  # set before finish_loading: keep a bf16 copy for calls of BF16_ROWS rows and more (AMX)
+        self.bf16 = None  # that copy
         self.gemv = self._narrow = None  # banyan's CPU kernel for a few rows (int8/int4 on AVX2), when it serves
         self.weight = fmt.empty(out_features, in_features, self.dtype, device=torch.get_default_device())
         self.device = self.weight.q.device
@@ -122,6 +132,8 @@ class QuantizedLinear(nn.Module):
         if self.wide_fp16 and kind != "fp16" and fbgemm_fp16_works(device, self.dtype) and not every_row:
             self.wide = torch.ops.quantized.linear_prepack_fp16(self.weight.dequantize(torch.float32), None)
             self.packed_bytes = self.in_features * self.out_features * 2
+        if self.wide_bf16 and gemv is not None and not invariant:  # in place of banyan's kernel for prefill
+            self.bf16 = self.weight.dequantize(torch.float32).to(torch.bfloat16)
         if kind == "int8":
             self._finish_int8(gemv)
         elif kind == "int4":
@@ -138,7 +150,9 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.input_order is not None:
             x2 = x2.index_select(1, self.input_order)
-        if self.gemv is not None and (self.wide is None or x2.shape[0] <= self.gemv.max_rows):  # a float16 copy: wide
+        if self.bf16 is not None and x2.shape[0] >= BF16_ROWS:
+            y = nn.functional.linear(x2.to(torch.bfloat16), self.bf16).to(x2.dtype)
+        elif self.gemv is not None and (self.wide is None or x2.shape[0] <= self.gemv.max_rows):  # a float16 copy: wide
             y = self._narrow(x2.contiguous())
         elif self.wide is not None:
             y = torch.ops.quantized.linear_dynamic_fp16(x2.contiguous(), self.wide)
@@ -168,7 +182,8 @@ class QuantizedLinear(nn.Module):
         return take_rows(self.weight, ids)
 
     def quantized_bytes(self) -> int:
-        held = [self.packed, self.scale_zeros, self.offset, *(vars(self.weight).values() if self.weight is not None else ())]
+        held = [self.packed, self.scale_zeros, self.offset, self.bf16,
+                *(vars(self.weight).values() if self.weight is not None else ())]
         interleaved = self.interleaved.nbytes() if self.interleaved is not None else 0
         return self.packed_bytes + interleaved + sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))
 

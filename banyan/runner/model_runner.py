@@ -22,10 +22,11 @@ from banyan.layers.sampler import Sampler, compute_prompt_logprobs, request_gene
 from banyan.lora.layers import LoRAGroups, LoRAModel
 from banyan.models.registry import get_model_class
 from banyan.quantization.formats import FP16
+from banyan.quantization.linear import BF16_ROWS
 from banyan.quantization import (FILE_METHODS, default_method, finish_loading, model_weight_bytes, plan_formats,
                                  quantize_linears, use_fixed_order, why_not_invariant_by_default)
 from banyan.runner.cpu_step import CpuDecodeStep
-from banyan.runner.device import attention_backend, default_dtype, resolve_device, resolve_dtype
+from banyan.runner.device import attention_backend, cpu_has_bf16_matmul, default_dtype, resolve_device, resolve_dtype
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from banyan.runner.drafter import NetworkDrafter
 from banyan.runner.host_malloc import keep_freed_heap
@@ -104,6 +105,7 @@ class ModelRunner:
         choice = default_method(model_config.quantization, self.device, self.dtype, source.arch.torch_dtype,
                                 source.path.is_file(), source.quantization)
         method = choice.method
+        amx = self.device.type == "cpu" and cpu_has_bf16_matmul()  # bf16 copies for prefill, unless batch-invariant
         started = time.perf_counter()
         with default_dtype(self.dtype), torch.device(self.device):
             model = model_cls(self.shard, self.attn)
@@ -111,11 +113,12 @@ class ModelRunner:
                                                           source.compact_formats(), fill=FP16 if choice.mix_fp16 else None)
             if model_config.batch_invariant is None:
                 blocker = why_not_invariant_by_default(model, self.device, self.dtype, plan, self.attn.name,
-                                                       self.lora_wanted, self.parallel is not None)
+                                                       self.lora_wanted, self.parallel is not None, amx)
                 self.batch_invariant = blocker is None
                 logger.info("batch invariance %s", "on (the default here)" if blocker is None else f"off: {blocker}")
             if method is not None:
-                quantize_linears(model, plan, wide_fp16=choice.mix_fp16, batch_invariant=self.batch_invariant)
+                quantize_linears(model, plan, wide_fp16=choice.mix_fp16, batch_invariant=self.batch_invariant,
+                                 wide_bf16=amx and not self.batch_invariant)
         compact = method in FILE_METHODS
         # Each tensor read straight onto the device in its stored dtype, copied into its parameter in the model's.
         if self.parallel is not None:
@@ -133,8 +136,10 @@ class ModelRunner:
         if self.parallel is not None:  # the collectives, hooked on the final modules
             model = self.parallel.transform(model)
         copies = any(getattr(m, "wide", None) is not None for m in model.modules())  # float16 copies for wide calls
-        logger.info("weights: %.1f MiB (%s%s) loaded in %.2f s", model_weight_bytes(model) / 2**20, method or self.dtype,
-                    ", float16 for the rest and for wide batches" if choice.mix_fp16 and copies else "", self.load_seconds)
+        bf16 = any(getattr(m, "bf16", None) is not None for m in model.modules())  # AMX: bf16 copies for prefill
+        logger.info("weights: %.1f MiB (%s%s%s) loaded in %.2f s", model_weight_bytes(model) / 2**20, method or self.dtype,
+                    ", float16 for the rest and for wide batches" if choice.mix_fp16 and copies else "",
+                    f", bf16 copies for calls of {BF16_ROWS}+ rows (AMX)" if bf16 else "", self.load_seconds)
         return model.eval()
 
     def _kv_pages(self, num_pages: int) -> torch.Tensor:

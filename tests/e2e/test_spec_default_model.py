@@ -48,12 +48,13 @@ def test_greedy_equals_without_speculation_on_real_weights(plain_tokens, config)
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
 
 
-@pytest.mark.skipif(not cpu_gemv.vector_cpu(), reason="batch invariance is the default on x86 CPUs with AVX2 or AVX-512")
+@pytest.mark.skipif(not cpu_gemv.vector_cpu(), reason="batch invariance needs an x86 CPU with AVX2 or AVX-512")
 def test_greedy_equals_without_speculation_on_the_compact_default():
-    """The compact default (int4 layers, int8 lm_head) with batch invariance, its default on AVX2/AVX-512 CPUs: a verify
-    pass of k + 1 rows gives each row the bits of a 1-row decode, so speculation keeps the greedy tokens exactly
-    (without it they agreed on this prompt too, but nothing promised it: the attention's rows could move)."""
-    compact = {"num_threads": 1, "max_model_len": 512, "kv_cache_memory": 64 << 20}
+    """The compact default (int4 layers, int8 lm_head) with batch invariance (its default on AVX2/AVX-512 CPUs without
+    AMX; asked here so that AMX CPUs run it too): a verify pass of k + 1 rows gives each row the bits of a 1-row
+    decode, so speculation keeps the greedy tokens exactly (without it they agreed on this prompt too, but nothing
+    promised it: the attention's rows could move)."""
+    compact = {"num_threads": 1, "max_model_len": 512, "kv_cache_memory": 64 << 20, "batch_invariant": True}
     plain = LLM(**compact)
     try:
         assert plain.engine.runner.batch_invariant

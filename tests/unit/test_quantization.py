@@ -13,7 +13,7 @@ from banyan.errors import InvalidParameterError
 from banyan.quantization import plan_formats, quantize_linears, use_fixed_order, why_not_invariant_by_default
 from banyan.quantization.formats import FP8, INT8, Int4Weight, Int8Weight, WeightFormat
 from banyan.kernels import cpu_gemv
-from banyan.quantization.linear import FixedOrderLinear, QuantizedLinear, packed_int_kernels_fast
+from banyan.quantization.linear import BF16_ROWS, FixedOrderLinear, QuantizedLinear, packed_int_kernels_fast
 
 INT4_64 = WeightFormat("int4", 64)
 
@@ -162,6 +162,32 @@ def _rows_alone(layer, x):
     return torch.cat([layer(row[None]) for row in x])
 
 
+def _layer(fmt, w, **settings):
+    layer = QuantizedLinear(w.shape[1], w.shape[0], fmt, packed_kernels=False)
+    for name, value in settings.items():
+        setattr(layer, name, value)
+    layer.load_weight(slice(0, None), w, "w")
+    layer.finish_loading()
+    return layer
+
+
+@needs_gemv
+@pytest.mark.parametrize("fmt", [INT8, WeightFormat("int4", 32)])
+def test_an_amx_cpus_layer_takes_prefill_sized_calls_in_bf16_and_decode_through_its_kernel(weight_and_input, fmt):
+    """wide_bf16 (CPUs with AMX, batch invariance off): from BF16_ROWS rows a bf16 copy of the dequantized weight in
+    place of banyan's integer kernel (torch's bf16 GEMM runs on the tiles); fewer rows take the kernel as before.
+    Batch-invariant layers, and layers banyan's kernel does not serve, keep no copy."""
+    w, _ = weight_and_input
+    layer, reference = _layer(fmt, w, wide_bf16=True), make_layer(fmt, w, packed=False, gemv=True)
+    wide, narrow = torch.randn(BF16_ROWS, 256), torch.randn(BF16_ROWS - 1, 256)
+    assert layer.bf16.dtype == torch.bfloat16 and layer.quantized_bytes() >= 256 * 96 * 2
+    assert torch.equal(layer(wide), F.linear(wide.bfloat16(), layer.bf16).float())
+    assert relative_error(layer(wide), F.linear(wide, w)) < 0.1
+    assert torch.equal(layer(narrow), reference(narrow))
+    assert _layer(fmt, w, wide_bf16=True, batch_invariant=True).bf16 is None
+    assert _layer(fmt, w, wide_bf16=True, cpu_kernel=False).bf16 is None
+
+
 @needs_gemv
 @pytest.mark.parametrize("fmt", [INT8, WeightFormat("int4", 32), WeightFormat("fp16")])
 def test_batch_invariant_layers_give_each_row_its_bits_alone(weight_and_input, fmt):
@@ -200,13 +226,14 @@ def test_fixed_order_linear_is_the_float32_matmul_with_rows_independent(weight_a
     ({"parallel": True}, "tensor or pipeline parallelism"),
     ({"plan": {"0": WeightFormat("fp16")}}, "fp16 or fp8 weights"),
     ({"model": torch.nn.Sequential(torch.nn.Linear(48, 8))}, "a layer's inputs are not in blocks of 32"),
+    ({"amx": True}, "AMX tiles: prefill in bf16 through them is 1.7x the integer kernels'"),
 ])
 def test_batch_invariance_is_on_by_default_only_where_its_cost_was_measured(change, blocker):
     """The default (batch_invariant=None) turns the mode on where it costs at most 10% (an x86 CPU with AVX2 or AVX-512,
     float32 model, float32/int8/int4 layers in blocks of 32, torch attention, no LoRA or parallelism); else it names
     why not."""
     args = dict(model=torch.nn.Sequential(torch.nn.Linear(64, 8)), device=torch.device("cpu"), dtype=torch.float32,
-                plan={"0": WeightFormat("int4", 32)}, attention="torch", lora=False, parallel=False) | change
+                plan={"0": WeightFormat("int4", 32)}, attention="torch", lora=False, parallel=False, amx=False) | change
     why = why_not_invariant_by_default(**args)
     if not cpu_gemv.vector_cpu() and args["device"].type == "cpu":
         assert why == "its cost is measured on x86 CPUs with AVX2 or AVX-512, not this one"
