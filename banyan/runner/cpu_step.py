@@ -26,15 +26,15 @@ from banyan.kernels import cpu_decode, cpu_decode_layers, cpu_gemv
 from banyan.kernels.cpu_decode_layers import LinearOperands
 from banyan.layers.attention.torch_backend import TorchAttentionBackend, paged_rows
 from banyan.models.blocks import CausalLM, DecoderLayer, GatedMLP, RopeAttention
-from banyan.quantization.linear import QuantizedLinear
+from banyan.quantization.linear import BF16_ROWS, QuantizedLinear
 
 MAX_ROWS = 8
 """Rows a step may have where a linear layer keeps a float16 copy for wider calls (QuantizedLinear takes its narrow
-kernel up to there), and new rows a request may have unless attention runs in a fixed order (TorchAttentionBackend
-sends requests of at most KERNEL_QUERY = 8 new rows to the fused kernel, every request in batch-invariant mode)."""
+kernel up to there)."""
 WIDE_ROWS = 256
 """Rows a step may have where every linear layer takes its narrow kernel at any width (int4 layers; every layer in
-batch-invariant mode): 16 decode streams ran the module path's ~60 Python-side ops a layer before."""
+batch-invariant mode): 16 decode streams ran the module path's ~60 Python-side ops a layer before. Where layers keep
+bf16 copies (AMX), fewer than BF16_ROWS: wider steps take the copies through the module path."""
 
 
 class CpuDecodeStep:
@@ -51,8 +51,8 @@ class CpuDecodeStep:
             sin=rotary.sin.data_ptr(), kv_half=cpu_decode.kv_kind(kv_caches[0][0], cpu_decode.STORE_DTYPES))
         self.group = attn.num_heads // attn.num_kv_heads
         linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, QuantizedLinear)]
-        self.max_rows = MAX_ROWS if any(m.wide is not None for m in linears) else WIDE_ROWS
-        self.max_query = self.max_rows if attn.attn.fixed_order is not None else MAX_ROWS
+        wide_copies, bf16_copies = (any(getattr(m, copy) is not None for m in linears) for copy in ("wide", "bf16"))
+        self.max_rows = MAX_ROWS if wide_copies else BF16_ROWS - 1 if bf16_copies else WIDE_ROWS
         self.widest = max(arch.hidden_size, arch.intermediate_size, attn.q_size)
         self.width = 2 * arch.hidden_size + attn.q_size + 2 * attn.kv_size + attn.q_size + 3 * arch.intermediate_size
         self.work = torch.empty(0, dtype=torch.float32)  # both grown with the widest step (_grow_scratch)
@@ -69,13 +69,13 @@ class CpuDecodeStep:
         return cls(model, kv_caches, kernel)
 
     def fits(self, fb: ForwardBatch) -> bool:
-        return 0 < fb.num_tokens <= self.max_rows and max(fb.query_lens) <= self.max_query
+        return 0 < fb.num_tokens <= self.max_rows
 
     def run(self, fb: ForwardBatch) -> torch.Tensor:
         """The final hidden states of the step's rows, [num_tokens, hidden], as CausalLM.forward computes them."""
         x = self.model.model.embed_tokens(fb.input_ids).contiguous()  # [num_tokens, hidden], a new tensor
         starts = [0, *itertools.accumulate(fb.query_lens)]  # the host copy: no read of query_start_loc
-        rows = paged_rows(fb, starts, self.max_query)  # every row: none has more than max_query new rows
+        rows = paged_rows(fb, starts, fb.max_query_len)  # every row
         self._grow_scratch(fb.num_tokens)
         threads = torch.get_num_threads()
         room = cpu_decode.attention_scratch(threads, self.group, rows.max_keys)

@@ -16,7 +16,7 @@ from banyan.layers.activation import gated_activation
 from banyan.layers.norm import RMSNorm
 from banyan.layers.attention.base import FP8, to_cache_dtype, write_kv_cache
 from banyan.layers.rotary import RotaryEmbedding
-from banyan.layers.attention.torch_backend import KERNEL_QUERY, SHORT_QUERY, TorchAttentionBackend, paged_attention
+from banyan.layers.attention.torch_backend import SHORT_QUERY, TorchAttentionBackend, paged_attention
 from tests.kernels.paged_batches import make_batch
 
 KERNELS = cpu_decode.kernels_for(torch.device("cpu"), torch.float32)
@@ -339,19 +339,18 @@ def test_decode_rows_read_shared_pages_together_with_the_bits_of_each_row_alone(
 
 @needs_kernels
 @pytest.mark.parametrize("window", [None, 6])
-def test_torch_backend_sends_decode_and_verify_rows_to_the_kernel(window):
-    """A step of decode rows, verify-sized chunks, a short and a long prefill chunk: rows of requests with at
-    most KERNEL_QUERY new rows go to the kernel, the rest to SDPA, and together they equal SDPA alone."""
-    specs = [(12, 1), (7, KERNEL_QUERY), (30, 3), (0, KERNEL_QUERY + 4), (20, 1), (5, SHORT_QUERY + 6)]
+def test_torch_backend_sends_every_row_to_the_kernel(window):
+    """A step of decode rows, verify-sized chunks, a short and a long prefill chunk: every row goes to the kernel,
+    no SDPA group is left, and the rows equal SDPA's alone."""
+    specs = [(12, 1), (7, 8), (30, 3), (0, 12), (20, 1), (5, SHORT_QUERY + 6)]
     batch, q, k, v, k_cache, v_cache = make_batch(specs, page_size=4, num_kv_heads=3, group=3, head_dim=64, seed=2)
     fused = TorchAttentionBackend()
     out = fused.forward(q, k, v, k_cache.clone(), v_cache.clone(), batch, 0.125, window)
-    expected = TorchAttentionBackend(fused=False).forward(q, k, v, k_cache, v_cache, batch, 0.125, window)
+    reference = TorchAttentionBackend(fused=False)
+    expected = reference.forward(q, k, v, k_cache, v_cache, batch, 0.125, window)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
-    starts = [0, *torch.tensor(batch.query_lens).cumsum(0).tolist()]
-    kernel_rows = [r for i, n in enumerate(batch.query_lens) if n <= KERNEL_QUERY for r in range(starts[i], starts[i + 1])]
-    assert fused._plan.paged.rows.tolist() == kernel_rows
-    assert [g.max_query_len for g in fused._plan.groups] == [KERNEL_QUERY + 4, SHORT_QUERY + 6]
+    assert fused._plan.paged.rows.tolist() == list(range(batch.num_tokens)) and fused._plan.groups == []
+    assert reference._plan.paged is None and [g.max_query_len for g in reference._plan.groups] == [1, 12, SHORT_QUERY + 6]
 
 
 @needs_kernels

@@ -13,7 +13,9 @@ from banyan import LLM, SamplingParams
 from banyan.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from banyan.forward_batch import ForwardBatch
 from banyan.kernels import cpu_decode_layers
-from banyan.runner.cpu_step import MAX_ROWS, WIDE_ROWS
+from banyan.quantization.linear import BF16_ROWS
+from banyan.runner.cpu_step import WIDE_ROWS
+from banyan.runner.device import cpu_has_bf16_matmul
 from tests.factories import write_model_dir
 
 needs_kernels = pytest.mark.skipif(cpu_decode_layers.load() is None, reason="needs an x86 CPU with AVX2 and a C compiler")
@@ -64,17 +66,16 @@ def test_one_call_gives_the_module_paths_bits(tmp_path, arch, quantization, over
 
 
 @needs_kernels
-@pytest.mark.parametrize("model, max_query", [
-    ({"batch_invariant": False}, MAX_ROWS),  # int4 layers take the kernel at any width: wide decode steps
-    ({"batch_invariant": True}, WIDE_ROWS),  # attention in a fixed order too: prefill chunks as well
-])
-def test_wide_steps_take_the_one_call_where_every_layer_takes_the_kernel(tmp_path, model, max_query):
-    """20 requests at once: decode steps of 20 rows (and, batch-invariant, whole 12-token prompts) in one C call,
-    with the module path's bits; otherwise a request of more than MAX_ROWS new rows keeps the module path."""
+@pytest.mark.parametrize("invariant", [False, True])
+def test_wide_steps_take_the_one_call_where_every_layer_takes_the_kernel(tmp_path, invariant):
+    """20 requests at once: decode steps of 20 rows and whole 12-token prompts in one C call, with the module path's
+    bits. int4 layers take the kernel at any width, up to the rows from which an AMX CPU's bf16 copies serve."""
     hf = write_model_dir(tmp_path, "llama", seed=3)
-    llm = make_llm(tmp_path, "int4", max_num_batched_tokens=32, **model)
+    llm = make_llm(tmp_path, "int4", max_num_batched_tokens=32, batch_invariant=invariant)
     step = llm.engine.runner.cpu_step
-    assert (step.max_rows, step.max_query) == (WIDE_ROWS, max_query)
+    bf16_copies = any(getattr(m, "bf16", None) is not None for m in llm.engine.runner.model.modules())
+    assert bf16_copies == (not invariant and cpu_has_bf16_matmul())
+    assert step.max_rows == (BF16_ROWS - 1 if bf16_copies else WIDE_ROWS)
     seen = []
     run = step.run
     step.run = lambda fb: seen.append((fb.num_tokens, max(fb.query_lens))) or run(fb)
@@ -82,7 +83,7 @@ def test_wide_steps_take_the_one_call_where_every_layer_takes_the_kernel(tmp_pat
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)  # all 20 decode at once
     fused = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert 20 in [rows for rows, query in seen if query == 1]
-    assert max(query for _, query in seen) == 12 if max_query == WIDE_ROWS else max(q for _, q in seen) <= MAX_ROWS
+    assert max(query for _, query in seen) == 12
     llm.engine.runner.cpu_step = None
     modules = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in fused] == \

@@ -12,15 +12,17 @@ pages and calls SDPA with a mask:
 The rows of each group, the pages to gather and the masks depend only on the batch: the first layer
 of a forward builds them (a `_Plan`) and every other layer reuses them.
 
-On a float32, float16 or fp8 CPU cache banyan's fused kernel (banyan/kernels/cpu_decode.c) takes the rows of requests with
-at most KERNEL_QUERY new rows instead: it reads each key where it lies in its page, no gather, no mask, no
-padding. Gathering and SDPA cost more per call than a decode row's whole attention at these sizes.
+On a float32, float16 or fp8 CPU cache banyan's fused kernel (banyan/kernels/cpu_decode.c) takes every row instead:
+it reads each key where it lies in its page (a prefill chunk's gathered a block at a time), no mask, no padding.
+Gathering and SDPA cost more per call than a decode row's whole attention, and on prefill chunks SDPA with a mask was
+slower too (AMX Xeon, 2 threads, the default model, prefill alone: 16 x 128 tokens 0.68 s through SDPA against 0.52 s,
+4 x 512 0.97 against 0.78, 1 x 2,000 2.05 against 1.73); it once took only requests of a few new rows.
 
 SDPA's blocking follows the shapes, so a row's output moves in its last bits with the padding and the
-number of sequences beside it. With `fixed_order` (banyan's CPU kernels, set for batch-invariant mode)
-every row attends over the positions it sees in position order instead (the fused kernel; over a cache it
-does not read, bfloat16, cpu_attention.c on gathered pages): the same bits alone, in a batch, in a prefill
-chunk or in a decode step.
+number of sequences beside it. The fused kernel attends each row over the positions it sees in position order, and
+so does `fixed_order` (banyan's CPU kernels, set for batch-invariant mode) over a cache the fused kernel does not
+read (bfloat16: cpu_attention.c on gathered pages): the same bits alone, in a batch, in a prefill chunk or in a
+decode step.
 """
 
 from __future__ import annotations
@@ -38,9 +40,6 @@ from banyan.forward_batch import ForwardBatch
 
 SHORT_QUERY = 32
 """Chunks of at most this many rows share one padded group (padding costs less than a call per request)."""
-
-KERNEL_QUERY = 8
-"""Requests with at most this many new rows (decode, speculative verify) attend in the fused CPU kernel."""
 
 
 @dataclass
@@ -88,8 +87,7 @@ class TorchAttentionBackend(AttentionBackend):
             write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping, self.kv_scale)
         plan, kernels = self._plan, self._kernels(k_cache)
         if plan is None or not plan.fits(batch, sliding_window):
-            kernel_query = 0 if kernels is None else batch.max_query_len if self.fixed_order else KERNEL_QUERY
-            plan = self._plan = make_plan(batch, sliding_window, k_cache.shape[1], kernel_query)
+            plan = self._plan = make_plan(batch, sliding_window, k_cache.shape[1], fused=kernels is not None)
         if plan.paged is None and len(plan.groups) == 1 and plan.groups[0].rows is None:  # decode-only step
             return self._attend(plan.groups[0], q, k_cache, v_cache, scale)
         out = q.new_empty(q.shape)
@@ -117,13 +115,15 @@ class TorchAttentionBackend(AttentionBackend):
         return out.flatten(0, 1)
 
 
-def make_plan(batch: ForwardBatch, sliding_window: int | None, page_size: int, kernel_query: int = 0) -> _Plan:
-    """Requests of at most kernel_query rows to the fused kernel; of the rest, decode rows in one group, short
-    chunks in one padded group, each longer prefill chunk in its own."""
+def make_plan(batch: ForwardBatch, sliding_window: int | None, page_size: int, fused: bool = False) -> _Plan:
+    """fused: every row to the fused kernel; else decode rows in one group, short chunks in one padded group, each
+    longer prefill chunk in its own."""
     device = batch.block_tables.device
     starts = [0, *itertools.accumulate(batch.query_lens)]
-    paged = paged_rows(batch, starts, kernel_query) if kernel_query else None
-    decode = [i for i, n in enumerate(batch.query_lens) if n == 1 and not kernel_query]
+    if fused:
+        return _Plan(batch, sliding_window, list(batch.context_lens), list(batch.query_lens), [],
+                     paged_rows(batch, starts, batch.max_query_len))
+    decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
     groups = []
     if decode:
         every = len(decode) == batch.num_seqs
@@ -132,15 +132,15 @@ def make_plan(batch: ForwardBatch, sliding_window: int | None, page_size: int, k
         context_lens = [batch.context_lens[i] for i in decode]
         layout = paged_layout(tables, context_lens, [1] * len(decode), page_size, sliding_window)
         groups.append(_Group(rows, 1, *layout))
-    short = [i for i, n in enumerate(batch.query_lens) if max(1, kernel_query) < n <= SHORT_QUERY]
+    short = [i for i, n in enumerate(batch.query_lens) if 1 < n <= SHORT_QUERY]
     if short:
         groups.append(_padded_group(batch, short, starts, page_size, sliding_window))
     for i, n in enumerate(batch.query_lens):
-        if n > max(SHORT_QUERY, kernel_query):
+        if n > SHORT_QUERY:
             table, context_lens = batch.block_tables[i : i + 1], [batch.context_lens[i]]
             layout = paged_layout(table, context_lens, [n], page_size, sliding_window)
             groups.append(_Group(slice(starts[i], starts[i + 1]), n, *layout))
-    return _Plan(batch, sliding_window, list(batch.context_lens), list(batch.query_lens), groups, paged)
+    return _Plan(batch, sliding_window, list(batch.context_lens), list(batch.query_lens), groups)
 
 
 def paged_rows(batch: ForwardBatch, starts: list[int], kernel_query: int) -> cpu_decode.PagedRows | None:
