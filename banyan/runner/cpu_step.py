@@ -75,7 +75,7 @@ class CpuDecodeStep:
         """The final hidden states of the step's rows, [num_tokens, hidden], as CausalLM.forward computes them."""
         x = self.model.model.embed_tokens(fb.input_ids).contiguous()  # [num_tokens, hidden], a new tensor
         starts = [0, *itertools.accumulate(fb.query_lens)]  # the host copy: no read of query_start_loc
-        rows = paged_rows(fb, starts, fb.max_query_len)  # every row
+        rows = paged_rows(fb, starts)  # every row
         self._grow_scratch(fb.num_tokens)
         threads = torch.get_num_threads()
         room = cpu_decode.attention_scratch(threads, self.group, rows.max_keys)

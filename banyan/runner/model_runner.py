@@ -119,6 +119,8 @@ class ModelRunner:
             if method is not None:
                 quantize_linears(model, plan, wide_fp16=choice.mix_fp16, batch_invariant=self.batch_invariant,
                                  wide_bf16=amx and not self.batch_invariant)
+        if amx and not self.batch_invariant and self.attn.name == "torch":
+            self.attn.bf16_chunks = True  # wide prefill chunks attend in bf16 too (torch_backend.BF16_CHUNK_ROWS)
         compact = method in FILE_METHODS
         # Each tensor read straight onto the device in its stored dtype, copied into its parameter in the model's.
         if self.parallel is not None:

@@ -163,3 +163,38 @@ def test_one_plan_per_forward_serves_every_layer():
             alone = get_attention_backend("torch").forward(q_layer, k, v, k_layer, v_layer, batch, 0.5)
             assert torch.equal(out, alone)
         assert plans[0] is plans[1] is plans[2]
+
+
+def test_wide_chunks_over_long_contexts_attend_in_bf16_where_asked():
+    """bf16_chunks (AMX CPUs, batch invariance off): a chunk of BF16_CHUNK_ROWS+ rows over BF16_CHUNK_KEYS+ keys
+    goes to SDPA in bfloat16, alone; decode rows, narrower chunks and chunks over short contexts stay with the
+    fused kernel, their numbers unchanged."""
+    from banyan.layers.attention.torch_backend import BF16_CHUNK_KEYS, BF16_CHUNK_ROWS, TorchAttentionBackend, make_plan
+
+    specs = [(260, 1), (BF16_CHUNK_KEYS, BF16_CHUNK_ROWS), (100, BF16_CHUNK_ROWS - 1), (0, BF16_CHUNK_KEYS + 20),
+             (10, 60)]
+    rng, gen = random.Random(21), torch.Generator().manual_seed(21)
+    batch, k_cache, v_cache, q, k, v, full_kv = make_paged_batch(specs, page_size=16, num_kv_heads=2, num_heads=4,
+                                                                 rng=rng, gen=gen)
+    plan = make_plan(batch, None, 16, fused=True, bf16_chunks=True)
+    assert [(g.rows, g.dtype) for g in plan.groups] == [(slice(1, 1 + BF16_CHUNK_ROWS), torch.bfloat16),
+                                                         (slice(1 + 2 * BF16_CHUNK_ROWS - 1, 1 + 2 * BF16_CHUNK_ROWS
+                                                                - 1 + BF16_CHUNK_KEYS + 20), torch.bfloat16)]
+    assert len(plan.paged.rows) == 1 + BF16_CHUNK_ROWS - 1 + 60
+    assert make_plan(batch, None, 16, fused=True).groups == []  # not asked: the kernel takes every row
+
+    backend = TorchAttentionBackend()
+    backend.bf16_chunks = True
+    out = backend.forward(q, k, v, k_cache, v_cache, batch, HEAD_DIM**-0.5)
+    plain = TorchAttentionBackend().forward(q, k, v, k_cache.clone(), v_cache.clone(), batch, HEAD_DIM**-0.5)
+    start = 0
+    for i, ((_, new), (k_full, v_full)) in enumerate(zip(specs, full_kv)):
+        rows = slice(start, start + new)
+        expected = dense_reference(q[rows], k_full, v_full, HEAD_DIM**-0.5)
+        if i in (1, 3) and backend.kernels is not None:  # bf16: q, K and V rounded to 8 bits of mantissa
+            torch.testing.assert_close(out[rows], expected, atol=3e-2, rtol=3e-2)
+            assert not torch.equal(out[rows], plain[rows])
+        else:
+            torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
+            assert torch.equal(out[rows], plain[rows])
+        start += new

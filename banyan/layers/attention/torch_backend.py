@@ -16,7 +16,10 @@ On a float32, float16 or fp8 CPU cache banyan's fused kernel (banyan/kernels/cpu
 it reads each key where it lies in its page (a prefill chunk's gathered a block at a time), no mask, no padding.
 Gathering and SDPA cost more per call than a decode row's whole attention, and on prefill chunks SDPA with a mask was
 slower too (AMX Xeon, 2 threads, the default model, prefill alone: 16 x 128 tokens 0.68 s through SDPA against 0.52 s,
-4 x 512 0.97 against 0.78, 1 x 2,000 2.05 against 1.73); it once took only requests of a few new rows.
+4 x 512 0.97 against 0.78, 1 x 2,000 2.05 against 1.73); it once took only requests of a few new rows. On a CPU
+with AMX tiles and batch invariance off (`bf16_chunks`), a prefill chunk of BF16_CHUNK_ROWS or more rows over
+BF16_CHUNK_KEYS or more keys goes to SDPA in bfloat16 instead, as the bf16 weight copies serve such chunks' matmuls:
+oneDNN's tiles beat the kernel's float32 arithmetic there once a chunk is wide and its context long.
 
 SDPA's blocking follows the shapes, so a row's output moves in its last bits with the padding and the
 number of sequences beside it. The fused kernel attends each row over the positions it sees in position order, and
@@ -41,6 +44,13 @@ from banyan.forward_batch import ForwardBatch
 SHORT_QUERY = 32
 """Chunks of at most this many rows share one padded group (padding costs less than a call per request)."""
 
+BF16_CHUNK_ROWS, BF16_CHUNK_KEYS = 48, 256
+"""With `bf16_chunks`, a chunk of at least this many rows over at least this many keys attends through SDPA in
+bfloat16 (q, K and V rounded to it; float32 sums). One layer's attention on an AMX Xeon, 2 threads, the default
+model's heads, float16 pages, SDPA's time including the gather (rows x keys: the fused kernel / SDPA-bf16):
+128 x 1,400 2.06, 64 x 800 1.83, 48 x 800 1.22, 33 x 1,400 1.03, 16 x 1,400 0.65, 128 x 256 1.53, 128 x 128 0.77,
+512 x 512 1.84, 2,000 x 2,000 1.98."""
+
 
 @dataclass
 class _Group:
@@ -52,6 +62,7 @@ class _Group:
     mask: torch.Tensor  # [num_seqs, 1, max_query_len, max_ctx] bool
     keep: torch.Tensor | None = None  # padded: which of the group's output rows are real (in q's order)
     out_rows: torch.Tensor | slice | None = None  # padded: where those real rows go in the output
+    dtype: torch.dtype | None = None  # what SDPA computes in (None: q's)
 
 
 @dataclass
@@ -80,6 +91,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.kernels = cpu_decode.kernels_for(torch.device("cpu"), torch.float32) if fused else None  # None: SDPA
         self._plan: _Plan | None = None  # the forward in progress, built by its first layer
         self.fixed_order = None  # banyan's CPU kernels (cpu_gemv.load()) in batch-invariant mode, else SDPA
+        self.bf16_chunks = False  # AMX tiles, batch invariance off: wide prefill chunks through SDPA in bf16
 
     def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float, sliding_window=None,
                 kv_stored=False):
@@ -87,7 +99,8 @@ class TorchAttentionBackend(AttentionBackend):
             write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping, self.kv_scale)
         plan, kernels = self._plan, self._kernels(k_cache)
         if plan is None or not plan.fits(batch, sliding_window):
-            plan = self._plan = make_plan(batch, sliding_window, k_cache.shape[1], fused=kernels is not None)
+            plan = self._plan = make_plan(batch, sliding_window, k_cache.shape[1], fused=kernels is not None,
+                                          bf16_chunks=self.bf16_chunks and self.fixed_order is None)
         if plan.paged is None and len(plan.groups) == 1 and plan.groups[0].rows is None:  # decode-only step
             return self._attend(plan.groups[0], q, k_cache, v_cache, scale)
         out = q.new_empty(q.shape)
@@ -111,18 +124,25 @@ class TorchAttentionBackend(AttentionBackend):
         """The group's output rows: [rows, num_heads, head_dim]."""
         rows = q if group.rows is None else q[group.rows]
         padded = rows.unflatten(0, (-1, group.max_query_len))  # [num_seqs, max_query_len, heads, dim]
+        if group.dtype is not None:
+            padded = padded.to(group.dtype)
         out = attend_pages(padded, k_cache, v_cache, group.pages, group.mask, scale, self.kv_scale, self.fixed_order)
-        return out.flatten(0, 1)
+        return out.flatten(0, 1).to(q.dtype)
 
 
-def make_plan(batch: ForwardBatch, sliding_window: int | None, page_size: int, fused: bool = False) -> _Plan:
-    """fused: every row to the fused kernel; else decode rows in one group, short chunks in one padded group, each
-    longer prefill chunk in its own."""
+def make_plan(batch: ForwardBatch, sliding_window: int | None, page_size: int, fused: bool = False,
+              bf16_chunks: bool = False) -> _Plan:
+    """fused: every row to the fused kernel, but with bf16_chunks each wide chunk over a long context (BF16_CHUNK_ROWS,
+    BF16_CHUNK_KEYS) in its own group in bfloat16; else decode rows in one group, short chunks in one padded group,
+    each longer prefill chunk in its own."""
     device = batch.block_tables.device
     starts = [0, *itertools.accumulate(batch.query_lens)]
     if fused:
-        return _Plan(batch, sliding_window, list(batch.context_lens), list(batch.query_lens), [],
-                     paged_rows(batch, starts, batch.max_query_len))
+        wide = [i for i, (n, ctx) in enumerate(zip(batch.query_lens, batch.context_lens))
+                if bf16_chunks and n >= BF16_CHUNK_ROWS and ctx >= BF16_CHUNK_KEYS]
+        groups = [_chunk_group(batch, i, starts, page_size, sliding_window, torch.bfloat16) for i in wide]
+        return _Plan(batch, sliding_window, list(batch.context_lens), list(batch.query_lens), groups,
+                     paged_rows(batch, starts, skip=set(wide)))
     decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
     groups = []
     if decode:
@@ -135,20 +155,25 @@ def make_plan(batch: ForwardBatch, sliding_window: int | None, page_size: int, f
     short = [i for i, n in enumerate(batch.query_lens) if 1 < n <= SHORT_QUERY]
     if short:
         groups.append(_padded_group(batch, short, starts, page_size, sliding_window))
-    for i, n in enumerate(batch.query_lens):
-        if n > SHORT_QUERY:
-            table, context_lens = batch.block_tables[i : i + 1], [batch.context_lens[i]]
-            layout = paged_layout(table, context_lens, [n], page_size, sliding_window)
-            groups.append(_Group(slice(starts[i], starts[i + 1]), n, *layout))
+    groups += [_chunk_group(batch, i, starts, page_size, sliding_window) for i, n in enumerate(batch.query_lens)
+               if n > SHORT_QUERY]
     return _Plan(batch, sliding_window, list(batch.context_lens), list(batch.query_lens), groups)
 
 
-def paged_rows(batch: ForwardBatch, starts: list[int], kernel_query: int) -> cpu_decode.PagedRows | None:
-    """The rows of requests with at most kernel_query new rows; request i's j-th new row is at position
+def _chunk_group(batch: ForwardBatch, i: int, starts: list[int], page_size: int, sliding_window: int | None,
+                 dtype: torch.dtype | None = None) -> _Group:
+    """Request i's prefill chunk alone."""
+    table, n = batch.block_tables[i : i + 1], batch.query_lens[i]
+    layout = paged_layout(table, [batch.context_lens[i]], [n], page_size, sliding_window)
+    return _Group(slice(starts[i], starts[i + 1]), n, *layout, dtype=dtype)
+
+
+def paged_rows(batch: ForwardBatch, starts: list[int], skip: set[int] = frozenset()) -> cpu_decode.PagedRows | None:
+    """The rows of every request but those in skip; request i's j-th new row is at position
     context_lens[i] - query_lens[i] + j."""
     rows, seqs, positions = [], [], []
     for i, (n, ctx) in enumerate(zip(batch.query_lens, batch.context_lens)):
-        if n <= kernel_query:
+        if i not in skip:
             rows += range(starts[i], starts[i] + n)
             seqs += [i] * n
             positions += range(ctx - n, ctx)
