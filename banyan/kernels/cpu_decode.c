@@ -6,7 +6,7 @@
  *     rms_norm         s = x + residual (optional), y = (s / sqrt(mean(s^2) + eps)) * w
  *     rope_store_kv    q, k rotated in place (neox rotate_half), k and v written to their cache slot
  *     paged_attention  each row over the keys it sees, from the pages where they lie
- *     silu_mul         y = silu(gate) * up, gate and up the halves of one row
+ *     silu_mul         y = silu(gate) * up, gate and up the halves of one row (float32, or bf16: silu_mul_bf16)
  *
  * The KV cache is float32 or float16 (KV_F16), and attention also reads fp8 (KV_FP8: float8_e4m3fn holding K/V
  * divided by a scale; torch writes it): a decode row's attention reads every key and value of its context once,
@@ -658,17 +658,40 @@ void paged_attention(const float *q, int q_stride, const void *k_cache, const vo
                      window, s, kv_scale, out, scratch, max_keys, threads, KV_F32);
 }
 
-/* y [rows, n] = silu(x[:, :n]) * x[:, n:] for x [rows, 2n], silu(g) = g / (1 + e^-g). n a multiple of 8. */
-void silu_mul(const float *x, float *y, int rows, int n, int threads) {
+/* Eight bf16 values from p on, widened to float32 (exactly: bf16 is float32's upper half). */
+static inline __m256 load_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* Eight float32 values rounded to bf16 as torch rounds them (to nearest, ties to even; a NaN stays a quiet NaN). */
+static inline void store_bf16(uint16_t *p, __m256 v) {
+    __m256i b = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    b = _mm256_blendv_epi8(b, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+
+/* y [rows, n] = silu(x[:, :n]) * x[:, n:] for x [rows, 2n], silu(g) = g / (1 + e^-g), n a multiple of 8; float32, or
+ * bf16 rows (bf16: const where inlined; the MLP's middle where its matmuls run on bf16 weight copies, AMX prefill),
+ * each value widened, the same float32 math, the product rounded to bf16 once. */
+static inline __attribute__((always_inline)) void silu_mul_rows(const void *x, void *y, int rows, int n, int threads,
+                                                                const int bf16) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 8)
     for (int r = 0; r < rows; r++) {
-        const float *g = x + (size_t)r * 2 * n, *u = g + n;
-        float *yr = y + (size_t)r * n;
         for (int i = 0; i < n; i += 8) {
-            __m256 gi = _mm256_loadu_ps(g + i);
-            __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gi));
-            __m256 silu = _mm256_div_ps(gi, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-            _mm256_storeu_ps(yr + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+            const size_t at = (size_t)r * 2 * n + i;
+            const __m256 g = bf16 ? load_bf16((const uint16_t *)x + at) : _mm256_loadu_ps((const float *)x + at);
+            const __m256 u = bf16 ? load_bf16((const uint16_t *)x + at + n) : _mm256_loadu_ps((const float *)x + at + n);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+            const __m256 product = _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+            if (bf16) store_bf16((uint16_t *)y + (size_t)r * n + i, product);
+            else _mm256_storeu_ps((float *)y + (size_t)r * n + i, product);
         }
     }
+}
+
+void silu_mul(const float *x, float *y, int rows, int n, int threads) { silu_mul_rows(x, y, rows, n, threads, 0); }
+void silu_mul_bf16(const uint16_t *x, uint16_t *y, int rows, int n, int threads) {
+    silu_mul_rows(x, y, rows, n, threads, 1);
 }

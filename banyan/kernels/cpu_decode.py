@@ -42,8 +42,8 @@ class DecodeKernels:
         lib.rms_norm.argtypes = [p, p, p, p, p, i, i, f, i]
         lib.rope_store_kv.argtypes = [p, i, p, i, p, i, p, p, p, i, p, p, p, i, i, i, i, i, i]
         lib.paged_attention.argtypes = [p, i, p, p, p, i, p, p, p, p, i, i, i, i, i, i, f, p, p, i, i, f, i]
-        lib.silu_mul.argtypes = [p, p, i, i, i]
-        lib.rms_norm.restype = lib.paged_attention.restype = lib.silu_mul.restype = None
+        lib.silu_mul.argtypes = lib.silu_mul_bf16.argtypes = [p, p, i, i, i]
+        lib.rms_norm.restype = lib.paged_attention.restype = lib.silu_mul.restype = lib.silu_mul_bf16.restype = None
         lib.rope_store_kv.restype = ctypes.c_int
         self._lib = lib
 
@@ -96,10 +96,11 @@ class DecodeKernels:
             rows.scratch.data_ptr(), rows.max_keys, kv_kind(k_cache, KV_DTYPES), kv_scale, threads)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up [..., 2n] -> silu(gate) * up, [..., n]."""
+        """gate_up [..., 2n] -> silu(gate) * up, [..., n]; float32, or bfloat16 (computed in float32, rounded once)."""
         n = gate_up.shape[-1] // 2
         y = gate_up.new_empty(*gate_up.shape[:-1], n)
-        self._lib.silu_mul(gate_up.data_ptr(), y.data_ptr(), gate_up.numel() // (2 * n), n, torch.get_num_threads())
+        call = self._lib.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else self._lib.silu_mul
+        call(gate_up.data_ptr(), y.data_ptr(), gate_up.numel() // (2 * n), n, torch.get_num_threads())
         return y
 
 

@@ -23,14 +23,14 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def gated_activation(name: str, size: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """[..., 2 size] (gate, up) -> act(gate) * up [..., size]: for SiLU on a float32 CPU model one call of
-    banyan's fused kernel (banyan/kernels/cpu_decode.c), else torch's ops."""
+    banyan's fused kernel (banyan/kernels/cpu_decode.c; bf16 rows too, an AMX prefill's), else torch's ops."""
     act = get_activation(name)
     kernels = cpu_decode.kernels_for(torch.get_default_device(), torch.get_default_dtype())
     if act is not F.silu or kernels is None or size % 8:
         return lambda gate_up: _act_mul(act, gate_up)
 
     def fused(gate_up: torch.Tensor) -> torch.Tensor:
-        if gate_up.dtype is torch.float32 and gate_up.is_cpu and gate_up.is_contiguous():
+        if gate_up.dtype in (torch.float32, torch.bfloat16) and gate_up.is_cpu and gate_up.is_contiguous():
             return kernels.silu_mul(gate_up)
         return _act_mul(act, gate_up)
 

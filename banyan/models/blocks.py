@@ -97,7 +97,19 @@ class GatedMLP(nn.Module):
         self.act_mul = gated_activation(hidden_act, intermediate_size)  # [n, 2 inter] -> act(gate) * up [n, inter]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _through_bf16(x, self.gate_up_proj, self.down_proj):  # AMX prefill: the wide middle stays bf16
+            return self.down_proj(self.act_mul(self.gate_up_proj(x.to(torch.bfloat16)))).to(x.dtype)
         return self.down_proj(self.act_mul(self.gate_up_proj(x)))
+
+
+def _through_bf16(x: torch.Tensor, *linears: nn.Module) -> bool:
+    """Whether every one of these linears computes x's rows on a bf16 copy of its weight (banyan's int8/int4 layers
+    on CPUs with AMX tiles, prefill): what passes between them may then stay bf16, which their bf16 GEMMs round it to
+    anyway, instead of widening to float32 and rounding back (the conversions were 31% of a 16 x 128 prefill's torch
+    time, most of them the MLP's [rows, 2 x intermediate] and [rows, intermediate])."""
+    rows = x.numel() // x.shape[-1]
+    return x.dtype == torch.float32 and all(getattr(m, "serves_bf16", None) is not None and m.serves_bf16(rows)
+                                            for m in linears)
 
 
 class DecoderLayer(nn.Module):

@@ -162,6 +162,11 @@ class QuantizedLinear(nn.Module):
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def serves_bf16(self, rows: int) -> bool:
+        """Whether a call of `rows` rows takes the bf16 copy (AMX prefill), which then takes bf16 x as it is and
+        returns bf16 (the output follows x's dtype)."""
+        return self.bf16 is not None and rows >= BF16_ROWS and self.input_order is None
+
     def narrow_operands(self) -> tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
         """(kind, weight, scale, offset) as the narrow kernel reads them, where it serves up to max_rows rows of x
         and the inputs keep their order (callers running the kernel themselves, banyan/runner/cpu_step.py); else

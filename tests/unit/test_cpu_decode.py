@@ -54,6 +54,22 @@ def test_silu_mul_at_the_extremes():
     torch.testing.assert_close(KERNELS.silu_mul(gate_up)[0], F.silu(gate) * 3.0)
 
 
+@needs_kernels
+def test_silu_mul_on_bf16_rows_rounds_once_as_torch_does():
+    """bf16 in, bf16 out (an AMX prefill's MLP middle): silu(g) * u in float32, rounded to nearest even; exp8's 2e-7
+    may move a product across a rounding boundary, one bf16 step at most; inf and NaN stay what they are."""
+    gate_up = (torch.randn(37, 2 * 1536, generator=torch.Generator().manual_seed(3)) * 6).bfloat16()
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    out, expected = KERNELS.silu_mul(gate_up), (F.silu(gate) * up).bfloat16()
+    assert out.dtype == torch.bfloat16 and out.shape == (37, 1536)
+    steps = (out.view(torch.int16).int() - expected.view(torch.int16).int()).abs()
+    assert steps.max() <= 1 and (steps == 0).float().mean() > 0.999
+    special = torch.tensor([[1.0, 2.0, -3.0, 0.5, 0.0, 1.0, 4.0, -2.0,
+                             float("inf"), float("nan"), 1.0, 2.0, 0.0, -1.0, 3.0, 1e30]]).bfloat16()
+    got = KERNELS.silu_mul(special)[0].float()
+    assert got[0] == float("inf") and got[1].isnan() and got[4] == 0.0 and got[7].isfinite()
+
+
 def qkv_rows(tokens, heads, kv_heads, dim, gen):
     """One qkv output [tokens, (heads + 2 kv_heads) * dim] and its q, k, v views, as RopeAttention splits it."""
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)

@@ -189,6 +189,30 @@ def test_an_amx_cpus_layer_takes_prefill_sized_calls_in_bf16_and_decode_through_
 
 
 @needs_gemv
+def test_a_gated_mlp_on_bf16_copies_keeps_its_middle_in_bf16():
+    """Where gate_up and down both take a call on their bf16 copies (AMX prefill), the [rows, 2 x intermediate] and
+    [rows, intermediate] between them stay bf16, which the bf16 GEMMs round them to anyway: the same numbers as the
+    float32 round trip but the silu_mul product's one rounding; fewer rows, or a layer without a copy, as before."""
+    from banyan.models.blocks import GatedMLP
+
+    gen = torch.Generator().manual_seed(4)
+    w_gate_up, w_down = torch.randn(2 * 64, 256, generator=gen) / 16, torch.randn(256, 64, generator=gen) / 8
+    mlp = GatedMLP(256, 64)
+    mlp.gate_up_proj, mlp.down_proj = _layer(INT8, w_gate_up, wide_bf16=True), _layer(INT8, w_down, wide_bf16=True)
+    wide, narrow = torch.randn(BF16_ROWS, 256, generator=gen), torch.randn(BF16_ROWS - 1, 256, generator=gen)
+    middle = F.linear(wide.bfloat16(), mlp.gate_up_proj.bf16)
+    gate, up = middle.float().chunk(2, dim=-1)
+    expected = F.linear((F.silu(gate) * up).bfloat16(), mlp.down_proj.bf16).float()
+    out = mlp(wide)
+    assert out.dtype == torch.float32 and torch.allclose(out, expected, rtol=2e-2, atol=2e-3)
+    round_trip = mlp.down_proj(mlp.act_mul(mlp.gate_up_proj(wide)))  # float32 between the two: the old path
+    assert relative_error(out, round_trip) < 1e-2
+    assert torch.equal(mlp(narrow), mlp.down_proj(mlp.act_mul(mlp.gate_up_proj(narrow))))
+    mlp.down_proj = _layer(INT8, w_down)  # no copy: float32 between them
+    assert torch.equal(mlp(wide), mlp.down_proj(mlp.act_mul(mlp.gate_up_proj(wide))))
+
+
+@needs_gemv
 @pytest.mark.parametrize("fmt", [INT8, WeightFormat("int4", 32), WeightFormat("fp16")])
 def test_batch_invariant_layers_give_each_row_its_bits_alone(weight_and_input, fmt):
     """batch_invariant: every row through banyan's kernel, 40 rows at once bit for bit as one at a time (torch's
