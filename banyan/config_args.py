@@ -25,6 +25,7 @@ import typing
 from typing import Any
 
 from banyan.config import EngineConfig
+from banyan.errors import InvalidParameterError
 from banyan.spec.config import SpeculativeConfig
 
 RENAMED = {"policy": "scheduling_policy"}  # field -> vLLM's name (its flag keeps the field's name too)
@@ -68,9 +69,19 @@ def config_from_kwargs(kwargs: dict[str, Any], caller: str = "LLM()") -> EngineC
     parts: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
     for name, value in kwargs.items():
         if name not in OBJECT_SETTINGS:
-            parts[SETTINGS[name].section][SETTINGS[name].field] = value
+            parts[SETTINGS[name].section][SETTINGS[name].field] = _size_from_text(name, value)
     sections = {section: cls(**parts[section]) for section, cls in SECTIONS.items()}
     return EngineConfig(**sections, **_object_sections(kwargs))
+
+
+def _size_from_text(name: str, value: Any) -> Any:
+    """A size setting given as text in Python ("4GiB"), as its flag takes it; a bad one names the setting."""
+    if name not in SIZES or not isinstance(value, str):
+        return value
+    try:
+        return parse_size(value)
+    except argparse.ArgumentTypeError as error:
+        raise InvalidParameterError(name, str(error)) from None
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -42,6 +42,14 @@ def test_an_unknown_keyword_is_a_type_error_naming_it():
         LLM("unused", data_parallel_size=2)
 
 
+def test_sizes_take_the_same_text_from_python_as_on_the_command_line():
+    assert config_from_kwargs({"model": "m", "kv_cache_memory": "128MiB"}).cache.kv_cache_memory == 128 << 20
+    assert config_from_kwargs({"kv_cache_memory": "1GB"}).cache.kv_cache_memory == 1_000_000_000
+    assert config_from_kwargs({"kv_cache_memory": 4096}).cache.kv_cache_memory == 4096
+    with pytest.raises(InvalidParameterError, match="kv_cache_memory: not a size: 'lots'"):
+        config_from_kwargs({"kv_cache_memory": "lots"})
+
+
 def test_flags_and_keywords_build_the_same_config():
     args = parse("--model", "m", "--max-model-len", "64", "--kv-cache-memory", "1MiB", "--no-enable-prefix-caching",
                  "--policy", "priority", "--structured-outputs-config", '{"disable_any_whitespace": false}',
