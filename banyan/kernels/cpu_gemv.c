@@ -71,9 +71,25 @@ static void quantize_rows(const float *x, int8_t *q, float *scale, float *sum, i
     }
 }
 
-/* Rows of x a weight group's (unpacked) blocks serve at once, and rows of x (as int8) a pass over the weights
- * keeps in cache: wide calls go through the weights once per PASS_BYTES of x. */
+/* Rows of x a weight group's (unpacked) blocks serve at once (TILE_ROWS), rows of x from which row groups go in pairs
+ * (PAIR_ROWS, see int4_tile16), how far ahead of its block a tile prefetches the weights (PREFETCH_AHEAD bytes; int8's
+ * tiles too where INT8_PREFETCH), and rows of x (as int8) a pass over the weights keeps in cache: wide calls go
+ * through the weights once per PASS_BYTES of x. Each build as measured on its CPUs (docs/quantization.md). Intel
+ * cores with AMX run 512-bit dot products at full rate and read the weights from a large L3 with a long latency: 8
+ * rows a tile (32 vector registers hold them), pairs from 2 rows and prefetches 4 KiB ahead took the default model's
+ * matmuls for 6 rows (a verify pass) 1.4-1.6x and for 1 row 1.05-1.2x faster there. On the Zen 4 two row groups a
+ * vector were 6-11% slower than one for 1-4 rows (30 layers' weights, 2 threads); AVX2 has 16 vector registers. */
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define TILE_ROWS 8
+#define PAIR_ROWS 2
+#define PREFETCH_AHEAD 4096
+#define INT8_PREFETCH 1
+#else
 #define TILE_ROWS 4
+#define PAIR_ROWS 8
+#define PREFETCH_AHEAD 512
+#define INT8_PREFETCH 0
+#endif
 #define PASS_BYTES (96 * 1024)
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -119,8 +135,8 @@ static inline __attribute__((always_inline)) void int4_tile(const int R, const u
         const __m256 sg = _mm256_loadu_ps(s8 + 8 * g);
         for (int j = 0; j < per_group; j++, b++) {
             const uint8_t *block = wp + (size_t)b * 128;
-            _mm_prefetch((const char *)(block + 512), _MM_HINT_T0);  /* four blocks ahead */
-            _mm_prefetch((const char *)(block + 576), _MM_HINT_T0);
+            _mm_prefetch((const char *)(block + PREFETCH_AHEAD), _MM_HINT_T0);
+            _mm_prefetch((const char *)(block + PREFETCH_AHEAD + 64), _MM_HINT_T0);
             __m256i w[8];
             for (int t = 0; t < 4; t++) {
                 const __m256i bytes = _mm256_loadu_si256((const __m256i *)(block + 32 * t));
@@ -181,10 +197,10 @@ static inline __attribute__((always_inline)) void int4_tile16(const int R, const
         const __m512 sg = load_pair_ps(s8 + 8 * g, s1 + 8 * g);
         for (int j = 0; j < per_group; j++, b++) {
             const uint8_t *b0 = wp + (size_t)b * 128, *b1 = wp1 + (size_t)b * 128;
-            _mm_prefetch((const char *)(b0 + 512), _MM_HINT_T0);  /* four blocks ahead */
-            _mm_prefetch((const char *)(b0 + 576), _MM_HINT_T0);
-            _mm_prefetch((const char *)(b1 + 512), _MM_HINT_T0);
-            _mm_prefetch((const char *)(b1 + 576), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b0 + PREFETCH_AHEAD), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b0 + PREFETCH_AHEAD + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b1 + PREFETCH_AHEAD), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b1 + PREFETCH_AHEAD + 64), _MM_HINT_T0);
             __m512i w[8];
             for (int t = 0; t < 4; t++) {
                 const __m512i bytes = load_pair_si(b0 + 32 * t, b1 + 32 * t);
@@ -211,18 +227,24 @@ static inline __attribute__((always_inline)) void int4_tile16(const int R, const
 #else
 #define PAIRS 0
 #endif
-/* Rows of x from which row groups go in pairs. Below, a call is bound by streaming the weights from memory, and two
- * streams a thread measured 6-11% slower than one (1-4 rows, 30 layers' weights, 2 threads on the Zen 4). */
-#define PAIR_ROWS 8
-
 /* A tile of R rows of x (at most TILE_ROWS) against one row group (int4_tile, int8_tile) or two (the *_tile16). */
 #define TILE_CALL(TILE, ...)                                                                                       \
     switch (R) {                                                                                                   \
         case 1: TILE(1, __VA_ARGS__); break;                                                                       \
         case 2: TILE(2, __VA_ARGS__); break;                                                                       \
         case 3: TILE(3, __VA_ARGS__); break;                                                                       \
+        WIDE_TILE_CASES(TILE, __VA_ARGS__)                                                                         \
         default: TILE(TILE_ROWS, __VA_ARGS__); break;                                                              \
     }
+#if TILE_ROWS == 8
+#define WIDE_TILE_CASES(TILE, ...)                                                                                 \
+    case 4: TILE(4, __VA_ARGS__); break;                                                                           \
+    case 5: TILE(5, __VA_ARGS__); break;                                                                           \
+    case 6: TILE(6, __VA_ARGS__); break;                                                                           \
+    case 7: TILE(7, __VA_ARGS__); break;
+#else
+#define WIDE_TILE_CASES(TILE, ...)
+#endif
 
 /* Rows [begin, end) of x as int8 blocks (quantize_rows), their block sums summed per group when a group spans
  * several blocks (in place: row m keeps its stride of `blocks`). */
@@ -309,6 +331,12 @@ static inline __attribute__((always_inline)) void int8_tile16(const int R, const
     for (int b = 0; b < blocks; b++) {
         const uint8_t *b0 = wp + (size_t)b * 256, *b1 = wp1 + (size_t)b * 256;
         __m512i w[8];
+#if INT8_PREFETCH
+        for (int line = 0; line < 256; line += 64) {
+            _mm_prefetch((const char *)(b0 + PREFETCH_AHEAD + line), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b1 + PREFETCH_AHEAD + line), _MM_HINT_T0);
+        }
+#endif
         for (int c = 0; c < 8; c++) w[c] = load_pair_si(b0 + 32 * c, b1 + 32 * c);
         for (int r = 0; r < R; r++) {
             const int32_t *x4 = (const int32_t *)(xq + (size_t)r * K + 32 * b);
