@@ -42,8 +42,10 @@ PAGE, KV_HEADS, HEAD_DIM, HEADS, LAYERS = 16, 3, 64, 9, 30
 
 
 def build(source: str, out: Path) -> cpu_decode.DecodeKernels:
-    """Compiled as banyan compiles it on this CPU (with the AVX-512 flags where it has VNNI: 32 vector registers)."""
-    isa = "avx512_vnni" if "avx512_vnni" in cpu_flags() else "avx2"
+    """Compiled as banyan compiles it on this CPU (cpu_gemv.load's choice: the AMX build where the CPU has AMX, the
+    AVX-512 flags where it has VNNI: 32 vector registers)."""
+    flags = cpu_flags()
+    isa = "amx" if "amx_int8" in flags else "avx512_vnni" if "avx512_vnni" in flags else "avx2"
     subprocess.run(["cc", *cpu_gemv.FLAGS, *cpu_gemv.ISA_FLAGS[isa], source, "-o", str(out), "-lm"], check=True)
     return cpu_decode.DecodeKernels(ctypes.CDLL(str(out)))
 

@@ -60,6 +60,17 @@ static inline __attribute__((always_inline)) void prefetch_kv(const void *cache,
 
 #define PREFETCH_KEYS 64 /* how far ahead a decode row fetches its K rows (32 and 128 measured no better) */
 
+/* What a row reading in place fetches ahead of a key. 1: the first KV head's item every head's part of the key's row
+ * (one run of memory: the next heads find theirs in cache), the others their own; measured faster on a Zen 4
+ * (82b53a4). 0: each head its own; on an Intel Xeon with AMX (one build per ISA: this is that build) the whole rows
+ * tied up its miss buffers, a third of the kernel's samples sat on prefetch instructions, and each head its own was
+ * 1.08-1.18x faster in every decode case of benchmarks/paged_attention_ab.py (2 threads, 2026-12-04). */
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define FETCH_WHOLE_ROWS 0
+#else
+#define FETCH_WHOLE_ROWS 1
+#endif
+
 /* exp on 8 lanes: e^x = 2^n e^r with n = round(x log2 e), |r| <= ln2/2, e^r by a degree-6 polynomial (the
  * Cephes coefficients); relative error about 2e-7. Inputs are clamped to +-88.37 (float's range). */
 static inline __m256 exp8(__m256 x) {
@@ -595,13 +606,12 @@ static inline __attribute__((always_inline)) void attend_pages(
             }
             const size_t token = (size_t)KVH * D, head_at = (size_t)kh * D;  /* this KV head's elements in a token's row */
             float *p = scratch + (size_t)omp_get_thread_num() * (Q_TILE * group + 1) * max_keys;  /* [t][g][span] */
-            /* what a row reading in place fetches ahead of a key: the first KV head every head's row of it (one run of
-             * memory: the next heads find theirs in cache), the others their own */
+            /* what a row reading in place fetches ahead of a key (FETCH_WHOLE_ROWS) */
             const Tile w = {.q = q + head_at * group, .out = out + head_at * group, .k_cache = k_cache, .v_cache = v_cache,
                             .rows = rows + i0, .positions = positions + i0, .first = first, .q_stride = q_stride,
                             .out_stride = H * D, .group = group, .D = D, .base = base, .max_keys = max_keys,
-                            .token = token, .head_at = head_at, .fetch_at = kh == 0 ? 0 : head_at,
-                            .fetch_width = kh == 0 ? token : (size_t)D, .scale = scale, .p = p,
+                            .token = token, .head_at = head_at, .fetch_at = FETCH_WHOLE_ROWS && kh == 0 ? 0 : head_at,
+                            .fetch_width = FETCH_WHOLE_ROWS && kh == 0 ? token : (size_t)D, .scale = scale, .p = p,
                             .slot = (uint32_t *)(p + (size_t)Q_TILE * group * max_keys)};
             /* keys [0, common) of the span: every row's, from the first row's table; read once for the tile's rows,
              * gathered (a decode row alone reads its keys in place: gathering would cost it more than it saves) */
