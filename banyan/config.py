@@ -175,6 +175,8 @@ class ModelConfig:
         length = self.max_model_len
         if isinstance(length, str) and length != "auto" or isinstance(length, int) and length < 1:
             raise InvalidParameterError("max_model_len", f"must be a positive number of tokens or auto, got {length!r}")
+        if self.num_threads is not None and self.num_threads < 0:  # 0 and None: the default
+            raise InvalidParameterError("num_threads", f"must be a positive number of threads, got {self.num_threads}")
 
 
 @dataclass(frozen=True)
@@ -354,11 +356,9 @@ class EngineConfig:
 
 
 def default_num_threads() -> int:
-    """Cores this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # macOS
-        return max(1, os.cpu_count() or 1)
+    """Cores this process may run on (macOS has no affinity: its CPU count)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return max(1, len(affinity(0)) if affinity else os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)

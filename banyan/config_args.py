@@ -69,7 +69,7 @@ def config_from_kwargs(kwargs: dict[str, Any], caller: str = "LLM()") -> EngineC
     parts: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
     for name, value in kwargs.items():
         if name not in OBJECT_SETTINGS:
-            parts[SETTINGS[name].section][SETTINGS[name].field] = _size_from_text(name, value)
+            parts[SETTINGS[name].section][SETTINGS[name].field] = _checked(name, _size_from_text(name, value))
     sections = {section: cls(**parts[section]) for section, cls in SECTIONS.items()}
     return EngineConfig(**sections, **_object_sections(kwargs))
 
@@ -82,6 +82,28 @@ def _size_from_text(name: str, value: Any) -> Any:
         return parse_size(value)
     except argparse.ArgumentTypeError as error:
         raise InvalidParameterError(name, str(error)) from None
+
+
+KINDS = {bool: "True or False", int: "an integer", float: "a number", str: "a string", dict: "a JSON object"}
+
+
+def _checked(name: str, value: Any) -> Any:
+    """A setting's value if it has its field's type (X | None: None too; an int where a float goes), else a typed
+    error naming it: the flags parse text into these types, and from Python a wrong one failed deep in the engine
+    ('8' for max_num_seqs) or passed ('yes' for a bool)."""
+    setting = SETTINGS[name]
+    hint = typing.get_type_hints(SECTIONS[setting.section])[setting.field]
+    kinds = [typing.get_origin(arg) or arg for arg in typing.get_args(hint)] or [hint]
+    if value is None and type(None) in kinds or str in kinds and int in kinds:  # int | str: the field checks itself
+        return value
+    for kind in kinds:
+        if kind in KINDS and (isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+                              or kind is float and isinstance(value, int) and not isinstance(value, bool)):
+            return value
+    if not any(kind in KINDS for kind in kinds):
+        return value  # a type this check does not know (tuples of repeatable flags): the field checks it
+    wanted = " or ".join(KINDS[kind] for kind in kinds if kind in KINDS)
+    raise InvalidParameterError(name, f"must be {wanted}{' or None' if type(None) in kinds else ''}, got {value!r}")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -48,6 +49,27 @@ def test_sizes_take_the_same_text_from_python_as_on_the_command_line():
     assert config_from_kwargs({"kv_cache_memory": 4096}).cache.kv_cache_memory == 4096
     with pytest.raises(InvalidParameterError, match="kv_cache_memory: not a size: 'lots'"):
         config_from_kwargs({"kv_cache_memory": "lots"})
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("max_num_seqs", "8", "max_num_seqs: must be an integer, got '8'"),
+    ("max_num_seqs", 8.0, "max_num_seqs: must be an integer, got 8.0"),
+    ("enable_prefix_caching", "yes", "enable_prefix_caching: must be True or False, got 'yes'"),
+    ("seed", "x", "seed: must be an integer, got 'x'"),
+    ("kv_cache_memory", True, "kv_cache_memory: must be an integer or None, got True"),
+    ("gpu_memory_utilization", "0.5", "gpu_memory_utilization: must be a number, got '0.5'"),
+    ("num_threads", -2, "num_threads: must be a positive number of threads, got -2"),
+])
+def test_a_keyword_of_the_wrong_type_is_an_error_naming_it(name, value, message):
+    with pytest.raises(InvalidParameterError, match=re.escape(message)):
+        config_from_kwargs({"model": "m", name: value})
+
+
+def test_keywords_of_the_right_type_pass_as_they_are():
+    config = config_from_kwargs({"model": "m", "gpu_memory_utilization": 1, "max_model_len": "auto", "num_pages": None,
+                                 "enable_prefix_caching": False, "num_threads": 0})
+    assert config.cache.gpu_memory_utilization == 1 and config.model.max_model_len == "auto"
+    assert config.cache.enable_prefix_caching is False and config.model.num_threads == 0
 
 
 def test_flags_and_keywords_build_the_same_config():
