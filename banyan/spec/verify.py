@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from banyan.kernels.cpu_argmax import argmax_rows
 from banyan.layers.sampler import inverse_cdf
 
 
@@ -78,7 +79,7 @@ def verify(
     else:
         num_accepted, final = _reject(target_probs, draft_ids, draft_probs, valid, num_drafts, uniforms)
         if any_greedy:
-            greedy_accepted, greedy_final = _match(target_probs.argmax(dim=-1), draft_ids, valid)
+            greedy_accepted, greedy_final = _match(_argmax(target_probs), draft_ids, valid)
             num_accepted = torch.where(greedy_rows, greedy_accepted, num_accepted)
             final = torch.where(greedy_rows, greedy_final, final)
     rows = torch.cat([num_accepted[:, None], final[:, None], draft_ids.to(device)], dim=1)  # [B, 2 + K]
@@ -88,6 +89,13 @@ def verify(
         if row in states:
             generator.set_state(states[row][counts[row]])  # as if it had drawn a + 1 uniforms only
     return VerifyOutput(counts, [row[2 : 2 + row[0]] + [row[1]] for row in table])
+
+
+def _argmax(probs: torch.Tensor) -> torch.Tensor:
+    """probs.argmax(-1) of [B, K + 1, V], through banyan's CPU argmax where it serves (the sampler's: the same first
+    index of the max; torch took 186 us for 6 rows of a 49k vocabulary, banyan 18 us, beside a 5 ms verify step)."""
+    batch, width, vocab = probs.shape
+    return argmax_rows(probs.reshape(batch * width, vocab)).view(batch, width)
 
 
 def _read_list(tensor: torch.Tensor, what: str) -> list:
@@ -111,7 +119,7 @@ def draw_uniforms(batch: int, width: int, seeded: Sequence[tuple[int, torch.Gene
 
 def _target_tokens(probs: torch.Tensor, uniforms: torch.Tensor | None, greedy: torch.Tensor) -> torch.Tensor:
     """x_j per request and position [B, K + 1]: argmax p_j for greedy rows, a draw from p_j with u_j for the rest."""
-    argmax = probs.argmax(dim=-1)
+    argmax = _argmax(probs)
     if uniforms is None:
         return argmax
     batch, width, vocab = probs.shape
