@@ -238,16 +238,32 @@ static inline __attribute__((always_inline)) void score8(const float *q, const v
     store_scores(acc, n, scale, p);
 }
 
-/* score8 over 8 key rows gathered one after another (rows [8, D]); D a constant where inlined, so every load is
- * one register and an offset (eight row pointers spilled out of the registers). Same sums, same bits. */
+/* score8 over 8 key rows gathered by gather_keys; D a constant where inlined, so every load is one register and an
+ * offset (eight row pointers spilled out of the registers). Same sums, same bits. With AVX-512 two keys a vector
+ * (gather_keys puts their 8 values of a chunk side by side): half the FMAs, each lane's the same in the same order,
+ * and each key's lanes added up in store_scores' tree as before. */
 static inline __attribute__((always_inline)) void score8_rows(const float *q, const float *rows, int n, const int D,
                                                               float scale, float *p) {
     __m256 acc[8];
+#if defined(__AVX512F__)
+    __m512 pair[4];
+    for (int v = 0; v < 4; v++) pair[v] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        const __m512 qd = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(q + d))));
+        for (int v = 0; v < 4; v++)
+            pair[v] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(rows + ((size_t)d + 2 * v) * 8), pair[v]);
+    }
+    for (int v = 0; v < 4; v++) {
+        acc[2 * v] = _mm512_castps512_ps256(pair[v]);
+        acc[2 * v + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pair[v]), 1));
+    }
+#else
     for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
     for (int d = 0; d < D; d += 8) {
         const __m256 qd = _mm256_loadu_ps(q + d);
         for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(rows + u * D + d), acc[u]);
     }
+#endif
     store_scores(acc, n, scale, p);
 }
 
@@ -407,6 +423,19 @@ static inline __attribute__((always_inline)) void gather_rows(const void *cache,
             _mm256_storeu_ps(buf + (size_t)j * width + d, load_kv(cache, at + slot[j] * token + d, kind));
 }
 
+/* The 8 K rows of a score8_rows call gathered (float16 widened) in the layout it reads: with AVX-512 chunk d / 8 of
+ * key u at (d + u) * 8, so that keys u and u + 1 lie side by side in 16 floats; else one key after another ([8, D]). */
+static inline __attribute__((always_inline)) void gather_keys(const void *cache, size_t at, const uint32_t *slot,
+                                                              size_t token, int D, float *buf, const int kind) {
+#if defined(__AVX512F__)
+    for (int u = 0; u < 8; u++)
+        for (int d = 0; d < D; d += 8)
+            _mm256_storeu_ps(buf + ((size_t)d + u) * 8, load_kv(cache, at + slot[u] * token + d, kind));
+#else
+    gather_rows(cache, at, slot, token, 8, D, buf, kind);
+#endif
+}
+
 /* Query rows that go through the keys together: up to Q_TILE consecutive rows of one sequence (a prefill chunk's), or
  * the decode rows of up to Q_TILE sequences over the pages their tables begin with alike (a shared prompt's pages:
  * see plan_tiles). Must match banyan/kernels/cpu_decode.py's ATTENTION_TILE, which sizes the scratch. */
@@ -456,9 +485,7 @@ static inline __attribute__((always_inline)) void score_keys(const Tile *w, int 
         if (gather) {
             uint32_t edge[8];
             for (int u = 0; u < 8; u++) edge[u] = w->slot[j + (u < m ? u : 0)];
-            gather_rows(w->k_cache, w->head_at, edge, w->token, 8, D, block, kind);
-            for (int u = 0; u < 8; u++) kr[u] = (size_t)u * D;
-            keys = block;
+            gather_keys(w->k_cache, w->head_at, edge, w->token, D, block, kind);  /* score8_rows reads it whole */
         } else
             for (int u = 0; u < 8; u++) kr[u] = w->head_at + w->slot[j + (u < m ? u : 0)] * w->token;
         for (int t = t0; t < t1; t++) {
