@@ -121,8 +121,8 @@ class ModelConfig:
     max_model_len: int | str | None = None
     """Longest prompt plus output, in tokens (default: the model's context length); auto: the longest context whose
     K/V fits the cache's budget for one request, at most the model's (logged at start-up)."""
-    seed: int = 0
-    """Seed for requests that bring no seed of their own."""
+    seed: int | None = 0
+    """Seed for requests that bring no seed of their own (None: a fresh one each start, as vLLM's LLM takes it)."""
     device: str = "auto"
     """cpu, cuda or auto."""
     attention_backend: str = "auto"

@@ -61,7 +61,7 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, default_seed: int = 0, cpu_chunk_bytes: int = CPU_CHUNK_BYTES):
+    def __init__(self, vocab_size: int, default_seed: int | None = 0, cpu_chunk_bytes: int = CPU_CHUNK_BYTES):
         self.vocab_size = vocab_size
         self.default_seed = default_seed
         self.cpu_chunk_bytes = cpu_chunk_bytes
@@ -113,9 +113,13 @@ class Sampler:
         return uniforms
 
     def generator(self, device: torch.device) -> torch.Generator:
-        """The generator unseeded rows share (seeded from the engine's seed on first use)."""
+        """The generator unseeded rows share (seeded from the engine's seed on first use; None: from the OS)."""
         if device not in self._generators:
-            self._generators[device] = torch.Generator(device).manual_seed(self.default_seed)
+            generator = self._generators[device] = torch.Generator(device)
+            if self.default_seed is None:
+                generator.seed()  # a fresh seed from the OS each start
+            else:
+                generator.manual_seed(self.default_seed)
         return self._generators[device]
 
 

@@ -55,7 +55,7 @@ def test_sizes_take_the_same_text_from_python_as_on_the_command_line():
     ("max_num_seqs", "8", "max_num_seqs: must be an integer, got '8'"),
     ("max_num_seqs", 8.0, "max_num_seqs: must be an integer, got 8.0"),
     ("enable_prefix_caching", "yes", "enable_prefix_caching: must be True or False, got 'yes'"),
-    ("seed", "x", "seed: must be an integer, got 'x'"),
+    ("seed", "x", "seed: must be an integer or None, got 'x'"),
     ("kv_cache_memory", True, "kv_cache_memory: must be an integer or None, got True"),
     ("gpu_memory_utilization", "0.5", "gpu_memory_utilization: must be a number, got '0.5'"),
     ("num_threads", -2, "num_threads: must be a positive number of threads, got -2"),

@@ -207,6 +207,13 @@ def test_seeded_generator_survives_on_the_request():
     assert first[0] in range(V)
 
 
+def test_the_engine_seed_makes_unseeded_rows_repeat_and_none_makes_them_fresh():
+    cpu = torch.device("cpu")
+    same = [Sampler(V, default_seed=7).generator(cpu).get_state() for _ in range(2)]
+    fresh = [Sampler(V, default_seed=None).generator(cpu).get_state() for _ in range(2)]
+    assert torch.equal(*same) and not torch.equal(*fresh)
+
+
 def _expected_distribution(logits, temperature, top_p=1.0):
     probs = torch.softmax(logits / temperature, -1)
     sorted_probs, order = probs.sort(descending=True)
