@@ -88,22 +88,26 @@ KINDS = {bool: "True or False", int: "an integer", float: "a number", str: "a st
 
 
 def _checked(name: str, value: Any) -> Any:
-    """A setting's value if it has its field's type (X | None: None too; an int where a float goes), else a typed
-    error naming it: the flags parse text into these types, and from Python a wrong one failed deep in the engine
-    ('8' for max_num_seqs) or passed ('yes' for a bool)."""
+    """A setting's value if it has its field's type (X | None: None too), else a typed error naming it: the flags
+    parse text into these types, and from Python a wrong one failed deep in the engine ('8' for max_num_seqs) or
+    passed ('yes' for a bool)."""
     setting = SETTINGS[name]
     hint = typing.get_type_hints(SECTIONS[setting.section])[setting.field]
     kinds = [typing.get_origin(arg) or arg for arg in typing.get_args(hint)] or [hint]
-    if value is None and type(None) in kinds or str in kinds and int in kinds:  # int | str: the field checks itself
+    known = [kind for kind in kinds if kind in KINDS]
+    if not known or str in kinds and int in kinds:  # tuples of repeatable flags, int | str: the field checks them
         return value
-    for kind in kinds:
-        if kind in KINDS and (isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
-                              or kind is float and isinstance(value, int) and not isinstance(value, bool)):
-            return value
-    if not any(kind in KINDS for kind in kinds):
-        return value  # a type this check does not know (tuples of repeatable flags): the field checks it
-    wanted = " or ".join(KINDS[kind] for kind in kinds if kind in KINDS)
-    raise InvalidParameterError(name, f"must be {wanted}{' or None' if type(None) in kinds else ''}, got {value!r}")
+    if value is None and type(None) in kinds or any(_is_a(value, kind) for kind in known):
+        return value
+    wanted = " or ".join(KINDS[kind] for kind in known) + (" or None" if type(None) in kinds else "")
+    raise InvalidParameterError(name, f"must be {wanted}, got {value!r}")
+
+
+def _is_a(value: Any, kind: type) -> bool:
+    """isinstance, except that a bool is no number and an int is a float too."""
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, kind) or kind is float and isinstance(value, int)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
