@@ -400,12 +400,12 @@ static void amx_configure(void) {
  * gathered (its chunks already are 4 bytes a row). */
 static void amx_unpack(const int bits, const uint8_t *wp, const uint8_t *wp1, uint8_t *wb, int blocks) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    const int bytes = bits == 4 ? 128 : 256;  /* a block's, in each row group */
+    const int block_bytes = bits == 4 ? 128 : 256;  /* a block's, in each row group */
     for (int b = 0; b < blocks; b++) {
         __m512i *out = (__m512i *)(wb + (size_t)b * 512);
-        for (int line = 0; line < bytes; line += 64) {
-            _mm_prefetch((const char *)(wp + (size_t)b * bytes + PREFETCH_AHEAD + line), _MM_HINT_T0);
-            _mm_prefetch((const char *)(wp1 + (size_t)b * bytes + PREFETCH_AHEAD + line), _MM_HINT_T0);
+        for (int line = 0; line < block_bytes; line += 64) {
+            _mm_prefetch((const char *)(wp + (size_t)b * block_bytes + PREFETCH_AHEAD + line), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wp1 + (size_t)b * block_bytes + PREFETCH_AHEAD + line), _MM_HINT_T0);
         }
         if (bits == 4)
             for (int t = 0; t < 4; t++) {
