@@ -165,7 +165,10 @@ def add_config_args(parser: argparse.ArgumentParser, title: str, cls: type) -> N
             continue
         names = ["--" + name.replace("_", "-") for name in dict.fromkeys((RENAMED.get(f.name, f.name), f.name))]
         options = {"dest": f.name, "default": f.default, "help": docs.get(f.name, "")}
-        group.add_argument(*names, **(options | _parse_as(f.name, hints[f.name])))
+        parse = _parse_as(f.name, hints[f.name])
+        if f.default is not None and type(None) in typing.get_args(hints[f.name]) and "type" in parse:
+            parse["type"] = _or_none(parse["type"])  # a field that may be set to None off its default (seed)
+        group.add_argument(*names, **(options | parse))
 
 
 def config_from_args(cls: type, args: argparse.Namespace) -> Any:
@@ -193,6 +196,13 @@ def _parse_as(name: str, hint: Any) -> dict[str, Any]:
     if typing.get_origin(hint) is dict:
         return {"type": json.loads, "metavar": "JSON"}
     return {"type": parse_size if name in SIZES else hint}
+
+
+def _or_none(parse: Any) -> Any:
+    """`parse`, and 'none' for None."""
+    def parse_or_none(text: str) -> Any:
+        return None if text.lower() == "none" else parse(text)
+    return parse_or_none
 
 
 def parse_context_length(text: str) -> int | str:

@@ -89,6 +89,8 @@ def test_engine_flags_rebuild_every_kind_of_value():
                                  "--no-enable-jump-forward", "--scheduling-policy", "priority"))
     assert engine_config(parse(*engine_flags(config))) == config
     assert engine_flags(EngineConfig()) == []
+    unseeded = engine_config(parse("--model", "m", "--seed", "none"))
+    assert unseeded.model.seed is None and engine_config(parse(*engine_flags(unseeded))) == unseeded
 
 
 def test_speculative_config_is_one_json_object_on_every_surface():
