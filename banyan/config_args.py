@@ -31,6 +31,8 @@ from banyan.spec.config import SpeculativeConfig
 RENAMED = {"policy": "scheduling_policy"}  # field -> vLLM's name (its flag keeps the field's name too)
 NOT_FLAGS = {"trust_remote_code", "num_pages", "worker_fault", "replicas_on_host"}  # set from Python only
 SIZES = {"kv_cache_memory", "max_body_bytes", "memory_budget"}  # flags that take 4GiB, 512MB, ...
+KINDS = {bool: "True or False", int: "an integer", float: "a number", str: "a string", dict: "a JSON object"}
+"""The field types a keyword's value is checked against (_checked), as its error names them."""
 SEVERAL = {"lora_modules"}  # repeatable flags that also take several values at once (vLLM's --lora-modules a=x b=y)
 SECTIONS: dict[str, type] = {  # model -> ModelConfig, cache -> ..., ...: a section of fields, each its own setting
     name: hint for name, hint in typing.get_type_hints(EngineConfig).items() if dataclasses.is_dataclass(hint)}
@@ -82,9 +84,6 @@ def _size_from_text(name: str, value: Any) -> Any:
         return parse_size(value)
     except argparse.ArgumentTypeError as error:
         raise InvalidParameterError(name, str(error)) from None
-
-
-KINDS = {bool: "True or False", int: "an integer", float: "a number", str: "a string", dict: "a JSON object"}
 
 
 def _checked(name: str, value: Any) -> Any:

@@ -478,7 +478,6 @@ static inline __attribute__((always_inline)) void score_keys(const Tile *w, int 
     for (int j = jb; j < je; j += 8) {
         const int m = je - j < 8 ? je - j : 8;
         size_t kr[8];
-        const void *keys = w->k_cache;
         for (int u = j == jb ? jb : j + PREFETCH_KEYS; u < j + PREFETCH_KEYS + 8 && u < je + n; u++)
             prefetch_kv(u < je ? w->k_cache : w->v_cache, w->fetch_at + w->slot[u < je ? u : u - n] * w->token,
                         w->fetch_width, kind);
@@ -499,16 +498,16 @@ static inline __attribute__((always_inline)) void score_keys(const Tile *w, int 
                     const float *qg = qr + (size_t)g * D;
                     const int lo = m < 4 ? m : 4;
                     if (nh == 3) {
-                        score4_heads(qg, 3, keys, kr, lo, D, w->scale, ph, kind);
-                        if (m > 4) score4_heads(qg, 3, keys, kr + 4, m - 4, D, w->scale, ph4, kind);
+                        score4_heads(qg, 3, w->k_cache, kr, lo, D, w->scale, ph, kind);
+                        if (m > 4) score4_heads(qg, 3, w->k_cache, kr + 4, m - 4, D, w->scale, ph4, kind);
                     } else {
-                        score4_heads(qg, 2, keys, kr, lo, D, w->scale, ph, kind);
-                        if (m > 4) score4_heads(qg, 2, keys, kr + 4, m - 4, D, w->scale, ph4, kind);
+                        score4_heads(qg, 2, w->k_cache, kr, lo, D, w->scale, ph, kind);
+                        if (m > 4) score4_heads(qg, 2, w->k_cache, kr + 4, m - 4, D, w->scale, ph4, kind);
                     }
                     g += nh - 1;
                     continue;
                 }
-                if (!gather) score8(qr + (size_t)g * D, keys, kr, m, D, w->scale, pg, kind);
+                if (!gather) score8(qr + (size_t)g * D, w->k_cache, kr, m, D, w->scale, pg, kind);
                 else if (D == 64) score8_rows(qr + (size_t)g * D, block, m, 64, w->scale, pg);
                 else if (D == 128) score8_rows(qr + (size_t)g * D, block, m, 128, w->scale, pg);
                 else score8_rows(qr + (size_t)g * D, block, m, D, w->scale, pg);

@@ -276,10 +276,9 @@ def test_the_avx512_build_gives_the_avx2_builds_silu_mul_bits(both_builds):
     bits, float32 and bf16, extremes and NaN included."""
     gate_up = torch.randn(9, 2 * 1544, generator=torch.Generator().manual_seed(5)) * 8  # 1544: 96 x 16 + 8
     gate_up[0, :8] = torch.tensor([-200.0, -90.0, 0.0, -0.0, 1e-30, 90.0, float("inf"), float("nan")])
-    for rows in (gate_up, gate_up.bfloat16()):
-        avx2, avx512 = (kernels.silu_mul(rows) for kernels in both_builds)
-        assert torch.equal(avx2.view(torch.int16 if rows.dtype == torch.bfloat16 else torch.int32),
-                           avx512.view(torch.int16 if rows.dtype == torch.bfloat16 else torch.int32))
+    for rows, bits in ((gate_up, torch.int32), (gate_up.bfloat16(), torch.int16)):
+        avx2, avx512 = (kernels.silu_mul(rows).view(bits) for kernels in both_builds)
+        assert torch.equal(avx2, avx512)
 
 
 def assert_rows_together_are_rows_alone(specs, case, window):
