@@ -149,9 +149,9 @@ def request_generator(request: Request, device: torch.device) -> torch.Generator
 def target_distribution(raw: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """What the sampler draws from at each row, for the verifier (banyan.spec.verify): the ops of _sample_rows up
     to the draw. Sampled rows: the unnormalised probabilities its inverse CDF reads; greedy rows: the processed
-    logits (only their argmax is read). raw: [N, vocab] (vocab_size columns), row i belonging to requests[i];
-    the rows take no grammar mask, and their processors must not depend on the position (the scheduler
-    speculates only for such requests)."""
+    logits (only their argmax is read). raw: [N, vocab] (vocab_size columns), row i belonging to requests[i] (a
+    verify position: spec/verify.py's AfterDrafts, whose history holds the drafts before it); the rows take no
+    grammar mask (the caller applies it)."""
     params = [r.sampling_params for r in requests]
     logits = _processed(raw.float(), requests, None)
     greedy = [p.temperature == 0.0 for p in params]
@@ -287,12 +287,12 @@ def _read_token_logprobs(tables: list[torch.Tensor], params, wanted: list[int],
     return logprobs
 
 
-def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int,
-                            to_host: ToHost | None = None) -> list[TokenLogprobs]:
-    """Row j's logits predict target_ids[j]: its logprob, rank and top-k (one read through to_host)."""
+def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int, to_host: ToHost | None = None,
+                            what: str = "prompt logprobs") -> list[TokenLogprobs]:
+    """Row j's logits predict target_ids[j]: its logprob, rank and top-k (one read through to_host, named `what`)."""
     logits = logits.float()
     table = _logprob_table(logits, torch.logsumexp(logits, dim=-1), target_ids.to(logits.device), k)
-    return _entries((to_host or read_list)(table, "prompt logprobs"))
+    return _entries((to_host or read_list)(table, what))
 
 
 def _logprob_table(logits: torch.Tensor, lse: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:

@@ -397,7 +397,7 @@ class ModelRunner:
                 logits[first : first + count], target_ids, k, self.to_host)
         return result
 
-    def _verify(self, logits: torch.Tensor, verify: list[tuple]) -> dict[str, list[int]]:
+    def _verify(self, logits: torch.Tensor, verify: list[tuple]) -> dict[str, list[SampledToken]]:
         """The tokens each drafting request gains: its accepted drafts, then the target's token (spec/verify.py).
 
         Request b's logits rows first_b .. first_b + k_b are p_0 .. p_k; rows are padded to K + 1 with its last:
@@ -410,7 +410,8 @@ class ModelRunner:
         constrained = [(b, r.matcher, drafts) for b, (r, drafts, _) in enumerate(verify) if r.matcher is not None]
         if constrained:  # structured output: p_j under the grammar's state after the first j drafts
             apply_bitmask(raw, *draft_bitmask(constrained, width, self.arch.vocab_size))
-        probs = target_distribution(raw, [r for r in requests for _ in range(width)])  # [B * (K + 1), V]
+        positions = [spec_verify.AfterDrafts(r, drafts[:j]) for r, drafts, _ in verify for j in range(width)]
+        probs = target_distribution(raw, positions)  # [B * (K + 1), V]: row j's processors see the drafts before it
         draft_ids = [list(drafts) + [0] * (width - 1 - len(drafts)) for _, drafts, _ in verify]
         out = spec_verify.verify(
             probs.view(len(verify), width, -1),
@@ -421,7 +422,15 @@ class ModelRunner:
             default_generator=self.sampler.generator(logits.device),
             to_host=self.to_host,
         )
-        return {r.request_id: tokens for r, tokens in zip(requests, out.token_ids)}
+        verified = {r.request_id: [SampledToken(t, None) for t in tokens] for r, tokens in zip(requests, out.token_ids)}
+        wanted = [b for b, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        if wanted:  # after the ids, as the plain sampler reads them: from the raw rows that predicted each token
+            reports = spec_verify.emitted_logprobs(logits[:, : self.sampler.vocab_size], [index[b] for b in wanted],
+                                                   [out.token_ids[b] for b in wanted],
+                                                   [requests[b].sampling_params.logprobs for b in wanted], self.to_host)
+            for b, entries in zip(wanted, reports):
+                verified[requests[b].request_id] = [SampledToken(e.token_id, e.logprob, e) for e in entries]
+        return verified
 
 
 def _sample_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -85,7 +85,7 @@ class StepResult:
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
-    verified: dict[str, list[int]] = field(default_factory=dict)
+    verified: dict[str, list[SampledToken]] = field(default_factory=dict)
     pooled: dict[str, list[float]] = field(default_factory=dict)
     """The embedding of each pooling request whose prompt this step completed."""
     draft_seconds: float = 0.0

@@ -287,14 +287,10 @@ class Scheduler:
         return {request_id: draft for request_id, draft in drafts.items() if draft}
 
     def _draft_room(self, request: Request) -> int:
-        """Most drafts the request may verify: none where its sampling is not the same at every position of a
-        verify pass (penalties and min_tokens would count the drafts before it, and the verifier reports no
-        logprobs), nor for a grammar that is not yet constraining (a reasoning model thinking) or drafts made
-        inside the runner (they could not be cut to the grammar here); else its tokens left less the one the
-        target always adds."""
-        p = request.sampling_params
-        if request.logprobs is not None or request.num_output_tokens < p.min_tokens or p.has_penalties:
-            return 0
+        """Most drafts the request may verify: none for a grammar that is not yet constraining (a reasoning model
+        thinking) or drafts made inside the runner (they could not be cut to the grammar here); else its tokens left
+        less the one the target always adds. (Penalties, min_tokens and logprobs are verified position by position:
+        spec/verify.py's AfterDrafts.)"""
         if request.matcher is not None and (not request.grammar_active or request.reasoning_may_open is not None
                                             or self.speculator.drafts_in_runner):
             return 0
@@ -307,20 +303,20 @@ class Scheduler:
             return draft
         return []
 
-    def _append_verified(self, item: ScheduledRequest, token_ids: list[int], now: float) -> None:
+    def _append_verified(self, item: ScheduledRequest, tokens: list[SampledToken], now: float) -> None:
         """The verifier's a accepted drafts and its own token, appended one by one (each checked for stops);
         what was computed rewinds to the verified tokens, and pages only rejected drafts filled go back.
 
             fed:       [ last | d_1 .. d_a | d_a+1 .. d_k ]
                        start               ^ end - (k - a): num_computed_tokens after (KV of rejects is stale)
         """
-        request, drafted, accepted = item.request, len(item.draft_token_ids), len(token_ids) - 1
+        request, drafted, accepted = item.request, len(item.draft_token_ids), len(tokens) - 1
         request.num_computed_tokens = item.end - (drafted - accepted)
         self.speculator.observe(request.request_id, drafted, accepted)
         request.metrics.spec_draft_tokens += drafted
         request.metrics.spec_accepted_tokens += accepted
-        for token_id in token_ids:
-            self._append_sampled(request, SampledToken(token_id, None), now)
+        for sampled in tokens:
+            self._append_sampled(request, sampled, now)
             if request.is_finished:
                 return
         self.kv.trim(request.request_id, request.num_computed_tokens)

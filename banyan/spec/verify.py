@@ -34,7 +34,59 @@ from dataclasses import dataclass
 import torch
 
 from banyan.kernels.cpu_argmax import argmax_rows
-from banyan.layers.sampler import inverse_cdf
+from banyan.layers.sampler import ToHost, compute_prompt_logprobs, inverse_cdf
+from banyan.request import Request, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class AfterDrafts:
+    """A request as the sampler's logits processors see it at verify position j: its tokens, then the j drafts before
+    the position (sampler.target_distribution takes one a row). Penalties count those drafts, and min_tokens counts
+    them as output, as the plain sampler would have seen them once they were accepted, which they are wherever row j
+    matters."""
+
+    request: Request
+    drafts: Sequence[int]
+
+    @property
+    def sampling_params(self):
+        return self.request.sampling_params
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens + len(self.drafts)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return [*self.request.output_token_ids, *self.drafts]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return [*self.request.all_token_ids, *self.drafts]
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.request.eos_token_ids
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        return self.request.stop_token_ids
+
+
+def emitted_logprobs(raw: torch.Tensor, rows: Sequence[Sequence[int]], token_ids: Sequence[Sequence[int]],
+                     top: Sequence[int], to_host: ToHost) -> list[list[TokenLogprobs]]:
+    """Per request that asked for logprobs: each token it emitted, its raw logprob, rank and `top` most likely (the
+    plain sampler's report), from the raw logits row that predicted it (rows[i][j]: the row of position j). One read
+    through to_host for all."""
+    flat_rows = [row for i, tokens in enumerate(token_ids) for row in rows[i][: len(tokens)]]
+    flat_ids = torch.tensor([t for tokens in token_ids for t in tokens], dtype=torch.long)
+    entries = iter(compute_prompt_logprobs(raw[flat_rows], flat_ids, max(top), to_host, "logprobs"))
+    out = []
+    for tokens, n in zip(token_ids, top):
+        out.append([next(entries) for _ in tokens])
+        for entry in out[-1]:
+            entry.top = dict(list(entry.top.items())[:n])
+    return out
 
 
 @dataclass

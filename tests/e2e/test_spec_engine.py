@@ -145,13 +145,41 @@ def test_seeded_sampling_is_reproducible_and_samples_the_plain_tokens(tiny):
     assert token_ids(first) == token_ids(plain)
 
 
-def test_requests_whose_sampling_depends_on_the_drafts_are_not_speculated(tiny, verify_calls):
+def logprob_reports(outputs):
+    """Per completion and position: the token ids reported (chosen and top) with their ranks and decoded text."""
+    return [[sorted((t, lp.rank, lp.decoded_token) for t, lp in position.items()) for position in c.logprobs]
+            for o in outputs for c in o.outputs]
+
+
+def logprob_values(outputs):
+    return [[lp.logprob for position in c.logprobs for _, lp in sorted(position.items())] for o in outputs
+            for c in o.outputs]
+
+
+def test_penalties_min_tokens_and_logprobs_are_verified_position_by_position(tiny, verify_calls):
+    """Each verify row's processors see the drafts before it (penalties count them, min_tokens counts them as output)
+    and the tokens it emits report the logprobs the plain sampler would: the same tokens and reports as without
+    speculation, greedy and seeded sampled alike, with drafts made and accepted for every request."""
     path, prompts = tiny
-    params = [greedy(presence_penalty=0.5), greedy(logprobs=2), greedy(min_tokens=MAX_NEW), greedy(repetition_penalty=1.2)]
+    plain_text, _ = generate(path, prompts[:1], greedy())
+    stop = plain_text[0].outputs[0].token_ids[3]  # a token the plain run emits early: min_tokens must hold it back
+    params = [greedy(presence_penalty=0.5, frequency_penalty=0.3, logprobs=2),
+              greedy(repetition_penalty=1.2, logprobs=0),
+              SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=12, stop_token_ids=[stop], logprobs=3),
+              SamplingParams(temperature=0.7, seed=11, max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.1,
+                             frequency_penalty=0.2, logprobs=1)]
     plain, _ = generate(path, prompts[:4], params)
-    spec, _ = generate(path, prompts[:4], params, CONFIGS["ngram-fixed3"])
-    assert token_ids(spec) == token_ids(plain)
     assert not verify_calls
+    spec, engine = generate(path, prompts[:4], params, CONFIGS["ngram-fixed3"])
+    assert token_ids(spec) == token_ids(plain)
+    assert len(plain[2].outputs[0].token_ids) >= 12  # min_tokens held the stop token back in both runs
+    assert [c.cumulative_logprob for o in spec for c in o.outputs] == pytest.approx(
+        [c.cumulative_logprob for o in plain for c in o.outputs], abs=1e-3)
+    assert logprob_reports(spec) == logprob_reports(plain)
+    for got, want in zip(logprob_values(spec), logprob_values(plain)):
+        assert got == pytest.approx(want, abs=1e-4)
+    assert all(o.metrics.spec_draft_tokens > 0 for o in spec) and verify_calls
+    assert engine.speculator.stats.num_accepted_tokens > 0
 
 
 def test_no_verifier_call_when_the_proposer_has_nothing(tiny, verify_calls, monkeypatch):
@@ -302,6 +330,11 @@ def test_metrics_endpoint_shows_the_speculation_counters(tiny):
     try:
         body = {"model": "tiny", "prompt": prompts[0], "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
         assert httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+        scored = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                            json=body | {"logprobs": 2, "frequency_penalty": 0.3}).json()  # drafted and verified too
+        logprobs = scored["choices"][0]["logprobs"]
+        assert len(logprobs["token_logprobs"]) == scored["usage"]["completion_tokens"] == MAX_NEW
+        assert all(lp <= 0 for lp in logprobs["token_logprobs"]) and all(len(t) == 2 for t in logprobs["top_logprobs"])
         deadline = time.monotonic() + 10
         while True:  # the core sends its counters a few times a second
             values = spec_samples(httpx.get(f"{server.base_url}/metrics").text)

@@ -60,7 +60,7 @@ def step(scheduler: Scheduler) -> None:
             if draft != model(tokens + accepted):
                 break
             accepted.append(draft)
-        result.verified[item.request.request_id] = accepted + [model(tokens + accepted)]
+        result.verified[item.request.request_id] = [SampledToken(t, None) for t in accepted + [model(tokens + accepted)]]
     scheduler.update(batch, result)
     kv = scheduler.kv
     kv.check_integrity()

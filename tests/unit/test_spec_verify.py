@@ -6,10 +6,10 @@ import itertools
 import pytest
 import torch
 
-from banyan.layers.sampler import Sampler
+from banyan.layers.sampler import Sampler, target_distribution
 from banyan.request import Request
 from banyan.sampling_params import SamplingParams
-from banyan.spec.verify import draw_uniforms, verify
+from banyan.spec.verify import AfterDrafts, draw_uniforms, verify
 
 V = 5
 
@@ -218,3 +218,26 @@ def test_seeded_speculation_samples_what_the_plain_sampler_samples_whatever_k():
                      generators=[generator])
         tokens += out.token_ids[0]
     assert tokens[:41] == list(plain.all_token_ids[:41])
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.0, presence_penalty=0.7, frequency_penalty=0.4),
+                                    dict(temperature=0.8, repetition_penalty=1.6),
+                                    dict(temperature=0.0, min_tokens=3, stop_token_ids=[2]),
+                                    dict(temperature=0.5, top_k=3, logit_bias={1: 0.5}, presence_penalty=1.0)])
+def test_verify_position_j_is_processed_as_the_plain_sampler_after_the_j_drafts_before_it(params):
+    """target_distribution's row for AfterDrafts(request, d_1 .. d_j) equals the row of the same request with d_1 .. d_j
+    appended as output: penalties count the drafts, min_tokens counts them as output, from one row to the next."""
+    torch.manual_seed(3)
+    drafts = [2, 4, 2, 2]  # repeats: each position's penalties differ from the one before
+    request = Request("r", [1, 3], SamplingParams(max_tokens=50, **params), eos_token_ids=[0], max_tokens=50)
+    request.append_token(4)
+    raw = torch.randn(len(drafts) + 1, V)
+    got = target_distribution(raw, [AfterDrafts(request, drafts[:j]) for j in range(len(drafts) + 1)])
+    for j in range(len(drafts) + 1):
+        plain = Request("p", [1, 3], SamplingParams(max_tokens=50, **params), eos_token_ids=[0], max_tokens=50)
+        for token in [4, *drafts[:j]]:
+            plain.append_token(token)
+        want = target_distribution(raw[j : j + 1], [plain])
+        torch.testing.assert_close(got[j : j + 1], want, rtol=0, atol=0)
+    ignoring = target_distribution(raw, [AfterDrafts(request, ())] * (len(drafts) + 1))
+    assert not torch.equal(got, ignoring)  # the drafts change what later positions draw from
