@@ -281,18 +281,17 @@ class Scheduler:
         others = len(self.running) - len(candidates)  # each a sequence of the step, expected to emit a token
         drafts = self.speculator.drafts(candidates, base_tokens, others, self.config.max_num_batched_tokens, others)
         for request_id, draft in list(drafts.items()):  # structured output: cut at the first token the grammar refuses
-            matcher = self.requests[request_id].matcher
-            if matcher is not None:
+            matcher = self.requests[request_id].matcher  # (a network's placeholders are checked in the verify pass)
+            if matcher is not None and not self.speculator.drafts_in_runner:
                 drafts[request_id] = draft[: guarded(matcher, functools.partial(matcher.valid_prefix, draft), 0)]
         return {request_id: draft for request_id, draft in drafts.items() if draft}
 
     def _draft_room(self, request: Request) -> int:
         """Most drafts the request may verify: none for a grammar that is not yet constraining (a reasoning model
-        thinking) or drafts made inside the runner (they could not be cut to the grammar here); else its tokens left
-        less the one the target always adds. (Penalties, min_tokens and logprobs are verified position by position:
-        spec/verify.py's AfterDrafts.)"""
-        if request.matcher is not None and (not request.grammar_active or request.reasoning_may_open is not None
-                                            or self.speculator.drafts_in_runner):
+        thinking); else its tokens left less the one the target always adds. (Penalties, min_tokens and logprobs are
+        verified position by position: spec/verify.py's AfterDrafts; a network's drafts, made inside the runner, are
+        verified under the grammar up to the first it refuses: structured/bitmask.py's draft_bitmask.)"""
+        if request.matcher is not None and (not request.grammar_active or request.reasoning_may_open is not None):
             return 0
         return min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
 

@@ -98,7 +98,9 @@ def draft_bitmask(constrained: Sequence[tuple[int, GrammarMatcher, Sequence[int]
                   vocab_size: int) -> tuple[torch.Tensor, list[int]]:
     """(bitmask, rows) for speculative verify rows: for each (b, matcher, drafts), logits rows b * width + j allow
     what the grammar allows after the first j drafts (past the drafts the last state repeats, for padding rows).
-    Each matcher ends where it began; a library failure ends only its own request (guarded sets its error)."""
+    Drafts made inside the runner (a network's) were not cut to the grammar: past the first one it refuses the state
+    repeats too, and that draft, which the row before it masks out, is never accepted. Each matcher ends where it
+    began; a library failure ends only its own request (guarded sets its error)."""
     rows = [b * width + j for b, _, _ in constrained for j in range(width)]
     bitmask = allocate_bitmask(len(rows), vocab_size)
     for i, (_, matcher, drafts) in enumerate(constrained):
@@ -108,8 +110,10 @@ def draft_bitmask(constrained: Sequence[tuple[int, GrammarMatcher, Sequence[int]
 
 def _fill_after_drafts(matcher: GrammarMatcher, drafts: Sequence[int], bitmask: torch.Tensor, row0: int,
                        width: int) -> None:
+    valid = matcher.valid_prefix(drafts)  # all of them where the scheduler cut them to the grammar
     for j in range(width):
         matcher.fill_bitmask(bitmask, row0 + j)
-        if j < len(drafts):
-            matcher.accept_token(drafts[j])  # the scheduler cut the drafts to what the grammar accepts
-    matcher.rollback(len(drafts))
+        if j < valid:
+            matcher.accept_token(drafts[j])
+    if valid:
+        matcher.rollback(valid)

@@ -111,8 +111,11 @@ def test_greedy_equal_under_chunking_preemption_n_and_stop_strings(tiny, name):
     assert engine.scheduler.stats.num_preemptions > 0 and engine.speculator.stats.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
-def test_structured_output_drafts_are_cut_to_the_grammar_and_verified_under_its_mask(tiny, backend):
+@pytest.mark.parametrize("backend, config", [("llguidance", "ngram-fixed3"), ("xgrammar", "ngram-fixed3"),
+                                             ("llguidance", "layer_skip-fixed3"), ("xgrammar", "layer_skip-fixed3")])
+def test_structured_output_drafts_are_cut_to_the_grammar_and_verified_under_its_mask(tiny, backend, config):
+    """ngram's drafts are cut in the scheduler; a network's (layer_skip), made inside the runner, are verified under
+    the grammar up to the first token it refuses. Either way the tokens are the unspeculated ones."""
     path, prompts = tiny
     vocab = LLM(str(path), block_size=4, num_threads=1, num_pages=64).tokenizer
     words = [vocab.decode([t]) for t in prompts[0][:9]]  # the prompts' own repeated phrase: something to copy
@@ -123,7 +126,7 @@ def test_structured_output_drafts_are_cut_to_the_grammar_and_verified_under_its_
                                        structured_outputs={"choice": ["yes please", "no thanks"]})]
     settings = {"structured_output_backend": backend}
     plain, _ = generate(path, prompts[:3], params, **settings)
-    spec, engine = generate(path, prompts[:3], params, CONFIGS["ngram-fixed3"], **settings)
+    spec, engine = generate(path, prompts[:3], params, CONFIGS[config], **settings)
     assert token_ids(spec) == token_ids(plain)
     assert [o.outputs[0].text for o in spec] == [o.outputs[0].text for o in plain]
     assert spec[2].outputs[0].text in ("yes please", "no thanks")

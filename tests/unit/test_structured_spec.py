@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from banyan.errors import InvalidParameterError
-from banyan.structured import GrammarCache, StructuredOutputError, StructuredOutputSpec, allocate_bitmask
+from banyan.structured import GrammarCache, StructuredOutputError, StructuredOutputSpec, allocate_bitmask, apply_bitmask
+from banyan.structured.bitmask import draft_bitmask
 from banyan.structured.spec import MAX_CHOICES, MAX_REGEX_REPEAT, MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS, default_compact
 from tests.unit.structured_helpers import BACKEND_NAMES, backend, tokenizer
 
@@ -243,3 +244,30 @@ def allocate_mask(be, matcher):
     mask = allocate_bitmask(1, be.vocab_size)
     matcher.fill_bitmask(mask, 0)
     return mask.clone()
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_draft_bitmask_stops_at_the_first_draft_the_grammar_refuses(name):
+    """A network's drafts reach the verify pass uncut: row j masks as the grammar stands after the first j drafts up
+    to the first refused one, whose row already forbids it, and repeats that state past it; the matcher ends where
+    it began, with no error."""
+    tok, be = tokenizer("tiny"), backend(name)
+    matcher = be.matcher(be.compile(StructuredOutputSpec.regex("(ab|cd){3}")))
+    good = tok.encode("abcd", add_special_tokens=False)
+    bad = tok.encode("zz", add_special_tokens=False)[:1]
+    drafts = good + bad + good  # refused at len(good)
+    width = len(drafts) + 1
+    bitmask, rows = draft_bitmask([(0, matcher, drafts)], width, be.vocab_size)
+    assert rows == list(range(width)) and matcher.error == ""
+    expected = []
+    for j in range(len(good) + 1):
+        expected.append(allocate_mask(be, matcher))
+        if j < len(good):
+            assert matcher.accept_token(good[j])
+    matcher.rollback(len(good))
+    expected += [expected[-1]] * (width - len(expected))
+    assert all(torch.equal(bitmask[j], expected[j][0]) for j in range(width))
+    assert torch.equal(allocate_mask(be, matcher), expected[0])  # the matcher is back where it began
+    logits = torch.zeros(1, be.vocab_size)
+    apply_bitmask(logits, bitmask[len(good) : len(good) + 1], [0])
+    assert logits[0, bad[0]] == float("-inf")  # the refused draft's row forbids it: never accepted
