@@ -43,7 +43,9 @@ class DecodeKernels:
         lib.rope_store_kv.argtypes = [p, i, p, i, p, i, p, p, p, i, p, p, p, i, i, i, i, i, i]
         lib.paged_attention.argtypes = [p, i, p, p, p, i, p, p, p, p, i, i, i, i, i, i, f, p, p, i, i, f, i]
         lib.silu_mul.argtypes = lib.silu_mul_bf16.argtypes = [p, p, i, i, i]
+        lib.gather_f16_as_bf16.argtypes = [p, p, i, i, p, i]
         lib.rms_norm.restype = lib.paged_attention.restype = lib.silu_mul.restype = lib.silu_mul_bf16.restype = None
+        lib.gather_f16_as_bf16.restype = None
         lib.rope_store_kv.restype = ctypes.c_int
         self._lib = lib
 
@@ -102,6 +104,15 @@ class DecodeKernels:
         call = self._lib.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else self._lib.silu_mul
         call(gate_up.data_ptr(), y.data_ptr(), gate_up.numel() // (2 * n), n, torch.get_num_threads())
         return y
+
+    def gather_as_bf16(self, cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """cache[index].to(bfloat16) in one pass, the same bits: cache float16 [pages, ...] contiguous, index int64 [n]
+        -> [n, ...] bfloat16."""
+        index = index.contiguous()
+        out = torch.empty(index.numel(), *cache.shape[1:], dtype=torch.bfloat16)
+        self._lib.gather_f16_as_bf16(cache.data_ptr(), index.data_ptr(), index.numel(), cache[0].numel(), out.data_ptr(),
+                                     torch.get_num_threads())
+        return out
 
 
 KV_DTYPES = (torch.float32, torch.float16, torch.float8_e4m3fn)

@@ -16,7 +16,7 @@ from banyan.layers.activation import gated_activation
 from banyan.layers.norm import RMSNorm
 from banyan.layers.attention.base import FP8, to_cache_dtype, write_kv_cache
 from banyan.layers.rotary import RotaryEmbedding
-from banyan.layers.attention.torch_backend import SHORT_QUERY, TorchAttentionBackend, paged_attention
+from banyan.layers.attention.torch_backend import SHORT_QUERY, TorchAttentionBackend, attend_pages, paged_attention
 from tests.kernels.paged_batches import make_batch
 
 KERNELS = cpu_decode.kernels_for(torch.device("cpu"), torch.float32)
@@ -279,6 +279,23 @@ def test_the_avx512_build_gives_the_avx2_builds_silu_mul_bits(both_builds):
     for rows, bits in ((gate_up, torch.int32), (gate_up.bfloat16(), torch.int16)):
         avx2, avx512 = (kernels.silu_mul(rows).view(bits) for kernels in both_builds)
         assert torch.equal(avx2, avx512)
+
+
+@needs_kernels
+def test_gather_as_bf16_gives_the_bits_of_index_select_then_to_bf16(both_builds):
+    """read_pages for SDPA in bf16 (AMX prefill) in one pass: float16 pages gathered and rounded to bf16 as torch's two
+    steps round them, extremes and NaN included, in both builds; the attention of a bf16 chunk is unchanged."""
+    cache = torch.randn(40, 16, 3, 64, generator=torch.Generator().manual_seed(2)).mul(300).half()
+    cache[5, 0, 0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 65504.0, -0.0, 6e-8]).half()
+    index = torch.tensor([5, 39, 0, 5, 17])
+    expected = cache.index_select(0, index).to(torch.bfloat16).view(torch.int16)
+    for kernels in (KERNELS, *both_builds):
+        assert torch.equal(kernels.gather_as_bf16(cache, index).view(torch.int16), expected)
+    cache[5, 0, 0, :6] = 1.0  # finite pages for the attention (NaN != NaN)
+    pages, q = torch.tensor([[5, 39, 17]]), torch.randn(1, 40, 6, 64).bfloat16()
+    mask = torch.ones(1, 1, 40, 48, dtype=torch.bool).tril(diagonal=8)
+    through = attend_pages(q, cache, cache, pages, mask, 0.125, kernels=KERNELS)
+    assert torch.equal(through, attend_pages(q, cache, cache, pages, mask, 0.125)) and not through.isnan().any()
 
 
 def assert_rows_together_are_rows_alone(specs, case, window):
