@@ -14,6 +14,7 @@ import time
 
 import httpx
 import pytest
+from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 import banyan.engine.engine as engine_module
@@ -338,6 +339,14 @@ def test_metrics_endpoint_shows_the_speculation_counters(tiny):
         logprobs = scored["choices"][0]["logprobs"]
         assert len(logprobs["token_logprobs"]) == scored["usage"]["completion_tokens"] == MAX_NEW
         assert all(lp <= 0 for lp in logprobs["token_logprobs"]) and all(len(t) == 2 for t in logprobs["top_logprobs"])
+        streamed = OpenAI(base_url=f"{server.base_url}/v1", api_key="-").completions.create(
+            model="tiny", prompt=prompts[0], max_tokens=MAX_NEW, temperature=0, logprobs=2, frequency_penalty=0.3,
+            stream=True, extra_body={"ignore_eos": True})  # verify steps emit several tokens: each keeps its report
+        chunks = [c.choices[0] for c in streamed if c.choices]
+        assert "".join(c.text for c in chunks) == scored["choices"][0]["text"]
+        assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == logprobs["tokens"]
+        assert [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs] == pytest.approx(
+            logprobs["token_logprobs"], abs=1e-5)
         deadline = time.monotonic() + 10
         while True:  # the core sends its counters a few times a second
             values = spec_samples(httpx.get(f"{server.base_url}/metrics").text)
