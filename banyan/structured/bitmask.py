@@ -99,7 +99,7 @@ def draft_bitmask(constrained: Sequence[tuple[int, GrammarMatcher, Sequence[int]
     """(bitmask, rows) for speculative verify rows: for each (b, matcher, drafts), logits rows b * width + j allow
     what the grammar allows after the first j drafts (past the drafts the last state repeats, for padding rows).
     Drafts made inside the runner (a network's) were not cut to the grammar: past the first one it refuses the state
-    repeats too, and that draft, which the row before it masks out, is never accepted. Each matcher ends where it
+    repeats too, and that draft, which the row checking it masks out, is never accepted. Each matcher ends where it
     began; a library failure ends only its own request (guarded sets its error)."""
     rows = [b * width + j for b, _, _ in constrained for j in range(width)]
     bitmask = allocate_bitmask(len(rows), vocab_size)
