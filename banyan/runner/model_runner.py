@@ -406,8 +406,12 @@ class ModelRunner:
         requests = [request for request, _, _ in verify]
         width = 1 + max(len(drafts) for _, drafts, _ in verify)
         index = [[first + min(j, len(drafts)) for j in range(width)] for _, drafts, first in verify]
-        raw = logits[torch.tensor(index, device=logits.device).flatten(), : self.sampler.vocab_size]
+        rows, vocab = [row for each in index for row in each], self.sampler.vocab_size
         constrained = [(b, r.matcher, drafts) for b, (r, drafts, _) in enumerate(verify) if r.matcher is not None]
+        if rows == list(range(rows[0], rows[0] + len(rows))) and not constrained and logits.shape[1] == vocab:
+            raw = logits[rows[0] : rows[0] + len(rows)]  # as they lie (batch 1): a copy took 0.1 ms, page faults mostly
+        else:
+            raw = logits[torch.tensor(rows, device=logits.device), :vocab]
         if constrained:  # structured output: p_j under the grammar's state after the first j drafts
             apply_bitmask(raw, *draft_bitmask(constrained, width, self.arch.vocab_size))
         positions = [spec_verify.AfterDrafts(r, drafts[:j]) for r, drafts, _ in verify for j in range(width)]
