@@ -91,6 +91,11 @@ class TokenLogprobs:
     rank: int
     top: dict[int, float] = field(default_factory=dict)
 
+    def keep_top(self, n: int) -> TokenLogprobs:
+        """Only the n most likely of `top` (a batch's table holds its widest request's), in place; returns self."""
+        self.top = dict(list(self.top.items())[:n])
+        return self
+
 
 class Request:
     def __init__(

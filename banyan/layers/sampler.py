@@ -282,8 +282,7 @@ def _read_token_logprobs(tables: list[torch.Tensor], params, wanted: list[int],
     if not wanted:
         return logprobs
     for i, entry in zip(wanted, _entries(to_host(torch.cat(tables), "logprobs"))):
-        entry.top = dict(list(entry.top.items())[: params[i].logprobs])
-        logprobs[i] = entry
+        logprobs[i] = entry.keep_top(params[i].logprobs)
     return logprobs
 
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from banyan.forward_batch import ForwardBatch
-from banyan.scheduler.batch import ScheduledRequest
+from banyan.scheduler.batch import SampledToken, ScheduledRequest
 
 
 class NetworkDrafter:
@@ -65,7 +65,7 @@ class NetworkDrafter:
             item.draft_token_ids = tokens
         return time.perf_counter() - started
 
-    def verified(self, items: Sequence[ScheduledRequest], verified: dict[str, list]) -> None:
+    def verified(self, items: Sequence[ScheduledRequest], verified: dict[str, list[SampledToken]]) -> None:
         """After the verifier: the draft's K/V hold the request's tokens up to its last accepted draft."""
         if not self.own_cache:
             return

@@ -81,12 +81,7 @@ def emitted_logprobs(raw: torch.Tensor, rows: Sequence[Sequence[int]], token_ids
     flat_rows = [row for i, tokens in enumerate(token_ids) for row in rows[i][: len(tokens)]]
     flat_ids = torch.tensor([t for tokens in token_ids for t in tokens], dtype=torch.long)
     entries = iter(compute_prompt_logprobs(raw[flat_rows], flat_ids, max(top), to_host, "logprobs"))
-    out = []
-    for tokens, n in zip(token_ids, top):
-        out.append([next(entries) for _ in tokens])
-        for entry in out[-1]:
-            entry.top = dict(list(entry.top.items())[:n])
-    return out
+    return [[next(entries).keep_top(n) for _ in tokens] for tokens, n in zip(token_ids, top)]
 
 
 @dataclass
