@@ -77,5 +77,5 @@ def run_arrivals(engine, prompts: list[BenchPrompt], offsets: list[float], tempe
 
 def _add(engine, request_id: str, prompt: BenchPrompt, temperature: float) -> None:
     params = SamplingParams(temperature=temperature if prompt.temperature is None else prompt.temperature, top_p=1.0,
-                            max_tokens=prompt.output_len, ignore_eos=True, structured_outputs=prompt.structured_outputs)
+                            max_tokens=prompt.output_len, ignore_eos=prompt.ignore_eos, structured_outputs=prompt.structured_outputs)
     engine.add_request(request_id, prompt.prompt_token_ids, params)

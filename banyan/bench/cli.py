@@ -47,12 +47,15 @@ def add_bench_parser(commands) -> None:
 
     spec = add("speculative", "output tok/s with speculation off and per method and policy, side by side", None)
     spec.add_argument("--workload", default="copy", choices=SPEC_WORKLOADS,
-                      help="copy: rewrite-this-text prompts (chat-templated); random: random prompts, nothing to copy; "
-                           "mixed: half of each, interleaved")
+                      help="copy: rewrite-this-text prompts (chat-templated); code-edit: change-this-code prompts, each "
+                           "stopping where its answer ends (up to twice its code's tokens); random: random prompts, "
+                           "nothing to copy; mixed: half copy, half random, interleaved")
     spec.add_argument("--num-prompts", type=int, default=4)
     spec.add_argument("--copy-sentences", type=int, default=8, help="copy: sentences in each text to rewrite")
     spec.add_argument("--input-len", type=int, default=128, help="random: prompt tokens")
-    spec.add_argument("--output-len", type=int, default=64, help="generated tokens (ignore_eos)")
+    spec.add_argument("--output-len", type=int, default=None,
+                      help="generated tokens (ignore_eos; default 64); code-edit: the most a request may generate "
+                           "(default: twice its code's tokens, plus 16)")
     spec.add_argument("--batch-size", type=int, default=1, help="requests running at once (max_num_seqs)")
     spec.add_argument("--rounds", type=int, default=2, help="timed rounds, each running every configuration once")
     spec.add_argument("--methods", default="ngram,suffix", help="comma-separated speculative methods (ngram, suffix, "

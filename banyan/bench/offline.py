@@ -111,7 +111,7 @@ def throughput(prompts: list[BenchPrompt], output_tokens: int, elapsed: float) -
 def _generate_turn(llm: LLM, prompts: list[BenchPrompt], temperature: float, use_tqdm: bool) -> int:
     inputs = [{"prompt_token_ids": p.prompt_token_ids} for p in prompts]
     params = [SamplingParams(temperature=temperature if p.temperature is None else p.temperature, top_p=1.0,
-                             max_tokens=p.output_len, ignore_eos=True, structured_outputs=p.structured_outputs)
+                             max_tokens=p.output_len, ignore_eos=p.ignore_eos, structured_outputs=p.structured_outputs)
               for p in prompts]
     outputs = llm.generate(inputs, params, use_tqdm=use_tqdm)
     return sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -119,7 +119,7 @@ def _generate_turn(llm: LLM, prompts: list[BenchPrompt], temperature: float, use
 
 def _one_request(engine, request_id: str, prompt: BenchPrompt, temperature: float) -> tuple[float, float, float]:
     """(TTFT s, decode tokens/s after the first token, E2E s) of one request alone in the engine."""
-    params = SamplingParams(temperature=temperature, max_tokens=prompt.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=prompt.output_len, ignore_eos=prompt.ignore_eos)
     start = time.perf_counter()
     engine.add_request(request_id, prompt.prompt_token_ids, params)
     first = None

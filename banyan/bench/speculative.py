@@ -30,6 +30,7 @@ import random
 import time
 
 from banyan.bench.arrivals import poisson_offsets, run_arrivals
+from banyan.bench.code_edits import code_edit_prompts
 from banyan.bench.metrics import percentile, summarize
 from banyan.bench.offline import generate_all
 from banyan.bench.workloads import BenchPrompt, random_prompts
@@ -54,6 +55,9 @@ PASSAGE = (
     "When the keeper retired, his notebooks filled three long wooden shelves.",
 )
 """Plain sentences the copy workload draws from: nothing to download, the same on every machine."""
+
+DEFAULT_OUTPUT_LEN = 64
+"""Tokens each copy and random prompt generates when --output-len is not given."""
 
 INSTRUCTION = "Rewrite the following text exactly as it is, word for word, with no comments:\n\n"
 
@@ -87,8 +91,8 @@ def spec_configs(methods: list[str], policies: list[str], num_speculative_tokens
 
 def run_speculative(config: EngineConfig, args) -> tuple[dict, dict]:
     """Every configuration on the workload, `args.rounds` rounds after a warm-up; results per label."""
-    if args.temperature is None:  # greedy copies; sampled random prompts do not fall into repeating loops
-        args.temperature = 0.0 if args.workload == "copy" else 1.0
+    if args.temperature is None:  # greedy copies and edits; sampled random prompts do not fall into repeating loops
+        args.temperature = 0.0 if args.workload in ("copy", "code-edit") else 1.0
     suffix_options = getattr(args, "suffix_options", None)
     configs = spec_configs(_names(args.methods), _names(args.policies), args.num_speculative_tokens,
                            getattr(args, "draft_model", None), getattr(args, "draft_quantization", None),
@@ -233,10 +237,14 @@ def _counters(llm: LLM) -> SpecStats | None:
 
 
 def _workload(llm: LLM, args) -> list[BenchPrompt]:
-    """copy: greedy rewrites of a given text; random: random tokens, sampled at temperature 1 (nothing to copy);
-    mixed: the two interleaved, half each, each with its own temperature."""
-    copy = copy_prompts(llm, args.num_prompts, args.output_len, sentences=args.copy_sentences, seed=args.workload_seed)
-    rand = random_prompts(args.num_prompts, args.input_len, args.output_len, llm.engine.arch.vocab_size,
+    """copy: greedy rewrites of a given text; code-edit: greedy edits of a given module (code_edits); random: random
+    tokens, sampled at temperature 1 (nothing to copy); mixed: copy and random interleaved, half each, each with its
+    own temperature."""
+    if args.workload == "code-edit":
+        return code_edit_prompts(llm.tokenizer, args.num_prompts, seed=args.workload_seed, max_tokens=args.output_len)
+    output_len = args.output_len or DEFAULT_OUTPUT_LEN
+    copy = copy_prompts(llm, args.num_prompts, output_len, sentences=args.copy_sentences, seed=args.workload_seed)
+    rand = random_prompts(args.num_prompts, args.input_len, output_len, llm.engine.arch.vocab_size,
                           seed=args.workload_seed)
     if args.workload != "mixed":
         return copy if args.workload == "copy" else rand

@@ -23,8 +23,9 @@ from pathlib import Path
 from banyan.errors import InvalidParameterError
 
 WORKLOADS = ("random", "shared-prefix", "sharegpt", "multi-turn", "json-schema")
-SPEC_WORKLOADS = ("copy", "random", "mixed")
-"""`banyan bench speculative`'s: copy is speculative.copy_prompts (rewrite a given text), mixed half of each."""
+SPEC_WORKLOADS = ("copy", "code-edit", "random", "mixed")
+"""`banyan bench speculative`'s: copy is speculative.copy_prompts (rewrite a given text), code-edit
+code_edits.code_edit_prompts (change a given module, reply with all of it), mixed half copy and half random."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class BenchPrompt:
     """vLLM's structured_outputs (json-schema); None: unconstrained."""
     temperature: float | None = None
     """This prompt's sampling temperature; None: the run's."""
+    ignore_eos: bool = True
+    """False: the request may stop at the end of the model's answer, output_len being its cap."""
 
 
 def random_prompts(num_prompts: int, input_len: int, output_len: int, vocab_size: int, *,

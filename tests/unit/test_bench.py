@@ -399,6 +399,37 @@ def test_copy_prompts_ask_to_rewrite_a_seeded_text(model_dir):
     assert "Rewrite the following text" in text and sum(sentence in text for sentence in PASSAGE) == 2
 
 
+def test_code_edit_prompts_ask_for_seeded_edits_of_given_code_and_stop_at_the_answers_end(model_dir):
+    from banyan.bench.code_edits import EDITS, SNIPPETS, code_edit_prompts
+    from banyan.text.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    pairs = len(SNIPPETS) * len(EDITS)
+    prompts = code_edit_prompts(tokenizer, pairs + 2, seed=3)
+    assert [p.prompt_token_ids for p in prompts] == [p.prompt_token_ids for p in code_edit_prompts(tokenizer, pairs + 2, seed=3)]
+    texts = [tokenizer.decode(p.prompt_token_ids) for p in prompts]
+    assert len(set(texts[:pairs])) == pairs  # every (snippet, edit) once before any repeats
+    for text, prompt in zip(texts, prompts):
+        snippet = next(s for s in SNIPPETS if s.code in text)  # the whole module, to be sent back changed
+        assert "Reply with the whole updated code" in text and (snippet.function in text or snippet.variable in text)
+        assert not prompt.ignore_eos and prompt.output_len == 2 * len(tokenizer.encode(snippet.code)) + 16
+    assert {p.output_len for p in code_edit_prompts(tokenizer, 3, max_tokens=9)} == {9}
+
+
+def test_speculative_cli_code_edit_workload_emits_the_same_tokens_with_and_without_speculation(model_dir, tmp_path):
+    out = tmp_path / "speculative.json"
+    argv = ["bench", "speculative", "--model", str(model_dir), "--num-threads", "1", "--block-size", "4",
+            "--kv-cache-memory", "32MiB", "--max-model-len", "512", "--workload", "code-edit", "--num-prompts", "2",
+            "--output-len", "12", "--rounds", "1", "--methods", "ngram", "--policies", "fixed",
+            "--output-json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert report["config"]["bench"]["workload"] == "code-edit" and report["config"]["bench"]["temperature"] == 0.0
+    assert list(results) == ["off", "ngram-fixed"]
+    assert 0 < results["off"]["total_output_tokens"] == results["ngram-fixed"]["total_output_tokens"] <= 2 * 12
+
+
 def test_serve_against_a_real_server(model_dir, tmp_path):
     server = start_server(model_dir, "--kv-cache-memory", "16MiB", "--max-model-len", "256")
     try:
