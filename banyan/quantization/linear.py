@@ -24,7 +24,7 @@ memory bound, so it runs up to 2x faster there, and no slower at prefill sizes.
 On CPUs with AMX tiles, outside batch-invariant mode, int8/int4 layers keep a bf16 copy (`wide_bf16`) for calls of
 BF16_ROWS rows and more (prefill): torch's bf16 GEMM runs on the tiles at 1.0-1.9 TFLOP/s on 2 cores from 256 rows,
 where banyan's integer kernel, whose every block of 32 inputs leaves the tiles for its float scaling, stays near
-1 TOP/s (docs/quantization.md, "CPUs with AMX").
+1 TOP/s (docs/quantization.md, "CPUs with AMX"). The copy is kept in oneDNN's blocked layout (`onednn_blocked`).
 
 None of torch's GEMMs gives a row the same bits whatever the row count (measured over 1-64 rows: MKL's
 float32 and FBGEMM's fp16 both move in the last bits), and the switch at 8 rows changes x's rounding. With
@@ -49,6 +49,23 @@ _CPU_CHUNK_VALUES = 1 << 19  # weights dequantized at a time on a CPU: 2 MiB of 
 BF16_ROWS = 128
 """Rows of x from which an AMX CPU's bf16 copy serves (`wide_bf16`): at 64 rows the integer kernel was as fast
 (0.94 against 0.78 TFLOP/s, 1536 x 576 int4), from 256 the bf16 GEMM 1.3-1.9x it."""
+
+
+def onednn_blocked(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] in oneDNN's own blocked layout, where torch's build has oneDNN: `F.linear` on the plain
+    tensor re-blocks the weight for the tiles in every call, which at prefill sizes is a third of the GEMM (1.2-1.6x
+    faster from 128 to 333 rows, level from 512, the same bits: docs/quantization.md). Else the plain tensor."""
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight)
+    except (AttributeError, RuntimeError):  # a build without oneDNN, or one that refuses the shape
+        return weight
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 times a bf16 weight [N, K] as `onednn_blocked` left it: y = x W^T, bf16."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return F.linear(x, weight)
 
 
 def packed_int_kernels_fast(device: torch.device) -> bool:
@@ -133,7 +150,7 @@ class QuantizedLinear(nn.Module):
             self.wide = torch.ops.quantized.linear_prepack_fp16(self.weight.dequantize(torch.float32), None)
             self.packed_bytes = self.in_features * self.out_features * 2
         if self.wide_bf16 and gemv is not None and not invariant:  # in place of banyan's kernel for prefill
-            self.bf16 = self.weight.dequantize(torch.float32).to(torch.bfloat16)
+            self.bf16 = onednn_blocked(self.weight.dequantize(torch.float32).to(torch.bfloat16))
         if kind == "int8":
             self._finish_int8(gemv)
         elif kind == "int4":
@@ -151,7 +168,7 @@ class QuantizedLinear(nn.Module):
         if self.input_order is not None:
             x2 = x2.index_select(1, self.input_order)
         if self.bf16 is not None and x2.shape[0] >= BF16_ROWS:
-            y = nn.functional.linear(x2.to(torch.bfloat16), self.bf16).to(x2.dtype)
+            y = bf16_linear(x2.to(torch.bfloat16), self.bf16).to(x2.dtype)
         elif self.gemv is not None and (self.wide is None or x2.shape[0] <= self.gemv.max_rows):  # a float16 copy: wide
             y = self._narrow(x2.contiguous())
         elif self.wide is not None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +16,8 @@ from banyan.errors import InvalidParameterError
 from banyan.quantization import plan_formats, quantize_linears, use_fixed_order, why_not_invariant_by_default
 from banyan.quantization.formats import FP8, INT8, Int4Weight, Int8Weight, WeightFormat
 from banyan.kernels import cpu_gemv
-from banyan.quantization.linear import BF16_ROWS, FixedOrderLinear, QuantizedLinear, packed_int_kernels_fast
+from banyan.quantization.linear import (BF16_ROWS, FixedOrderLinear, QuantizedLinear, bf16_linear, onednn_blocked,
+                                       packed_int_kernels_fast)
 
 INT4_64 = WeightFormat("int4", 64)
 
@@ -162,6 +166,11 @@ def _rows_alone(layer, x):
     return torch.cat([layer(row[None]) for row in x])
 
 
+def _dequantized_bf16(fmt, w):
+    """The weight a bf16 copy holds, as a plain tensor: w quantized to fmt, dequantized, rounded to bf16."""
+    return fmt.convert(w).dequantize(torch.float32).to(torch.bfloat16)
+
+
 def _layer(fmt, w, **settings):
     layer = QuantizedLinear(w.shape[1], w.shape[0], fmt, packed_kernels=False)
     for name, value in settings.items():
@@ -176,16 +185,37 @@ def _layer(fmt, w, **settings):
 def test_an_amx_cpus_layer_takes_prefill_sized_calls_in_bf16_and_decode_through_its_kernel(weight_and_input, fmt):
     """wide_bf16 (CPUs with AMX, batch invariance off): from BF16_ROWS rows a bf16 copy of the dequantized weight in
     place of banyan's integer kernel (torch's bf16 GEMM runs on the tiles); fewer rows take the kernel as before.
-    Batch-invariant layers, and layers banyan's kernel does not serve, keep no copy."""
+    Batch-invariant layers, and layers banyan's kernel does not serve, keep no copy. The copy lies in oneDNN's
+    blocked layout where torch has oneDNN, with the plain copy's bits."""
     w, _ = weight_and_input
     layer, reference = _layer(fmt, w, wide_bf16=True), make_layer(fmt, w, packed=False, gemv=True)
     wide, narrow = torch.randn(BF16_ROWS, 256), torch.randn(BF16_ROWS - 1, 256)
     assert layer.bf16.dtype == torch.bfloat16 and layer.quantized_bytes() >= 256 * 96 * 2
-    assert torch.equal(layer(wide), F.linear(wide.bfloat16(), layer.bf16).float())
+    assert layer.bf16.is_mkldnn == onednn_blocked(torch.zeros(16, 32, dtype=torch.bfloat16)).is_mkldnn
+    plain = _dequantized_bf16(fmt, w)
+    for rows in (BF16_ROWS, 3 * BF16_ROWS + 5):
+        x = torch.randn(rows, 256)
+        assert torch.equal(layer(x), F.linear(x.bfloat16(), plain).float())
     assert relative_error(layer(wide), F.linear(wide, w)) < 0.1
     assert torch.equal(layer(narrow), reference(narrow))
     assert _layer(fmt, w, wide_bf16=True, batch_invariant=True).bf16 is None
     assert _layer(fmt, w, wide_bf16=True, cpu_kernel=False).bf16 is None
+
+
+def test_a_bf16_copy_stays_plain_where_onednn_refuses_to_block_it():
+    """Where oneDNN has no bf16 path (an AVX2-only CPU; here its ISA capped to AVX2) the copy stays a plain tensor
+    and F.linear takes it; on a CPU that blocks it, the blocked copy gives F.linear's bits."""
+    script = ("import torch, torch.nn.functional as F\n"
+              "from banyan.quantization.linear import bf16_linear, onednn_blocked\n"
+              "w, x = torch.randn(96, 256).bfloat16(), torch.randn(130, 256).bfloat16()\n"
+              "copy = onednn_blocked(w)\n"
+              "assert torch.equal(bf16_linear(x, copy), F.linear(x, w))\n"
+              "print(copy.is_mkldnn)\n")
+    capped = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                            env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert capped.stdout.split() == ["False"]
+    w, x = torch.randn(96, 256).bfloat16(), torch.randn(130, 256).bfloat16()
+    assert torch.equal(bf16_linear(x, onednn_blocked(w)), F.linear(x, w))
 
 
 @needs_gemv
@@ -200,9 +230,10 @@ def test_a_gated_mlp_on_bf16_copies_keeps_its_middle_in_bf16():
     mlp = GatedMLP(256, 64)
     mlp.gate_up_proj, mlp.down_proj = _layer(INT8, w_gate_up, wide_bf16=True), _layer(INT8, w_down, wide_bf16=True)
     wide, narrow = torch.randn(BF16_ROWS, 256, generator=gen), torch.randn(BF16_ROWS - 1, 256, generator=gen)
-    middle = F.linear(wide.bfloat16(), mlp.gate_up_proj.bf16)
+    plain_gate_up, plain_down = _dequantized_bf16(INT8, w_gate_up), _dequantized_bf16(INT8, w_down)
+    middle = F.linear(wide.bfloat16(), plain_gate_up)
     gate, up = middle.float().chunk(2, dim=-1)
-    expected = F.linear((F.silu(gate) * up).bfloat16(), mlp.down_proj.bf16).float()
+    expected = F.linear((F.silu(gate) * up).bfloat16(), plain_down).float()
     out = mlp(wide)
     assert out.dtype == torch.float32 and torch.allclose(out, expected, rtol=2e-2, atol=2e-3)
     round_trip = mlp.down_proj(mlp.act_mul(mlp.gate_up_proj(wide)))  # float32 between the two: the old path
