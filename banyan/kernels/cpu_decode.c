@@ -836,3 +836,234 @@ void gather_f16_as_bf16(const uint16_t *cache, const int64_t *index, int n, int 
         for (; d < width; d += 8) store_bf16(dst + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + d))));
     }
 }
+
+/* Causal attention of one prefill chunk in bf16 on AMX tiles: n query rows of one sequence at positions first ..
+ * first + n - 1 over its keys 0 .. first + n - 1 in the pages `table` lists, q and K rounded to bf16 for the scores,
+ * the softmax in float32, its weights and V rounded to bf16 for the outputs, every sum of products in float32 (what
+ * torch's bf16 SDPA computes, in another blocking). Flash attention's running max and sum, 32 keys a step:
+ *
+ *     S = q K^T (two 16 x 16 tiles a step, D / 32 products each)    m' = max(m, max_j s_j)
+ *     p_j = e^(s_j - m')    l = l e^(m - m') + sum_j p_j             o = o e^(m - m') + p V (D / 16 tiles)
+ *
+ * A tile of 16 query rows of one head takes 16 x 32 bf16 of q (A), and the keys' tiles hold K's dimension pairs
+ * against 16 keys (B: row r = dims 2r, 2r + 1 of each key; VNNI's pairs), V's key pairs against 16 output columns
+ * (B: row r = keys 2r, 2r + 1). Both are laid out once a call per KV head (every query head of its group and every
+ * row tile reads them), rounded from the cache's float32 or float16. The weights p of a step are the A tile of
+ * the second product. Rows are independent of each other but not of the chunk's width: not batch-invariant.
+ * Returns 0, or -1 where this build or CPU has no AMX-BF16, or for an fp8 cache (the caller attends another way). */
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define FLASH_ROWS 16
+#define FLASH_KEYS 32
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_bf16;
+
+/* Whether Linux lets this process use the tiles (asked once; cpu_gemv.c's cpu_gemv_tiles asks the same). */
+static int flash_tiles_granted(void) {
+    static int granted = -1;
+    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return granted;
+}
+
+static inline uint16_t bf16_of(float x) {  /* store_bf16x16's rounding on one value */
+    uint32_t b;
+    __builtin_memcpy(&b, &x, 4);
+    if ((b & 0x7FFFFFFF) > 0x7F800000) return 0x7FC0;
+    return (uint16_t)((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
+}
+
+/* Key t's head h, D values rounded to bf16 (zeros past `keys`: their scores are masked, their weights 0). */
+static inline __attribute__((always_inline)) void flash_key_row(const void *cache, const int32_t *table, int t, int keys,
+                                                                int h, int KVH, int D, int P, const int kind,
+                                                                uint16_t *dst) {
+    if (t >= keys) {
+        __builtin_memset(dst, 0, sizeof(uint16_t) * D);
+        return;
+    }
+    const size_t at = ((size_t)table[t / P] * P + t % P) * KVH * D + (size_t)h * D;
+    for (int d = 0; d < D; d += 16)
+        store_bf16x16(dst + d, _mm512_castpd_ps(_mm512_insertf64x4(
+                                   _mm512_castpd256_pd512(_mm256_castps_pd(load_kv(cache, at + d, kind))),
+                                   _mm256_castps_pd(load_kv(cache, at + d + 8, kind)), 1)));
+}
+
+/* Keys [0, keys) of KV head h as the B tiles of both products: kt [blocks of 16 keys][D / 32][16 pairs][16 keys][2],
+ * vt [blocks of 32 keys][D / 16][16 key pairs][16 columns][2]; keys past `keys` are zeros. Two keys at a time: a
+ * key's dimension pairs go down a K tile's column (one scatter a 32 dimensions), the two keys' values interleave into
+ * a V tile's row (one permute a 16 columns). */
+static void flash_layout(const void *k_cache, const void *v_cache, const int32_t *table, int keys, int padded, int h,
+                         int KVH, int D, int P, const int kind, uint16_t *kt, uint16_t *vt) {
+    uint16_t k16[2][256] __attribute__((aligned(64))), v16[2][256] __attribute__((aligned(64)));
+    const __m512i down = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));  /* a tile column's 16 rows, in uint32 */
+    const __m512i pairs = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                           39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    for (int t = 0; t < padded; t += 2) {
+        for (int e = 0; e < 2; e++) {
+            flash_key_row(k_cache, table, t + e, keys, h, KVH, D, P, kind, k16[e]);
+            flash_key_row(v_cache, table, t + e, keys, h, KVH, D, P, kind, v16[e]);
+        }
+        for (int e = 0; e < 2; e++) {
+            const int kb = (t + e) / 16, kn = (t + e) % 16;
+            for (int c = 0; c < D / 32; c++)
+                _mm512_i32scatter_epi32(kt + (((size_t)kb * (D / 32) + c) * 16 * 16 + kn) * 2, down,
+                                        _mm512_loadu_si512(k16[e] + 32 * c), 4);
+        }
+        const int vb = t / FLASH_KEYS, vr = (t % FLASH_KEYS) / 2;
+        for (int c = 0; c < D / 16; c++) {
+            const __m512i even = _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(v16[0] + 16 * c)));
+            const __m512i odd = _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(v16[1] + 16 * c)));
+            _mm512_storeu_si512(vt + (((size_t)vb * (D / 16) + c) * 16 + vr) * 32, _mm512_permutex2var_epi16(even, pairs, odd));
+        }
+    }
+}
+
+static void flash_configure(void) {
+    tile_config_bf16 c = {0};
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* 2^t for t <= 128: 2^n 2^r, n = round(t), |r| <= 1/2, 2^r by its Taylor polynomial of degree 4 (relative error
+ * below 5e-5, under a tenth of bf16's rounding, which these weights take next); t below -127 gives about 0. */
+static inline __m512 exp2_weights(__m512 t) {
+    t = _mm512_max_ps(t, _mm512_set1_ps(-127.0f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(9.6181291e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Rows [r0, r0 + 16) of the chunk (fewer at its end: the rest zeros, never written) for query head hq. The running
+ * max m is in raw scores and moves only when a step's scores exceed it (then o and l are rescaled by
+ * 2^((m - m') c)); a row's sum l is kept in 16 lanes and added up once at the end. */
+static void flash_tile(const float *q, int q_stride, const uint16_t *kt, const uint16_t *vt, int first, int n, int r0,
+                       int hq, int D, float scale, float *out, int out_stride) {
+    uint16_t qa[FLASH_ROWS * 256] __attribute__((aligned(64)));  /* q's rows in bf16, D apart */
+    float s[FLASH_ROWS * FLASH_KEYS] __attribute__((aligned(64)));
+    __m512bh pa[FLASH_ROWS];  /* a step's weights: row i's 32 in pa[i] */
+    float o[FLASH_ROWS * 256] __attribute__((aligned(64))), ob[FLASH_ROWS * 16] __attribute__((aligned(64)));
+    __m512 l[FLASH_ROWS];
+    float m[FLASH_ROWS], alpha[FLASH_ROWS];
+    const float c = scale * 1.44269504088896341f;  /* scores to base-2 exponents */
+    const int rows = n - r0 < FLASH_ROWS ? n - r0 : FLASH_ROWS;
+    for (int i = 0; i < FLASH_ROWS; i++) {
+        for (int d = 0; d < D; d += 16) {
+            const __m512 x = i < rows ? _mm512_loadu_ps(q + (size_t)(r0 + i) * q_stride + (size_t)hq * D + d) : _mm512_setzero_ps();
+            store_bf16x16(qa + i * D + d, x);
+            _mm512_store_ps(o + i * D + d, _mm512_setzero_ps());
+        }
+        m[i] = -INFINITY, l[i] = _mm512_setzero_ps();
+    }
+    const int lo = first + r0, hi = first + r0 + rows - 1;  /* the tile's first and last positions */
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int j0 = 0; j0 <= hi; j0 += FLASH_KEYS) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int cc = 0; cc < D / 32; cc++) {
+            _tile_loadd(2, qa + 32 * cc, D * 2);
+            _tile_loadd(4, kt + (((size_t)(j0 / 16) * (D / 32) + cc) * 512), 64);
+            _tile_dpbf16ps(0, 2, 4);
+            _tile_loadd(5, kt + (((size_t)(j0 / 16 + 1) * (D / 32) + cc) * 512), 64);
+            _tile_dpbf16ps(1, 2, 5);
+        }
+        _tile_stored(0, s, FLASH_KEYS * 4);
+        _tile_stored(1, s + 16, FLASH_KEYS * 4);
+        const int whole = j0 + FLASH_KEYS - 1 <= lo;  /* every row sees every key of the step */
+        int rescale = 0;
+        for (int i = 0; i < rows; i++) {
+            __m512 a = _mm512_load_ps(s + i * FLASH_KEYS), b = _mm512_load_ps(s + i * FLASH_KEYS + 16);
+            __mmask16 ka = 0xFFFF, kb = 0xFFFF;
+            if (!whole) {  /* keys after the row's position (and past the chunk) */
+                const __m512i seen = _mm512_set1_epi32(first + r0 + i - j0 + 1);  /* keys of this step the row sees */
+                ka = _mm512_cmplt_epi32_mask(lanes, seen);
+                kb = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lanes, _mm512_set1_epi32(16)), seen);
+                a = _mm512_mask_blend_ps(ka, _mm512_set1_ps(-INFINITY), a);
+                b = _mm512_mask_blend_ps(kb, _mm512_set1_ps(-INFINITY), b);
+            }
+            alpha[i] = 1.0f;
+            const __m512 mi = _mm512_set1_ps(m[i]);
+            if (_mm512_cmp_ps_mask(a, mi, _CMP_GT_OQ) | _mm512_cmp_ps_mask(b, mi, _CMP_GT_OQ)) {  /* a new max */
+                const float top = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+                alpha[i] = m[i] == -INFINITY ? 0.0f : exp2f((m[i] - top) * c);
+                l[i] = _mm512_mul_ps(l[i], _mm512_set1_ps(alpha[i]));
+                m[i] = top, rescale = 1;
+            }
+            const __m512 shift = _mm512_set1_ps(m[i] * c);
+            const __m512 pa16 = _mm512_maskz_mov_ps(ka, exp2_weights(_mm512_fmsub_ps(a, _mm512_set1_ps(c), shift)));
+            const __m512 pb16 = _mm512_maskz_mov_ps(kb, exp2_weights(_mm512_fmsub_ps(b, _mm512_set1_ps(c), shift)));
+            l[i] = _mm512_add_ps(l[i], _mm512_add_ps(pa16, pb16));
+            pa[i] = _mm512_cvtne2ps_pbh(pb16, pa16);
+        }
+        for (int i = rows; i < FLASH_ROWS; i++) pa[i] = (__m512bh)_mm512_setzero_si512();
+        _tile_loadd(6, pa, FLASH_KEYS * 2);
+        for (int cc = 0; cc < D / 16; cc++) {
+            _tile_zero(7);
+            _tile_loadd(5, vt + (((size_t)(j0 / FLASH_KEYS) * (D / 16) + cc) * 512), 64);
+            _tile_dpbf16ps(7, 6, 5);
+            _tile_stored(7, ob, 64);
+            for (int i = 0; i < rows; i++) {
+                float *oi = o + i * D + 16 * cc;
+                const __m512 add = _mm512_load_ps(ob + 16 * i);
+                _mm512_store_ps(oi, rescale ? _mm512_fmadd_ps(_mm512_load_ps(oi), _mm512_set1_ps(alpha[i]), add)
+                                            : _mm512_add_ps(_mm512_load_ps(oi), add));
+            }
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(l[i]));
+        float *dst = out + (size_t)(r0 + i) * out_stride + (size_t)hq * D;
+        for (int d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(o + i * D + d), inv));
+    }
+}
+
+int flash_prefill_bf16(const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *table,
+                       int first, int n, int H, int KVH, int D, int P, float scale, float *out, int out_stride,
+                       int kv_kind, int threads) {
+    if (D % 32 || D > 256 || n <= 0 || kv_kind == KV_FP8 || !flash_tiles_granted()) return -1;  /* fp8: no kv_scale here */
+    const int keys = first + n, padded = (keys + FLASH_KEYS - 1) / FLASH_KEYS * FLASH_KEYS, group = H / KVH;
+    const size_t per_head = (size_t)padded * D;  /* bf16 values of K (and of V) a KV head */
+    uint16_t *kt = aligned_alloc(64, per_head * 2 * KVH * sizeof(uint16_t)), *vt = kt + per_head * KVH;
+    if (kt == NULL) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (KVH > 1)
+    for (int h = 0; h < KVH; h++) {
+        if (kv_kind == KV_F16)
+            flash_layout(k_cache, v_cache, table, keys, padded, h, KVH, D, P, KV_F16, kt + h * per_head, vt + h * per_head);
+        else
+            flash_layout(k_cache, v_cache, table, keys, padded, h, KVH, D, P, KV_F32, kt + h * per_head, vt + h * per_head);
+    }
+    const int tiles = (n + FLASH_ROWS - 1) / FLASH_ROWS;
+#pragma omp parallel num_threads(threads)
+    {
+        flash_configure();
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < H * tiles; item++) {
+            const int hq = item / tiles, r0 = (tiles - 1 - item % tiles) * FLASH_ROWS;  /* the longest rows first */
+            const int h = hq / group;
+            flash_tile(q, q_stride, kt + h * per_head, vt + h * per_head, first, n, r0, hq, D, scale, out, out_stride);
+        }
+        _tile_release();
+    }
+    free(kt);
+    return 0;
+}
+#else
+int flash_prefill_bf16(const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *table,
+                       int first, int n, int H, int KVH, int D, int P, float scale, float *out, int out_stride,
+                       int kv_kind, int threads) {
+    (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)table, (void)first, (void)n, (void)H, (void)KVH;
+    (void)D, (void)P, (void)scale, (void)out, (void)out_stride, (void)kv_kind, (void)threads;
+    return -1;
+}
+#endif

@@ -21,6 +21,7 @@ import os
 import torch
 
 from banyan.kernels import cpu_gemv
+from banyan.kernels.cpu_features import cpu_flags
 
 DISABLE_ENV = "BANYAN_DISABLE_FUSED_DECODE"
 
@@ -37,7 +38,8 @@ class DecodeKernels:
     """Bindings of cpu_decode.c. Tensors are float32 (int64/int32 where said) and contiguous unless a row
     stride is taken; dims (hidden, head_dim / 2, intermediate) multiples of 8."""
 
-    def __init__(self, lib: ctypes.CDLL):
+    def __init__(self, lib: ctypes.CDLL, amx_bf16: bool = False):
+        """amx_bf16: the library was built with AMX-BF16 and the CPU has it (flash_prefill serves)."""
         p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         lib.rms_norm.argtypes = [p, p, p, p, p, i, i, f, i]
         lib.rope_store_kv.argtypes = [p, i, p, i, p, i, p, p, p, i, p, p, p, i, i, i, i, i, i]
@@ -47,7 +49,10 @@ class DecodeKernels:
         lib.rms_norm.restype = lib.paged_attention.restype = lib.silu_mul.restype = lib.silu_mul_bf16.restype = None
         lib.gather_f16_as_bf16.restype = None
         lib.rope_store_kv.restype = ctypes.c_int
+        lib.flash_prefill_bf16.argtypes = [p, i, p, p, p, i, i, i, i, i, i, f, p, i, i, i]
+        lib.flash_prefill_bf16.restype = ctypes.c_int
         self._lib = lib
+        self.amx_bf16 = amx_bf16
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [..., dim] -> x / sqrt(mean(x^2) + eps) * weight."""
@@ -96,6 +101,21 @@ class DecodeKernels:
             rows.rows.data_ptr(), rows.seq_of_row.data_ptr(), rows.positions.data_ptr(), rows.shared_ptr(),
             rows.rows.numel(), heads, kv_heads, dim, page_size, sliding_window or 0, scale, out.data_ptr(),
             rows.scratch.data_ptr(), rows.max_keys, kv_kind(k_cache, KV_DTYPES), kv_scale, threads)
+
+    def flash_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                      first: int, out: torch.Tensor, scale: float) -> bool:
+        """out = causal attention of one sequence's chunk in bf16 on AMX tiles (cpu_decode.c's flash_prefill_bf16):
+        q [n, H, D] (a row-strided view allowed) at positions first .. first + n - 1, over keys 0 .. first + n - 1 in
+        the pages table [pages] int32 lists; out [n, H, D] float32, row-strided allowed; caches float32 or float16,
+        D a multiple of 32. False, with out untouched, where this build or CPU has no AMX-BF16."""
+        if not self.amx_bf16 or k_cache.dtype not in STORE_DTYPES:
+            return False
+        n, heads, dim = q.shape
+        page_size, kv_heads = k_cache.shape[1:3]
+        done = self._lib.flash_prefill_bf16(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), first, n, heads,
+            kv_heads, dim, page_size, scale, out.data_ptr(), out.stride(0), kv_kind(k_cache), torch.get_num_threads())
+        return done == 0
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [..., 2n] -> silu(gate) * up, [..., n]; float32, or bfloat16 (computed in float32, rounded once)."""
@@ -203,4 +223,9 @@ def _load() -> DecodeKernels | None:
     if not cpu_gemv.vector_cpu():
         return None
     gemv = cpu_gemv.load()
-    return None if gemv is None else DecodeKernels(gemv._lib)
+    if gemv is None:
+        return None
+    flags = cpu_flags()
+    amx_bf16 = (gemv.isa == "amx" and {"amx_bf16", "avx512_bf16"} <= flags
+                and os.environ.get("BANYAN_DISABLE_AMX") != "1")
+    return DecodeKernels(gemv._lib, amx_bf16)

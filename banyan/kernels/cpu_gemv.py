@@ -41,7 +41,8 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_a
                                                          "cpu_decode_layers.c", "cpu_argmax.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 AVX512_VNNI = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
-ISA_FLAGS = {"avx2": (), "avx512_vnni": AVX512_VNNI, "amx": (*AVX512_VNNI, "-mamx-tile", "-mamx-int8")}
+ISA_FLAGS = {"avx2": (), "avx512_vnni": AVX512_VNNI, "amx": (*AVX512_VNNI, "-mamx-tile", "-mamx-int8", "-mamx-bf16",
+                                                        "-mavx512bf16")}
 
 
 class CpuKernels:

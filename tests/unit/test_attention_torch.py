@@ -14,7 +14,8 @@ from banyan.forward_batch import ForwardBatch
 HEAD_DIM = 8
 
 
-def make_paged_batch(specs, *, page_size, num_kv_heads, num_heads, rng: random.Random, gen: torch.Generator):
+def make_paged_batch(specs, *, page_size, num_kv_heads, num_heads, rng: random.Random, gen: torch.Generator,
+                     head_dim: int = HEAD_DIM):
     """A ForwardBatch for requests given as (cached prefix length, new tokens), pages shuffled.
 
     The cache starts as noise with each request's prefix K/V written into its pages; returns the batch,
@@ -24,17 +25,17 @@ def make_paged_batch(specs, *, page_size, num_kv_heads, num_heads, rng: random.R
     num_pages = sum(pages_per_seq) + 3
     free = list(range(num_pages))
     rng.shuffle(free)
-    shape = (num_pages, page_size, num_kv_heads, HEAD_DIM)
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
     k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    flat_k, flat_v = k_cache.view(-1, num_kv_heads, HEAD_DIM), v_cache.view(-1, num_kv_heads, HEAD_DIM)
+    flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
 
     tables, slots, positions, full_kv = [], [], [], []
     for (prefix, new), n_pages in zip(specs, pages_per_seq):
         table = [free.pop() for _ in range(n_pages)]
         tables.append(table)
         seq_slots = [table[p // page_size] * page_size + p % page_size for p in range(prefix + new)]
-        k_full = torch.randn(prefix + new, num_kv_heads, HEAD_DIM, generator=gen)
-        v_full = torch.randn(prefix + new, num_kv_heads, HEAD_DIM, generator=gen)
+        k_full = torch.randn(prefix + new, num_kv_heads, head_dim, generator=gen)
+        v_full = torch.randn(prefix + new, num_kv_heads, head_dim, generator=gen)
         flat_k[seq_slots[:prefix]] = k_full[:prefix]
         flat_v[seq_slots[:prefix]] = v_full[:prefix]
         slots += seq_slots[prefix:]
@@ -56,7 +57,7 @@ def make_paged_batch(specs, *, page_size, num_kv_heads, num_heads, rng: random.R
         context_lens=context_lens,
         page_size=page_size,
     )
-    q = torch.randn(sum(query_lens), num_heads, HEAD_DIM, generator=gen)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)
     k = torch.cat([k_full[prefix:] for (k_full, _), (prefix, _) in zip(full_kv, specs)])
     v = torch.cat([v_full[prefix:] for (_, v_full), (prefix, _) in zip(full_kv, specs)])
     return batch, k_cache, v_cache, q, k, v, full_kv
@@ -196,5 +197,54 @@ def test_wide_chunks_over_long_contexts_attend_in_bf16_where_asked():
             assert not torch.equal(out[rows], plain[rows])
         else:
             torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
+            assert torch.equal(out[rows], plain[rows])
+        start += new
+
+
+def test_chunks_of_sixteen_rows_and_more_are_planned_for_flash_attention_where_asked():
+    """flash (AMX-BF16 tiles, batch invariance off): every chunk of FLASH_CHUNK_ROWS+ rows, whatever its context,
+    goes to flash attention with its first position and its pages; decode rows and fewer rows (a verify pass) stay
+    with the fused kernel, and no chunk goes to SDPA."""
+    from banyan.layers.attention.torch_backend import FLASH_CHUNK_ROWS, make_plan
+
+    specs = [(260, 1), (0, FLASH_CHUNK_ROWS), (100, FLASH_CHUNK_ROWS - 1), (300, 50)]
+    rng, gen = random.Random(3), torch.Generator().manual_seed(3)
+    batch, *_ = make_paged_batch(specs, page_size=16, num_kv_heads=2, num_heads=4, rng=rng, gen=gen, head_dim=32)
+    plan = make_plan(batch, None, 16, fused=True, bf16_chunks=True, flash=True)
+    starts = [0, 1, 1 + FLASH_CHUNK_ROWS, 2 * FLASH_CHUNK_ROWS]
+    assert [(c.rows, c.first) for c in plan.flash] == [(slice(starts[1], starts[2]), 0), (slice(starts[3], starts[3] + 50), 300)]
+    assert torch.equal(plan.flash[1].table, batch.block_tables[3])
+    assert plan.groups == [] and plan.paged.rows.tolist() == [0, *range(starts[2], starts[3])]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads", [(64, 9, 3), (128, 4, 4)])
+def test_flash_attention_on_amx_tiles_matches_the_reference(cache_dtype, head_dim, num_heads, num_kv_heads):
+    """Chunks through flash attention (q, K, V and the weights rounded to bf16, float32 sums) within bf16's error of
+    the exact attention, whether they start a prompt or follow a cached prefix, end on a tile of 16 or not, over
+    float32 or float16 pages; the step's other rows keep the fused kernel's numbers exactly."""
+    from banyan.layers.attention.torch_backend import TorchAttentionBackend
+
+    backend = TorchAttentionBackend()
+    if backend.kernels is None or not backend.kernels.amx_bf16:
+        pytest.skip("no AMX-BF16 tiles here")
+    backend.bf16_chunks = True
+    specs = [(70, 1), (0, 16), (133, 37), (5, 3), (1000, 130)]
+    rng, gen = random.Random(7), torch.Generator().manual_seed(7)
+    batch, k_cache, v_cache, q, k, v, full_kv = make_paged_batch(specs, page_size=16, num_kv_heads=num_kv_heads,
+                                                                 num_heads=num_heads, rng=rng, gen=gen, head_dim=head_dim)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    scale = head_dim**-0.5
+    out = backend.forward(q, k, v, k_cache, v_cache, batch, scale)
+    assert len(backend._plan.flash) == 3
+    plain = TorchAttentionBackend().forward(q, k, v, k_cache.clone(), v_cache.clone(), batch, scale)
+    start = 0
+    for (prefix, new), (k_full, v_full) in zip(specs, full_kv):
+        rows = slice(start, start + new)
+        expected = dense_reference(q[rows], k_full.to(cache_dtype).float(), v_full.to(cache_dtype).float(), scale)
+        if new >= 16:
+            assert (out[rows] - expected).norm() / expected.norm() < 1e-2
+            torch.testing.assert_close(out[rows], expected, atol=3e-2, rtol=3e-2)
+        else:
             assert torch.equal(out[rows], plain[rows])
         start += new

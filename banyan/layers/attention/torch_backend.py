@@ -17,9 +17,11 @@ it reads each key where it lies in its page (a prefill chunk's gathered a block 
 Gathering and SDPA cost more per call than a decode row's whole attention, and on prefill chunks SDPA with a mask was
 slower too (AMX Xeon, 2 threads, the default model, prefill alone: 16 x 128 tokens 0.68 s through SDPA against 0.52 s,
 4 x 512 0.97 against 0.78, 1 x 2,000 2.05 against 1.73); it once took only requests of a few new rows. On a CPU
-with AMX tiles and batch invariance off (`bf16_chunks`), a prefill chunk of BF16_CHUNK_ROWS or more rows over
-BF16_CHUNK_KEYS or more keys goes to SDPA in bfloat16 instead, as the bf16 weight copies serve such chunks' matmuls:
-oneDNN's tiles beat the kernel's float32 arithmetic there once a chunk is wide and its context long.
+with AMX tiles and batch invariance off (`bf16_chunks`), as the bf16 weight copies serve prefill chunks' matmuls,
+chunks attend in bf16 too: every chunk of FLASH_CHUNK_ROWS or more rows through banyan's flash attention on AMX-BF16
+tiles (cpu_decode.c's flash_prefill_bf16: 1.6-2.8x SDPA-bf16, 2.2-5.5x the fused kernel from 48 rows), or where
+that cannot serve (no AMX-BF16, an fp8 cache, head_dim not a multiple of 32, a sliding window) a chunk of
+BF16_CHUNK_ROWS or more rows over BF16_CHUNK_KEYS or more keys through SDPA in bfloat16.
 
 SDPA's blocking follows the shapes, so a row's output moves in its last bits with the padding and the
 number of sequences beside it. The fused kernel attends each row over the positions it sees in position order, and
@@ -30,6 +32,7 @@ decode step.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -54,6 +57,15 @@ model's heads, float16 pages, SDPA's time including the gather (rows x keys: the
 1,024 x 1,024 1.89: the thresholds stand."""
 
 
+FLASH_CHUNK_ROWS = 16
+"""With AMX-BF16 tiles (and batch invariance off), a chunk of at least this many rows attends through flash attention
+in bf16 (cpu_decode.c's flash_prefill_bf16); fewer rows (decode, speculative verify passes) keep the fused kernel's
+float32. One layer, the default model's heads, float16 pages, 2 threads (rows x keys: SDPA-bf16's time / flash's,
+the fused kernel's / flash's): 16 x 300 2.04 / 1.26, 16 x 1,400 1.31 / 1.09, 48 x 800 1.99 / 3.04, 152 x 152
+2.62 / 2.42, 128 x 1,344 1.59 / 4.20, 512 x 512 2.09 / 3.98, 2,048 x 2,048 2.77 / 5.46; 8 x 1,400 flash 0.73x the
+fused kernel (too few tiles for two threads)."""
+
+
 @dataclass
 class _Group:
     """Requests whose new rows attend over their pages as one padded batch."""
@@ -68,6 +80,16 @@ class _Group:
 
 
 @dataclass
+class _FlashChunk:
+    """A prefill chunk that attends in bf16 on AMX tiles (cpu_decode.c's flash_prefill_bf16): its rows of q, the
+    position of its first row, and its sequence's pages."""
+
+    rows: slice
+    first: int
+    table: torch.Tensor  # [pages] int32
+
+
+@dataclass
 class _Plan:
     """One forward's groups, the same in every layer."""
 
@@ -77,6 +99,7 @@ class _Plan:
     query_lens: list[int]
     groups: list[_Group]
     paged: cpu_decode.PagedRows | None = None  # the rows the fused CPU kernel attends (the groups: the others)
+    flash: list[_FlashChunk] = dataclasses.field(default_factory=list)  # chunks AMX flash attention takes
 
     def fits(self, batch: ForwardBatch, sliding_window: int | None) -> bool:
         return (batch is self.batch and sliding_window == self.sliding_window
@@ -101,13 +124,19 @@ class TorchAttentionBackend(AttentionBackend):
             write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping, self.kv_scale)
         plan, kernels = self._plan, self._kernels(k_cache)
         if plan is None or not plan.fits(batch, sliding_window):
+            bf16_chunks = self.bf16_chunks and self.fixed_order is None
+            flash = (bf16_chunks and kernels is not None and kernels.amx_bf16 and sliding_window is None
+                     and k_cache.dtype in cpu_decode.STORE_DTYPES and k_cache.shape[-1] % 32 == 0)
             plan = self._plan = make_plan(batch, sliding_window, k_cache.shape[1], fused=kernels is not None,
-                                          bf16_chunks=self.bf16_chunks and self.fixed_order is None)
-        if plan.paged is None and len(plan.groups) == 1 and plan.groups[0].rows is None:  # decode-only step
+                                          bf16_chunks=bf16_chunks, flash=flash)
+        if plan.paged is None and not plan.flash and len(plan.groups) == 1 and plan.groups[0].rows is None:  # decode only
             return self._attend(plan.groups[0], q, k_cache, v_cache, scale)
         out = q.new_empty(q.shape)
         if plan.paged is not None:
             kernels.paged_attention(q, k_cache, v_cache, out, plan.paged, scale, sliding_window, self.kv_scale)
+        for chunk in plan.flash:
+            if not kernels.flash_prefill(q[chunk.rows], k_cache, v_cache, chunk.table, chunk.first, out[chunk.rows], scale):
+                raise RuntimeError("AMX flash attention refused a chunk it was planned for")
         for group in plan.groups:
             attended = self._attend(group, q, k_cache, v_cache, scale)
             if group.keep is None:
@@ -134,18 +163,24 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 def make_plan(batch: ForwardBatch, sliding_window: int | None, page_size: int, fused: bool = False,
-              bf16_chunks: bool = False) -> _Plan:
+              bf16_chunks: bool = False, flash: bool = False) -> _Plan:
     """fused: every row to the fused kernel, but with bf16_chunks each wide chunk over a long context (BF16_CHUNK_ROWS,
-    BF16_CHUNK_KEYS) in its own group in bfloat16; else decode rows in one group, short chunks in one padded group,
-    each longer prefill chunk in its own."""
+    BF16_CHUNK_KEYS) in its own group in bfloat16, and with flash (AMX-BF16 tiles) every chunk of FLASH_CHUNK_ROWS
+    or more rows through flash attention in bf16 instead; else decode rows in one group, short chunks in one padded
+    group, each longer prefill chunk in its own."""
     device = batch.block_tables.device
     starts = [0, *itertools.accumulate(batch.query_lens)]
     if fused:
-        wide = [i for i, (n, ctx) in enumerate(zip(batch.query_lens, batch.context_lens))
-                if bf16_chunks and n >= BF16_CHUNK_ROWS and ctx >= BF16_CHUNK_KEYS]
+        chunks = list(enumerate(zip(batch.query_lens, batch.context_lens)))
+        by_flash = [i for i, (n, _) in chunks if flash and n >= FLASH_CHUNK_ROWS]
+        wide = [i for i, (n, ctx) in chunks
+                if bf16_chunks and not flash and n >= BF16_CHUNK_ROWS and ctx >= BF16_CHUNK_KEYS]
         groups = [_chunk_group(batch, i, starts, page_size, sliding_window, torch.bfloat16) for i in wide]
+        tables = batch.block_tables.to(torch.int32) if by_flash else None
+        flashed = [_FlashChunk(slice(starts[i], starts[i + 1]), batch.context_lens[i] - batch.query_lens[i],
+                               tables[i].contiguous()) for i in by_flash]
         return _Plan(batch, sliding_window, list(batch.context_lens), list(batch.query_lens), groups,
-                     paged_rows(batch, starts, skip=set(wide)))
+                     paged_rows(batch, starts, skip={*wide, *by_flash}), flashed)
     decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
     groups = []
     if decode:
