@@ -445,3 +445,36 @@ def test_layers_equal_their_torch_fallback(monkeypatch):
     torch.testing.assert_close(fused_act(gate_up), plain_act(gate_up))
     strided = torch.randn(3, 2 * 576, generator=gen)[:, ::2]  # not contiguous: the torch ops
     torch.testing.assert_close(fused_norm(strided), plain_norm(strided))
+
+
+needs_amx_bf16 = pytest.mark.skipif(KERNELS is None or not KERNELS.amx_bf16, reason="needs AMX-BF16 tiles")
+
+
+@needs_amx_bf16
+def test_flash_prefill_gives_each_row_the_same_numbers_at_any_thread_count_and_refuses_what_it_cannot_read():
+    """Each (head, 16 rows) of a chunk is one thread's work in a fixed order, so the output is the same at 1 and 2
+    threads; a long context (2,000 keys), 16 rows exactly and heads of 128 without grouping are served within bf16's
+    error; an fp8 cache, or head_dim not a multiple of 32, is refused with out untouched."""
+    gen, threads_before = torch.Generator().manual_seed(11), torch.get_num_threads()
+    for first, n, heads, kv_heads, dim in ((1984, 16, 9, 3, 64), (0, 16, 4, 4, 128), (7, 70, 6, 2, 64)):
+        keys, page = first + n, 16
+        table = torch.randperm(200, generator=gen)[: -(-keys // page)].to(torch.int32)
+        k_cache, v_cache = (torch.randn(200, page, kv_heads, dim, generator=gen).half() for _ in range(2))
+        q = torch.randn(n, heads, dim, generator=gen)
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = torch.empty(n, heads, dim)
+            assert KERNELS.flash_prefill(q, k_cache, v_cache, table, first, out, dim**-0.5)
+            outs.append(out)
+        torch.set_num_threads(threads_before)
+        assert torch.equal(outs[0], outs[1])
+        exact = paged_attention(q[None], k_cache.float(), v_cache.float(), table[None].long(), [keys], [n], dim**-0.5)[0]
+        assert (outs[0] - exact).norm() / exact.norm() < 1e-2
+    untouched = torch.full((16, 4, 64), 7.0)
+    fp8 = torch.zeros(4, 16, 4, 64).to(torch.float8_e4m3fn)
+    assert not KERNELS.flash_prefill(torch.randn(16, 4, 64), fp8, fp8, torch.arange(1, dtype=torch.int32), 0, untouched, 0.1)
+    narrow = torch.zeros(4, 16, 4, 48).half()
+    assert not KERNELS.flash_prefill(torch.randn(16, 4, 48), narrow, narrow, torch.arange(1, dtype=torch.int32), 0,
+                                     untouched[..., :48].contiguous(), 0.1)
+    assert torch.equal(untouched, torch.full((16, 4, 64), 7.0))
