@@ -924,6 +924,8 @@ static void flash_layout(const void *k_cache, const void *v_cache, const int32_t
     }
 }
 
+int flash_ready(void) { return flash_tiles_granted(); }
+
 static void flash_configure(void) {
     tile_config_bf16 c = {0};
     c.palette = 1;
@@ -1059,6 +1061,8 @@ int flash_prefill_bf16(const float *q, int q_stride, const void *k_cache, const 
     return 0;
 }
 #else
+int flash_ready(void) { return 0; }
+
 int flash_prefill_bf16(const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *table,
                        int first, int n, int H, int KVH, int D, int P, float scale, float *out, int out_stride,
                        int kv_kind, int threads) {

@@ -50,9 +50,9 @@ class DecodeKernels:
         lib.gather_f16_as_bf16.restype = None
         lib.rope_store_kv.restype = ctypes.c_int
         lib.flash_prefill_bf16.argtypes = [p, i, p, p, p, i, i, i, i, i, i, f, p, i, i, i]
-        lib.flash_prefill_bf16.restype = ctypes.c_int
+        lib.flash_prefill_bf16.restype = lib.flash_ready.restype = ctypes.c_int
         self._lib = lib
-        self.amx_bf16 = amx_bf16
+        self.amx_bf16 = amx_bf16 and lib.flash_ready() == 1  # Linux grants the tiles (asked once)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [..., dim] -> x / sqrt(mean(x^2) + eps) * weight."""

@@ -248,3 +248,24 @@ def test_flash_attention_on_amx_tiles_matches_the_reference(cache_dtype, head_di
         else:
             assert torch.equal(out[rows], plain[rows])
         start += new
+
+
+def test_a_chunk_flash_attention_refuses_is_attended_by_the_fused_kernel(monkeypatch):
+    """Where the tiles' kernel refuses a chunk it was planned for (its scratch memory not granted), the chunk's rows
+    take the fused kernel instead: the same numbers as a backend that never planned flash attention."""
+    from banyan.layers.attention.torch_backend import TorchAttentionBackend
+
+    backend = TorchAttentionBackend()
+    if backend.kernels is None:
+        pytest.skip("no fused CPU kernels here")
+    backend.bf16_chunks = True
+    monkeypatch.setattr(backend.kernels, "amx_bf16", True)
+    monkeypatch.setattr(backend.kernels, "flash_prefill", lambda *args: False)
+    specs = [(40, 1), (20, 33)]
+    rng, gen = random.Random(9), torch.Generator().manual_seed(9)
+    batch, k_cache, v_cache, q, k, v, _ = make_paged_batch(specs, page_size=16, num_kv_heads=2, num_heads=4, rng=rng,
+                                                           gen=gen, head_dim=32)
+    out = backend.forward(q, k, v, k_cache, v_cache, batch, 0.25)
+    assert len(backend._plan.flash) == 1
+    plain = TorchAttentionBackend().forward(q, k, v, k_cache.clone(), v_cache.clone(), batch, 0.25)
+    assert torch.equal(out, plain)

@@ -87,6 +87,13 @@ class _FlashChunk:
     rows: slice
     first: int
     table: torch.Tensor  # [pages] int32
+    seq: int  # its sequence in the batch
+
+    def alone(self, batch: ForwardBatch) -> cpu_decode.PagedRows:
+        """Its rows for the fused kernel, where flash attention refuses them (its scratch memory not granted)."""
+        rows = range(self.rows.start, self.rows.stop)
+        return cpu_decode.PagedRows(list(rows), [self.seq] * len(rows), list(range(self.first, self.first + len(rows))),
+                                    batch.block_tables)
 
 
 @dataclass
@@ -136,7 +143,7 @@ class TorchAttentionBackend(AttentionBackend):
             kernels.paged_attention(q, k_cache, v_cache, out, plan.paged, scale, sliding_window, self.kv_scale)
         for chunk in plan.flash:
             if not kernels.flash_prefill(q[chunk.rows], k_cache, v_cache, chunk.table, chunk.first, out[chunk.rows], scale):
-                raise RuntimeError("AMX flash attention refused a chunk it was planned for")
+                kernels.paged_attention(q, k_cache, v_cache, out, chunk.alone(batch), scale, None, self.kv_scale)
         for group in plan.groups:
             attended = self._attend(group, q, k_cache, v_cache, scale)
             if group.keep is None:
@@ -178,7 +185,7 @@ def make_plan(batch: ForwardBatch, sliding_window: int | None, page_size: int, f
         groups = [_chunk_group(batch, i, starts, page_size, sliding_window, torch.bfloat16) for i in wide]
         tables = batch.block_tables.to(torch.int32) if by_flash else None
         flashed = [_FlashChunk(slice(starts[i], starts[i + 1]), batch.context_lens[i] - batch.query_lens[i],
-                               tables[i].contiguous()) for i in by_flash]
+                               tables[i].contiguous(), i) for i in by_flash]
         return _Plan(batch, sliding_window, list(batch.context_lens), list(batch.query_lens), groups,
                      paged_rows(batch, starts, skip={*wide, *by_flash}), flashed)
     decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
