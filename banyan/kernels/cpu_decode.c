@@ -849,7 +849,9 @@ void gather_f16_as_bf16(const uint16_t *cache, const int64_t *index, int n, int 
  * against 16 keys (B: row r = dims 2r, 2r + 1 of each key; VNNI's pairs), V's key pairs against 16 output columns
  * (B: row r = keys 2r, 2r + 1). Both are laid out once a call per KV head (every query head of its group and every
  * row tile reads them), rounded from the cache's float32 or float16. The weights p of a step are the A tile of
- * the second product. Rows are independent of each other but not of the chunk's width: not batch-invariant.
+ * the second product. A row's numbers follow from its own q and keys alone (a step past its position adds exact
+ * zeros), but they are not the fused float32 kernel's: a token attends otherwise in a chunk of 16 rows or more than
+ * in a decode step, so this serves only outside batch-invariant mode.
  * Returns 0, or -1 where this build or CPU has no AMX-BF16, or for an fp8 cache (the caller attends another way). */
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #include <stdlib.h>
