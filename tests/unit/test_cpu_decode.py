@@ -478,3 +478,17 @@ def test_flash_prefill_gives_each_row_the_same_numbers_at_any_thread_count_and_r
     assert not KERNELS.flash_prefill(torch.randn(16, 4, 48), narrow, narrow, torch.arange(1, dtype=torch.int32), 0,
                                      untouched[..., :48].contiguous(), 0.1)
     assert torch.equal(untouched, torch.full((16, 4, 64), 7.0))
+
+
+@needs_amx_bf16
+def test_flash_prefill_gives_a_row_the_same_numbers_in_any_chunk_of_sixteen_rows_or_more():
+    """A row's scores, softmax and sums follow from its own q and keys (steps past its position add exact zeros), so
+    chunked prefill gives the rows the same numbers wherever the chunks are cut."""
+    gen = torch.Generator().manual_seed(12)
+    table = torch.randperm(40, generator=gen)[:12].to(torch.int32)
+    k_cache, v_cache = (torch.randn(40, 16, 3, 64, generator=gen).half() for _ in range(2))
+    q = torch.randn(48, 9, 64, generator=gen)
+    whole, tail = torch.empty(48, 9, 64), torch.empty(29, 9, 64)
+    assert KERNELS.flash_prefill(q, k_cache, v_cache, table, 100, whole, 0.125)
+    assert KERNELS.flash_prefill(q[19:], k_cache, v_cache, table, 119, tail, 0.125)
+    assert torch.equal(whole[19:], tail)
