@@ -853,10 +853,8 @@ void gather_f16_as_bf16(const uint16_t *cache, const int64_t *index, int n, int 
  * zeros), but they are not the fused float32 kernel's: a token attends otherwise in a chunk of 16 rows or more than
  * in a decode step, so this serves only outside batch-invariant mode.
  * Returns 0, or -1 where this build or CPU has no AMX-BF16, or for an fp8 cache (the caller attends another way). */
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AMX_INT8__)  /* cpu_gemv.c asks for the tiles */
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define FLASH_ROWS 16
 #define FLASH_KEYS 32
 
@@ -866,19 +864,7 @@ typedef struct {
     uint8_t rows[16];
 } tile_config_bf16;
 
-/* Whether Linux lets this process use the tiles (asked once; cpu_gemv.c's cpu_gemv_tiles asks the same). */
-static int flash_tiles_granted(void) {
-    static int granted = -1;
-    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return granted;
-}
-
-static inline uint16_t bf16_of(float x) {  /* store_bf16x16's rounding on one value */
-    uint32_t b;
-    __builtin_memcpy(&b, &x, 4);
-    if ((b & 0x7FFFFFFF) > 0x7F800000) return 0x7FC0;
-    return (uint16_t)((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
-}
+int amx_tiles_granted(void);  /* cpu_gemv.c: whether Linux lets this process use the tile state */
 
 /* Key t's head h, D values rounded to bf16 (zeros past `keys`: their scores are masked, their weights 0). */
 static inline __attribute__((always_inline)) void flash_key_row(const void *cache, const int32_t *table, int t, int keys,
@@ -926,7 +912,7 @@ static void flash_layout(const void *k_cache, const void *v_cache, const int32_t
     }
 }
 
-int flash_ready(void) { return flash_tiles_granted(); }
+int flash_ready(void) { return amx_tiles_granted(); }
 
 static void flash_configure(void) {
     tile_config_bf16 c = {0};
@@ -1035,7 +1021,7 @@ static void flash_tile(const float *q, int q_stride, const uint16_t *kt, const u
 int flash_prefill_bf16(const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *table,
                        int first, int n, int H, int KVH, int D, int P, float scale, float *out, int out_stride,
                        int kv_kind, int threads) {
-    if (D % 32 || D > 256 || n <= 0 || kv_kind == KV_FP8 || !flash_tiles_granted()) return -1;  /* fp8: no kv_scale here */
+    if (D % 32 || D > 256 || n <= 0 || kv_kind == KV_FP8 || !amx_tiles_granted()) return -1;  /* fp8: no kv_scale here */
     const int keys = first + n, padded = (keys + FLASH_KEYS - 1) / FLASH_KEYS * FLASH_KEYS, group = H / KVH;
     const size_t per_head = (size_t)padded * D;  /* bf16 values of K (and of V) a KV head */
     uint16_t *kt = aligned_alloc(64, per_head * 2 * KVH * sizeof(uint16_t)), *vt = kt + per_head * KVH;

@@ -370,11 +370,16 @@ static inline __attribute__((always_inline)) void int8_tile16(const int R, const
 #define AMX_ROWS 16
 static int use_tiles = 0;
 
+/* Whether Linux lets this process use the tile state (asked once; cpu_decode.c's flash attention asks here too). */
+int amx_tiles_granted(void) {
+    static int granted = -1;
+    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return granted;
+}
+
 /* Turns the tile path on (on = 1: asks Linux for the tile state once) or off; returns whether it is on. */
 int cpu_gemv_tiles(int on) {
-    static int granted = -1;
-    if (on && granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    use_tiles = on && granted > 0;
+    use_tiles = on && amx_tiles_granted();
     return use_tiles;
 }
 
