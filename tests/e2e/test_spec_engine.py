@@ -289,8 +289,9 @@ def test_the_step_time_model_learns_from_back_to_back_step_periods(tiny, monkeyp
     monkeypatch.setattr(llm.engine.speculator, "observe_step", lambda *args: seen.append(args))
     steps = []
     monkeypatch.setattr(llm.engine, "before_step", [lambda e: steps.append(e.scheduler.has_unfinished_requests())])
+    short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)  # ends first, whatever is accepted
     for run in (prompts[:2], prompts[2:4]):  # the pause between two runs is waiting, not a step's cost
-        llm.generate([{"prompt_token_ids": p} for p in run], greedy(), use_tqdm=False)
+        llm.generate([{"prompt_token_ids": p} for p in run], [greedy(), short], use_tqdm=False)
     assert len(seen) == sum(steps) - 2  # every step but each run's last
     assert all(tokens > 0 and seconds > 0 and draft_seconds == 0 for tokens, seconds, draft_seconds, _, _ in seen)  # no network
     assert {seqs for *_, seqs in seen} == {1, 2}  # each step's sequences: two requests, then one left
