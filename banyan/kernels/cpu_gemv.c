@@ -130,13 +130,14 @@ static inline __attribute__((always_inline)) void int4_tile(const int R, const u
     const int blocks = K / 32;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256 acc[TILE_ROWS], off[TILE_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = off[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int g = 0, b = 0; g < groups; g++) {
         const __m256 sg = _mm256_loadu_ps(s8 + 8 * g);
         for (int j = 0; j < per_group; j++, b++) {
             const uint8_t *block = wp + (size_t)b * 128;
             _mm_prefetch((const char *)(block + PREFETCH_AHEAD), _MM_HINT_T0);
             _mm_prefetch((const char *)(block + PREFETCH_AHEAD + 64), _MM_HINT_T0);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
             __m256i w[8];
             for (int t = 0; t < 4; t++) {
                 const __m256i bytes = _mm256_loadu_si256((const __m256i *)(block + 32 * t));
@@ -145,7 +146,6 @@ static inline __attribute__((always_inline)) void int4_tile(const int R, const u
             }
             for (int r = 0; r < R; r++) {
                 const int32_t *x4 = (const int32_t *)(xq + (size_t)r * K + 32 * b);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
                 __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();  /* two chains: half the latency */
                 for (int c = 0; c < 8; c += 2) {
                     even = dpbusd_x8(even, w[c], x4 + c);
@@ -153,16 +153,33 @@ static inline __attribute__((always_inline)) void int4_tile(const int R, const u
                 }
                 const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(even, odd));
 #else
-                __m256i p[8];
-                for (int c = 0; c < 8; c++) p[c] = _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(x4[c]));
-                const __m256i sum = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
-                                                     _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])));
-                const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, _mm256_set1_epi16(1)));
+            /* A chunk pair (the low and high nibbles of 32 bytes) at a time into every row's int16 sums, so that 4
+             * sums and not the block's 8 unpacked chunks stay in registers (AVX2 has 16: holding the 8 chunks, the
+             * loop spilled 50 vectors a block at 4 rows). Integer sums, exact in any order: the same dots. */
+            __m256i sum[TILE_ROWS];
+            for (int t = 0; t < 4; t++) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(block + 32 * t));
+                const __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+                for (int r = 0; r < R; r++) {
+                    const int32_t *x4 = (const int32_t *)(xq + (size_t)r * K + 32 * b);
+                    const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4[2 * t])),
+                                                          _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4[2 * t + 1])));
+                    sum[r] = t == 0 ? pair : _mm256_add_epi16(sum[r], pair);
+                    __asm__("" : "+x"(sum[r]));  /* kept here: else the compiler reorders the sums and spills again */
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], _mm256_set1_epi16(1)));
 #endif
                 const __m256 xs = _mm256_broadcast_ss(xscale + (size_t)r * blocks + b);
                 acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(sg, xs), acc[r]);
             }
         }
+    }
+    /* The offsets' part in a loop of its own: the same multiply-adds in the same order as beside the products, with
+     * R fewer vectors live in the loop above. */
+    for (int r = 0; r < R; r++) off[r] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) {
         const __m256 og = _mm256_loadu_ps(o8 + 8 * g);
         for (int r = 0; r < R; r++) off[r] = _mm256_fmadd_ps(og, _mm256_broadcast_ss(xsum + (size_t)r * blocks + g), off[r]);
     }
@@ -309,6 +326,7 @@ static inline __attribute__((always_inline)) void int8_tile(const int R, const u
                 const __m256i x = _mm256_set1_epi32(((const int32_t *)(xq + (size_t)r * K + 32 * b))[c]);
                 const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, q));
                 dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
+                __asm__("" : "+x"(dot[r]));  /* as in int4_tile: a chunk at a time, or the loop spills */
             }
         }
 #endif
