@@ -155,7 +155,8 @@ static inline __attribute__((always_inline)) void int4_tile(const int R, const u
 #else
             /* A chunk pair (the low and high nibbles of 32 bytes) at a time into every row's int16 sums, so that 4
              * sums and not the block's 8 unpacked chunks stay in registers (AVX2 has 16: holding the 8 chunks, the
-             * loop spilled 50 vectors a block at 4 rows). Integer sums, exact in any order: the same dots. */
+             * loop moved 26 vectors a block through the stack at 4 rows). Integer sums, exact in any order: the
+             * same dots. */
             __m256i sum[TILE_ROWS];
             for (int t = 0; t < 4; t++) {
                 const __m256i bytes = _mm256_loadu_si256((const __m256i *)(block + 32 * t));
