@@ -225,7 +225,4 @@ def _load() -> DecodeKernels | None:
     gemv = cpu_gemv.load()
     if gemv is None:
         return None
-    flags = cpu_flags()
-    amx_bf16 = (gemv.isa == "amx" and {"amx_bf16", "avx512_bf16"} <= flags
-                and os.environ.get("BANYAN_DISABLE_AMX") != "1")
-    return DecodeKernels(gemv._lib, amx_bf16)
+    return DecodeKernels(gemv._lib, gemv.amx_allowed and {"amx_bf16", "avx512_bf16"} <= cpu_flags())

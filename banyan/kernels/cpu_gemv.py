@@ -61,8 +61,13 @@ class CpuKernels:
         self._lib = lib
         self.max_rows = lib.gemv_max_rows()
         lib.cpu_gemv_tiles.argtypes = [i]
-        # AMX tiles for calls of 16 rows and more, unless BANYAN_DISABLE_AMX=1 (the vector path's bits either way)
-        self.tiles = bool(lib.cpu_gemv_tiles(int(isa == "amx" and os.environ.get("BANYAN_DISABLE_AMX") != "1")))
+        # AMX tiles for calls of 16 rows and more, unless turned off (the vector path's bits either way)
+        self.tiles = bool(lib.cpu_gemv_tiles(int(self.amx_allowed)))
+
+    @property
+    def amx_allowed(self) -> bool:
+        """This library was built for AMX and BANYAN_DISABLE_AMX is not 1: what every AMX path here asks first."""
+        return self.isa == "amx" and os.environ.get("BANYAN_DISABLE_AMX") != "1"
 
     def use_tiles(self, on: bool) -> bool:
         """Turns the AMX tile path on or off for every call (each gives the vector path's bits: tests compare
