@@ -16,11 +16,13 @@ from memory, not cache), with the default model's shape (9 query heads, 3 KV hea
                 tables begin with the same 64 pages (a 1,024-token system prompt the prefix cache shares)
     prefill     8 sequences, 128 new rows each after a 1,272-token prefix (a multi-turn conversation's next turn)
     mixed       prefill chunks of 64 rows beside decode rows, contexts of 467-1,400 tokens
-Each sequence's pages are consecutive, except in the three cases marked scattered (two decode, one prefill), whose
-pages lie in a random order through the pool, as a server's are.
+    verify      a speculative verify pass's rows: 1, 2 and 4 rows of one sequence at 800 tokens (batch 1), and 16
+                sequences x 4 rows at 330
+Each sequence's pages are consecutive, except in the cases marked scattered, whose pages lie in a random order
+through the pool, as a server's are.
 
-A then B, alternating, `--rounds` times; prints the medians, A/B (above 1: B faster) and the largest difference
-of their outputs (0 where B keeps A's bits).
+`--only TEXT` runs the cases whose name contains it. A then B, alternating, `--rounds` times; prints the medians,
+A/B (above 1: B faster) and the largest difference of their outputs (0 where B keeps A's bits).
 """
 
 from __future__ import annotations
@@ -92,6 +94,10 @@ CASES = {
     "prefill 8 x 128 at 1,400, fp8": lambda: case(8, 1400, 128, torch.float8_e4m3fn),
     "prefill 8 x 128 at 1,400, float16, scattered": lambda: case(8, 1400, 128, torch.float16, scattered=True),
     "mixed, float32": lambda: case(8, 1400, 64, torch.float32, mixed=True),
+    "verify 1 x 1 at 800, float16": lambda: case(1, 800, 1, torch.float16),
+    "verify 1 x 2 at 800, float16": lambda: case(1, 800, 2, torch.float16),
+    "verify 1 x 4 at 800, float16": lambda: case(1, 800, 4, torch.float16),
+    "verify 16 x 4 at 330, float16, scattered": lambda: case(16, 330, 4, torch.float16, scattered=True),
 }
 
 
@@ -101,12 +107,15 @@ def main() -> None:
     parser.add_argument("b")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--only", default="", help="the cases whose name contains this (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         kernels = [build(args.a, Path(tmp) / "a.so"), build(args.b, Path(tmp) / "b.so")]
         print(f"{args.threads} threads, {args.rounds} rounds, {LAYERS} layers a case; A = {args.a}, B = {args.b}")
         for name, make in CASES.items():
+            if args.only not in name:
+                continue
             q, out, rows, layers = make()
             times, outputs = [[], []], []
             for round_ in range(args.rounds):
