@@ -221,6 +221,30 @@ def test_a_rows_attention_does_not_depend_on_the_rows_beside_it():
 
 @needs_kernels
 @READ_DTYPES
+@pytest.mark.parametrize("kv_heads,group", [(3, 3), (1, 4), (2, 2), (1, 1)])
+@pytest.mark.parametrize("new_rows", [1, 4])
+def test_a_lone_row_or_tile_has_its_bits_at_any_thread_count(kv_heads, group, new_rows, kv_dtype):
+    """A batch-1 decode row, or a verify pass's tile of rows, over fewer (tile, KV head) items than threads or more:
+    the same output bit for bit at 1, 2, 3 and 5 threads, and SDPA's closely."""
+    specs = [(37, new_rows)]
+    q, k_cache, v_cache, table, seq_of_row, positions = paged_case(specs, 4, kv_heads, kv_heads * group, 64, 3,
+                                                                    kv_dtype)
+    rows = cpu_decode.PagedRows(list(range(new_rows)), seq_of_row, positions, table)
+    threads, outs = torch.get_num_threads(), []
+    try:
+        for n in (1, 2, 3, 5):
+            torch.set_num_threads(n)
+            outs.append(torch.empty_like(q))
+            KERNELS.paged_attention(q, k_cache, v_cache, outs[-1], rows, 0.125, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    expected = sdpa_reference(q, k_cache.float(), v_cache.float(), table, specs, 0.125, None)
+    torch.testing.assert_close(outs[0], expected, atol=2e-6, rtol=1e-5)
+
+
+@needs_kernels
+@READ_DTYPES
 @pytest.mark.parametrize("window", [None, 3, 7])
 @pytest.mark.parametrize("page_size,kv_heads,group", [(1, 1, 4), (4, 3, 3), (16, 2, 1)])
 def test_a_prefill_chunks_rows_go_through_the_keys_together_with_the_bits_of_each_row_alone(page_size, kv_heads,
