@@ -23,15 +23,17 @@
 typedef struct {
     int n, k;
     uint8_t *packed;
-    float *scale, *offset;
+    float *scale, *offset;  /* offset: int4's, NULL for int8 */
 } Weights;
 
 static Weights random_weights(int n, int k, int bits) {
     const size_t bytes = (size_t)n / 8 * (k / 32) * (bits == 4 ? 128 : 256);
     const size_t scales = bits == 4 ? (size_t)n * (k / 32) : (size_t)n;
-    Weights w = {n, k, aligned_alloc(64, bytes), aligned_alloc(64, scales * 4), aligned_alloc(64, scales * 4)};
+    Weights w = {n, k, aligned_alloc(64, bytes), aligned_alloc(64, scales * 4),
+                 bits == 4 ? aligned_alloc(64, scales * 4) : NULL};
     for (size_t i = 0; i < bytes; i++) w.packed[i] = (uint8_t)rand();
-    for (size_t i = 0; i < scales; i++) w.scale[i] = 0.0002f * (rand() % 100), w.offset[i] = -8 * w.scale[i];
+    for (size_t i = 0; i < scales; i++) w.scale[i] = 0.0002f * (rand() % 100);
+    for (size_t i = 0; w.offset != NULL && i < scales; i++) w.offset[i] = -8 * w.scale[i];  /* int4 only */
     return w;
 }
 
