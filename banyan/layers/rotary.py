@@ -43,8 +43,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin() * attention_scaling, persistent=False)
         # Every layer rotates by the same positions in a forward: the first looks cos/sin up, the rest reuse
         # them while `positions` is the same tensor object (the runner builds a new one per forward, and a
-        # CUDA graph's replay runs no Python; the reference held here keeps its id from being reused).
-        self._looked_up: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        # CUDA graph's replay runs no Python; the reference held here keeps its id from being reused). A lookup
+        # made outside a graph capture is never reused inside one: the graph would read that step's cos/sin
+        # (a warm-up's, then freed memory) on every replay instead of looking its own positions up.
+        self._looked_up: tuple[torch.Tensor, torch.dtype, bool, torch.Tensor, torch.Tensor] | None = None
         fits = head_dim % 16 == 0 and self.cos.shape[1] * 2 == head_dim  # the kernel's lanes, whole heads rotated
         self.kernels = cpu_decode.kernels_for(self.cos.device, torch.get_default_dtype()) if fits else None
 
@@ -70,15 +72,20 @@ class RotaryEmbedding(nn.Module):
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of each row's angles, [num_tokens, 1, head_dim] in `dtype`."""
-        hit = self._looked_up
-        if hit is not None and hit[0] is positions and hit[1] == dtype:
-            return hit[2], hit[3]
+        hit, capturing = self._looked_up, graph_capturing(positions)
+        if hit is not None and hit[0] is positions and hit[1] == dtype and hit[2] == capturing:
+            return hit[3], hit[4]
         cos = self.cos.index_select(0, positions).to(dtype)  # [num_tokens, head_dim / 2]
         sin = self.sin.index_select(0, positions).to(dtype)
         cos = torch.cat((cos, cos), dim=-1)[:, None, :]  # [num_tokens, 1, head_dim]
         sin = torch.cat((sin, sin), dim=-1)[:, None, :]
-        self._looked_up = (positions, dtype, cos, sin)
+        self._looked_up = (positions, dtype, capturing, cos, sin)
         return cos, sin
+
+
+def graph_capturing(positions: torch.Tensor) -> bool:
+    """Whether the work on `positions` is being captured into a CUDA graph."""
+    return positions.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _heads_in_rows(x: torch.Tensor) -> bool:

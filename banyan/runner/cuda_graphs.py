@@ -105,15 +105,14 @@ class DecodeGraphs:
         padding while capturing: the warm-up and captured runs write only the reserved page."""
         start, pool = time.perf_counter(), None
         for b in reversed(self.buckets):
-            fb = self._batch(b, [1] * b)
             side = torch.cuda.Stream()  # warm-up (compiles the kernels) off the capturing stream, as torch advises
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self.model(fb, self.kv_caches)
+                self.model(self._batch(b, [1] * b), self.kv_caches)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self.model(fb, self.kv_caches)
+            with torch.cuda.graph(graph, pool=pool):  # a batch of its own: nothing the warm-up looked up is reused
+                self.outputs[b] = self.model(self._batch(b, [1] * b), self.kv_caches)
             pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize()
