@@ -11,12 +11,18 @@ request the caller cannot speculate for (its sampling is not the same at every p
 The step-time model is measured at start-up (`calibrate`: a verify-shaped forward at each of a ladder of token
 counts, within a time budget; beyond the last point the last slope goes on) and every step refines it. Without
 a measurement (a runner that cannot time forwards) it starts from an assumed shape that the first measured
-step scales. Pure Python: no torch, no clock (the runner's timing callable holds the clock).
+step scales. Pure Python, no torch; the one clock it reads (injectable) times its own proposal passes:
+
+A proposal pass over every candidate costs CPU time whatever the controller then decides. A pass that drafts nothing
+is paid for out of at most PROPOSAL_SHARE of the step time: after one, the next passes are skipped (the plain path)
+until its cost spread over the skipped steps is within that share. A pass that drafts resets the count. Under the
+adaptive policy only: `fixed` and `table` draft wherever the proposer has drafts, every step.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -56,6 +62,14 @@ STEP_TIME_RATES = (0.1, 0.02)
 is not a cost of its tokens, and a fit that rose on such noise where nothing drafts would never come down."""
 CALIBRATION_REPEATS = 3
 """Timings per token count; the least is kept (noise on a shared machine only ever adds time)."""
+PROPOSAL_SHARE = 0.01
+"""The most of the step time that proposal passes which draft nothing may take (the module docstring). Measured on an
+H200 (scripts/gpu_check.sh, 7B shape, random prompts at temperature 1, nothing to copy): a pass over 64 requests cost
+8% of a 12 ms step with ngram and more with suffix; on a CPU at batch 1 a pass is about 0.5% of a step, never skipped."""
+MAX_SKIPPED_STEPS = 64
+"""Skipped passes in a row at most: how long a request that starts to repeat itself can wait for its first draft."""
+STEP_SECONDS_RATE = 0.1
+"""EWMA weight of each step's seconds in the step time a skipped pass is measured against."""
 PRIORS = {"ngram": (0.7, 0.6, 0.5), "suffix": (0.7, 0.6, 0.5), "layer_skip": (0.5, 0.4, 0.3), "draft_model": (0.6, 0.5, 0.4)}
 """Each proposer's P(draft j accepted | the ones before it were), before any request is observed."""
 
@@ -92,8 +106,12 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, clock: Callable[[], float] = time.perf_counter):
         self.config = config
+        self.clock = clock
+        self.step_seconds = 0.0  # an EWMA of the steps' measured seconds (0: none measured yet)
+        self.skip_passes = 0  # proposal passes still to skip
+        self.proposal_share = PROPOSAL_SHARE
         self.proposer = make_proposer(config.method, **config.proposer_options())
         self.controller = SpecController(config, step_time_model(STEP_TIME_SHAPE), PRIORS[config.method])
         self.max_k = config.num_speculative_tokens
@@ -110,11 +128,20 @@ class Speculator:
         """Draft tokens per request id, for those the controller gives k > 0 (absent: the plain path).
         candidates: (request_id, its verified tokens, room); base_tokens / base_emitted / base_seqs: the rest of
         the step."""
+        if self.skip_passes:
+            self.skip_passes -= 1
+            return {}
+        start = self.clock()
         found = [self.proposer.propose_with_evidence(rid, tokens, min(room, self.max_k)) for rid, tokens, room in candidates]
         proposals = [drafts for drafts, _ in found]
         ids = [rid for rid, _, _ in candidates]
         ks = self.controller.choose(ids, [len(p) for p in proposals], base_tokens, base_emitted, token_budget,
                                     evidence=[evidence for _, evidence in found], base_seqs=base_seqs)
+        # a pass that drafts nothing: paid for by the passes skipped next (adaptive only: `fixed` and `table` promise
+        # drafts at every step where the proposer has any)
+        if not any(ks) and self.step_seconds > 0 and self.config.policy == "adaptive":
+            budget = self.proposal_share * self.step_seconds
+            self.skip_passes = min(MAX_SKIPPED_STEPS, int((self.clock() - start) / budget))
         return {rid: proposal[:k] for rid, proposal, k in zip(ids, proposals, ks) if k}
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
@@ -161,6 +188,9 @@ class Speculator:
             controller = self.controller
             controller.draft_seconds += DRAFT_COST_RATE * (draft_seconds / num_drafts - controller.draft_seconds)
             seconds -= draft_seconds
+        if seconds > 0:
+            self.step_seconds = seconds if not self.step_seconds else (
+                self.step_seconds + STEP_SECONDS_RATE * (seconds - self.step_seconds))
         if not self._measured and seconds > 0:
             scale = seconds / self.controller.step_time.predict(num_tokens)  # still the assumed shape
             self.controller.step_time = step_time_model([(n, t * scale) for n, t in STEP_TIME_SHAPE])

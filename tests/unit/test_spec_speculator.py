@@ -71,3 +71,61 @@ def test_a_failed_measurement_keeps_the_assumed_shape_for_the_first_step_to_scal
     spec.observe_step(1, 0.05)
     shape = dict(STEP_TIME_SHAPE)
     assert spec.controller.step_time.predict(8) == pytest.approx(0.05 * shape[8] / shape[1], rel=0.2)
+
+
+class StepClock:
+    """The speculator's clock: each read returns the next value."""
+
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def __call__(self) -> float:
+        return self.values.pop(0)
+
+
+def counting_proposer(spec: Speculator) -> list[int]:
+    """Replaces the proposer's pass with a counted one; returns the count (a one-element list)."""
+    calls, propose = [0], spec.proposer.propose_with_evidence
+
+    def counted(*args):
+        calls[0] += 1
+        return propose(*args)
+
+    spec.proposer.propose_with_evidence = counted
+    return calls
+
+
+FRESH = [("fresh", [5, 9, 2, 7, 3, 8], 4)]  # nothing repeats: ngram has nothing to propose
+REPEATING = [("repeating", [1, 2, 3, 1, 2, 3, 1, 2], 4)]  # a pattern ngram continues
+
+
+def test_a_pass_that_drafts_nothing_is_paid_for_by_the_passes_skipped_after_it():
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4), clock=StepClock(0.0, 0.5, 10.0, 10.5))
+    calls = counting_proposer(spec)
+    spec.observe_step(1, 5.0)  # steps of 5 s: a pass of 0.5 s is 10 steps' share (1% each)
+    assert spec.drafts(FRESH, 0, 0.0, 64) == {} and calls[0] == 1
+    assert spec.skip_passes == 10
+    for _ in range(10):
+        assert spec.drafts(REPEATING, 0, 0.0, 64) == {}  # skipped: the plain path, the proposer not asked
+    assert calls[0] == 1
+    assert spec.drafts(REPEATING, 0, 0.0, 64)["repeating"][:2] == [3, 1]  # asked again, and this pass drafts
+    assert calls[0] == 2 and spec.skip_passes == 0
+
+
+def test_a_pass_small_against_the_step_or_one_that_drafts_skips_nothing():
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4), clock=StepClock(0.0, 0.001, 1.0, 1.5))
+    spec.observe_step(1, 5.0)
+    assert spec.drafts(FRESH, 0, 0.0, 64) == {} and spec.skip_passes == 0  # 0.001 s: under 1% of a 5 s step
+    assert spec.drafts(REPEATING, 0, 0.0, 64) and spec.skip_passes == 0  # 0.5 s, but it drafted
+
+
+def test_without_a_measured_step_no_pass_is_skipped():
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4), clock=StepClock(0.0, 100.0))
+    assert spec.drafts(FRESH, 0, 0.0, 64) == {} and spec.skip_passes == 0
+
+
+def test_the_fixed_policy_never_skips_a_pass():
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4, policy="fixed"),
+                      clock=StepClock(0.0, 0.5))
+    spec.observe_step(1, 5.0)
+    assert spec.drafts(FRESH, 0, 0.0, 64) == {} and spec.skip_passes == 0
