@@ -15,6 +15,8 @@ from its config with random weights made on the device (`load` writes a real bf1
     python scripts/gpu_bench.py throughput --quantization fp8     # ... with fp8 weights (per channel, _scaled_mm)
     python scripts/gpu_bench.py throughput --async-scheduling     # ... each step launched before the last is read
     python scripts/gpu_bench.py hf                                # transformers generate, same shapes
+    python scripts/gpu_bench.py speculative                       # speculation off / adaptive / fixed k=5 side by
+                                                                  # side: batch 1, 16 and 64 streams, a mixed batch
     python scripts/gpu_bench.py table results.jsonl               # the short table
     ... --device cpu --tiny                                       # a smoke run on CPU (triton interpreted)
 
@@ -48,7 +50,7 @@ TINY = dict(
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("command", choices=["equality", "load", "throughput", "hf", "table"])
+    p.add_argument("command", choices=["equality", "load", "throughput", "hf", "speculative", "table"])
     p.add_argument("results", nargs="?", help="table: the JSON-lines file to summarise")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="a tiny model instead of Llama-2-7B's shape")
@@ -66,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--agreement-model", help="equality: a real checkpoint (HF dir) for the fp8 agreement, whose "
                    "logits are not a random model's near-ties (default: the tiny random model)")
     p.add_argument("--load-layers", type=int, default=8, help="load: layers of the 7B shape written (8: 3.3 GiB)")
+    p.add_argument("--spec-prompts", type=int, default=2, help="speculative: prompts of the batch-1 runs")
+    p.add_argument("--spec-rounds", type=int, default=2, help="speculative: timed rounds of each scenario")
     p.add_argument("--json", help="append each result as one JSON line to this file")
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -83,7 +87,8 @@ def main(argv=None) -> None:
     if args.command == "table":
         print(table([json.loads(line) for line in Path(args.results).read_text().splitlines() if line.strip()]))
         return
-    commands = {"equality": equality, "load": load_time, "throughput": throughput, "hf": hf_baseline}
+    commands = {"equality": equality, "load": load_time, "throughput": throughput, "hf": hf_baseline,
+                "speculative": speculative}
     for result in commands[args.command](args):
         line = json.dumps(result)
         print(line, flush=True)
@@ -359,6 +364,89 @@ def hf_baseline(args) -> list[dict]:
     return results
 
 
+# -- (6) speculative decoding (issue 13) ------------------------------------------------------------------
+
+SPEC_CONFIGS = {  # label -> speculative_config; "off" first: every ratio is over it
+    "off": None,
+    "ngram-adaptive": {"method": "ngram", "num_speculative_tokens": 5, "policy": "adaptive"},
+    "suffix-adaptive": {"method": "suffix", "num_speculative_tokens": 5, "policy": "adaptive"},
+    "ngram-fixed5": {"method": "ngram", "num_speculative_tokens": 5, "policy": "fixed"},
+    # the same adaptive ones proposing every step, as before the proposal budget (speculator.PROPOSAL_SHARE)
+    "ngram-adaptive-every-pass": {"method": "ngram", "num_speculative_tokens": 5, "policy": "adaptive"},
+    "suffix-adaptive-every-pass": {"method": "suffix", "num_speculative_tokens": 5, "policy": "adaptive"},
+}
+
+
+def speculative(args) -> list[dict]:
+    """The issue's three measurements on the 7B-shaped model, each configuration an engine of its own, side by side
+    in rounds (banyan.bench.speculative.side_by_side): batch 1 greedy (random weights: what there is to copy is the
+    loops greedy decoding falls into, not a rewrite; the acceptance is reported beside the ratio), 16 and 64 streams
+    sampled at temperature 1 (nothing to copy: adaptive must turn itself off, >= 0.98x), and 16 streams half greedy,
+    half sampled. Also each engine's start-up step-time model (seconds of a forward by tokens in it): on a GPU the
+    cost of a verify pass's extra rows, which the speed-up at batch 1 turns on."""
+    import dataclasses
+
+    import torch
+
+    from banyan.bench.speculative import side_by_side
+    from banyan.bench.workloads import random_prompts
+    from banyan.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from banyan.frontend.llm import LLM
+    from banyan.spec.config import SpeculativeConfig
+
+    shape = TINY if args.tiny else LLAMA2_7B
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    path = write_shell_model_dir(shape)
+    use_random_weights(shape, args.device, getattr(torch, dtype))
+    kv_bytes = (8 << 20) if args.tiny else int((args.kv_cache_gib or 4) * 2**30)  # six engines share the GPU
+    llms = {}
+    for label, spec in SPEC_CONFIGS.items():
+        config = EngineConfig(
+            model=ModelConfig(model=str(path), device=args.device, dtype=dtype, seed=0),
+            cache=CacheConfig(kv_cache_memory=kv_bytes),
+            scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8192),
+            speculative=SpeculativeConfig.from_dict(spec) if spec else None)
+        llms[label] = LLM.from_config(config)
+        if label.endswith("every-pass"):
+            llms[label].engine.speculator.proposal_share = float("inf")  # never skips a pass
+    out_len, vocab = args.output_len, shape["vocab_size"]
+
+    def prompts(count, temperature, seed):
+        return [dataclasses.replace(p, temperature=temperature)
+                for p in random_prompts(count, args.input_len, out_len, vocab, seed=seed)]
+
+    half = prompts(8, 0.0, 3) + prompts(8, 1.0, 4)
+    scenarios = [("batch 1, greedy", 1, prompts(args.spec_prompts, 0.0, 1)),
+                 ("16 streams, temperature 1", 16, prompts(16, 1.0, 2)),
+                 ("64 streams, temperature 1", 64, prompts(64, 1.0, 2)),
+                 ("16 streams, half greedy, half temperature 1", 16, [p for pair in zip(half[:8], half[8:]) for p in pair])]
+    results = []
+    try:
+        for label, llm in llms.items():
+            speculator = llm.engine.speculator
+            if speculator is not None:
+                model = speculator.controller.step_time
+                results.append(dict(check="spec_step_time", config=label, model=model_name(args),
+                                    points=[[t, round(s * 1e3, 3)] for t, s in zip(model.tokens, model.seconds)]))
+        for name, streams, batch in scenarios:
+            for llm in llms.values():  # the scheduler admits `streams` at once; the engines were built for 64
+                scheduler = llm.engine.scheduler
+                scheduler.config = dataclasses.replace(scheduler.config, max_num_seqs=streams)
+            runs = side_by_side(llms, batch, args.spec_rounds, temperature=0.0)  # each prompt's own temperature
+            for label, r in runs.items():
+                results.append(dict(check="speculative", scenario=name, config=label, model=model_name(args),
+                                    input_len=args.input_len, output_len=out_len,
+                                    output_tok_s=round(r["output_throughput"], 1), ratio=round(r["ratio"], 3),
+                                    ratio_median=round(r["ratio_median"], 3),
+                                    mean_accepted_len=round(r.get("mean_accepted_len", 1.0), 2),
+                                    acceptance_per_pos=[round(a, 3) for a in r.get("acceptance_per_pos", [])],
+                                    num_drafts=r.get("num_drafts", 0)))
+    finally:
+        for llm in llms.values():
+            llm.engine.close()
+    return results
+
+
 # -- the table ---------------------------------------------------------------------------------------
 
 
@@ -396,7 +484,27 @@ def table(results: list[dict]) -> str:
                 cells.append(f"{r['output_tok_s']:,.0f}{extra}" if r else "-")
             lines.append(f"| {batch} | " + " | ".join(cells) + " |")
         lines += startup_table(results)
-    return "\n".join(lines)
+    return "\n".join(lines + speculative_table(results))
+
+
+def speculative_table(results: list[dict]) -> list[str]:
+    """Per scenario and configuration: output tok/s, its ratio over `off` (summed over rounds; median of the rounds'),
+    mean accepted length and acceptance per position; then the start-up step-time models."""
+    spec = [r for r in results if r["check"] == "speculative"]
+    if not spec:
+        return []
+    lines = ["", f"speculative decoding, {spec[0]['model']}, {spec[0]['input_len']} in / {spec[0]['output_len']} out",
+             "| scenario | config | output tok/s | ratio (median) | mean accepted length | acceptance per position |",
+             "|---|---|---|---|---|---|"]
+    for r in spec:
+        accept = " / ".join(f"{a:.2f}" for a in r["acceptance_per_pos"]) or "-"
+        lines.append(f"| {r['scenario']} | {r['config']} | {r['output_tok_s']:,.0f} | {r['ratio']:.2f}x "
+                     f"({r['ratio_median']:.2f}x) | {r['mean_accepted_len']:.2f} | {accept} |")
+    for r in results:
+        if r["check"] == "spec_step_time":
+            points = ", ".join(f"{t}: {ms:.2f}" for t, ms in r["points"])
+            lines.append(f"\nstep time at start-up, {r['config']} (tokens: ms): {points}")
+    return lines
 
 
 def startup_table(results: list[dict]) -> list[str]:

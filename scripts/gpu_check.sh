@@ -8,6 +8,8 @@
 #      BACKEND-MODE[-fp8w][-fp8kv][-async], MODE eager, graphs (decode + piecewise) or decodegraphs (piecewise off),
 #      async: --async-scheduling; e.g. "torch-eager", "auto-graphs-fp8kv" add the torch backend, fp8 KV alone)
 #   5. the same shapes through transformers generate, the baseline
+#   6. speculative decoding on the 7B shape (issue 13): off / ngram and suffix adaptive / ngram fixed k=5 side by side
+#      at batch 1, 16 and 64 streams and a mixed batch; each engine's step-time model (run right after the kernel tests)
 # Full results go to $OUT when set (else a temp dir): log.txt, results.jsonl, table.md. The table is printed last.
 # BATCHES=1,16, VARIANTS="triton-graphs" or PYTHON=... override the defaults; BENCH_ARGS="--device cpu --tiny --input-len 16
 # --output-len 8" smoke-tests the script on a CPU machine (the kernel tests then run interpreted).
@@ -45,6 +47,7 @@ rc=$?
 summary=$(grep -E "(passed|failed|error)" "$LOG" | tail -1 | tr -d '"=' | sed 's/^ *//')
 printf '{"check": "kernel_tests", "rc": %d, "summary": "%s"}\n' "$rc" "$summary" >>"$JSONL"
 
+step speculative 200 $PY scripts/gpu_bench.py speculative "${BENCH[@]}" --json "$JSONL"
 step equality 90 $PY scripts/gpu_bench.py equality "${BENCH[@]}" --json "$JSONL"
 step load 45 $PY scripts/gpu_bench.py load "${BENCH[@]}" --json "$JSONL"
 for variant in $VARIANTS; do  # backend-mode[-fp8w][-fp8kv][-async]
