@@ -51,16 +51,18 @@ def _store_kv_kernel(
 
 @triton.jit
 def _round_to_e4m3(x):
-    """fp32 rounded (to nearest even) to e4m3's 3 mantissa bits, carrying into the exponent.
+    """fp32 rounded (to nearest even) to e4m3's grid: 3 mantissa bits carrying into the exponent, and below its
+    normal range (2^-6) multiples of its subnormal step 2^-9.
 
     Triton's interpreter narrows by adding the round bit to the mantissa without that carry
-    (0.49 becomes 0.25, not 0.5); a value already on the fp8 grid narrows exactly. The GPU
-    converts in hardware and skips this. Below e4m3's normal range (2^-6) the interpreter then
-    truncates to the subnormal grid: off by at most 2^-9 there.
+    (0.49 becomes 0.25, not 0.5), and truncates below the normal range; a value already on the fp8 grid narrows
+    exactly. The GPU converts in hardware and skips this. The subnormal step comes from a sum: near 1.5 * 2^14
+    fp32's own step is 2^-9, so adding and taking that away rounds to it, to nearest even.
     """
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
-    return bits.to(tl.float32, bitcast=True)
+    subnormal = (x + 24576.0) - 24576.0
+    return tl.where(tl.abs(x) < 0.015625, subnormal, bits.to(tl.float32, bitcast=True))
 
 
 def store_kv(

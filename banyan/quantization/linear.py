@@ -293,8 +293,12 @@ class QuantizedLinear(nn.Module):
     # -- fp8 ----------------------------------------------------------------------------------
     def _fp8_scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
         """Both operands fp8: x gets one scale per token (row), the weight one per output channel."""
-        x_scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # [tokens, 1]
-        x_fp8 = (x / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        if x.is_cuda:  # one kernel for what is eight small ones below (imported here: triton is a GPU dependency)
+            from banyan.kernels.fp8_quant import per_token_fp8
+
+            x_fp8, x_scale = per_token_fp8(x)
+        else:
+            x_fp8, x_scale = per_token_fp8_reference(x)
         out_dtype = x.dtype if x.device.type == "cpu" else torch.bfloat16  # CUDA's row-wise scaling outputs bf16
         y = torch._scaled_mm(x_fp8, self.weight.q.t(), scale_a=x_scale, scale_b=self.weight.scale[None, :],
                              out_dtype=out_dtype)
@@ -313,6 +317,13 @@ class QuantizedLinear(nn.Module):
             return F.linear(x, dequantize(slice(None)))
         parts = [F.linear(x, dequantize(slice(r, r + step))) for r in range(0, self.out_features, step)]
         return torch.cat(parts, dim=1)
+
+
+def per_token_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [tokens, features] as float8_e4m3fn with one float32 scale per token [tokens, 1]: the row's largest
+    magnitude maps to FP8_MAX (banyan.kernels.fp8_quant does the same in one kernel on a GPU)."""
+    x_scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # [tokens, 1]
+    return (x / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), x_scale
 
 
 class QuantizedEmbedding(nn.Module):
