@@ -18,17 +18,21 @@ The model (the acceptance math, written once here):
     each feed 1 + k_i tokens; a forward of N tokens of one sequence takes t(N) seconds (StepTimeModel), and each
     sequence past the first s more (SpecController.seq_seconds). The controller maximises the step's expected rate
 
-    R(k) = (E_base + sum_i E[emitted_i | k_i]) / (t(B + n + T) + s (S - 1) + c T),     T = sum_i k_i
+    R(k) = (E_base + sum_i E[emitted_i | k_i]) / (t(B + n + T) + s (S - 1) + c T + [T > 0 and S > 1] j),
+    T = sum_i k_i
 
-where S is the step's sequences and c is what making one draft costs besides verifying it (0 for a lookup
-proposer; a network's forward per draft token for layer_skip, measured like t).
+where S is the step's sequences, c is what making one draft costs besides verifying it (0 for a lookup
+proposer; a network's forward per draft token for layer_skip, measured like t), and j what a step of several
+sequences costs more when it verifies drafts than when it does not, whatever their number: on a GPU the plain step
+replays a CUDA graph of its decode rows and a verify step runs the piecewise path (an H200 at batch 1: 6.1 ms for 1
+token, 7.6 for 2). One sequence's jump is in t itself (t(1) is measured on the plain path, t(2) on a verify pass).
 
 Exactness. The cost depends on k only through T. Since alpha <= 1, g_{i,j} is non-increasing in j: each request's
 expected output is concave in k_i, so for a fixed T the best numerator takes the T largest gains over all
 (i, j), and those always form a prefix 1..k_i of each request's drafts (ties broken by j). With
 G(T) = sum of the T largest gains,
 
-    max_k R(k) = max_T (E_base + n + G(T)) / t(B + n + T)
+    max_k R(k) = max_T (E_base + n + G(T)) / (t(B + n + T) + ... + [T > 0] j)
 
 and `allocate` scans T = 0, 1, ... over the sorted gains: the exact optimum in O(M log M) for M candidate drafts,
 whatever the shape of t. It stops only when a bound proves no larger T can win (t rises at least min_slope per
@@ -44,10 +48,10 @@ forward, no verifier and no extra synchronisation.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 
 from banyan.spec.config import SpeculativeConfig
+from banyan.spec.step_time import MAX_RISE, StepTimeModel
 
 
 class AcceptanceStats:
@@ -128,122 +132,17 @@ class AcceptanceStats:
         return 1.0 + sum(self.gains(k))
 
 
-NEW_BUCKET_FACTOR = 2
-"""A step of at least this many times the last bucket's tokens opens a bucket of its own (StepTimeModel._add_bucket):
-buckets stay about a power of two apart."""
 SEQ_RATE = 0.05  # EWMA weight of each step of several sequences in SpecController.seq_seconds
-MAX_RISE = 2.0
-"""One observation counts as at most this many times the fit's prediction: a lasting rise is still learned, a step
-at a time, but one stalled step cannot move the fit far."""
-
-
-class StepTimeModel:
-    """Seconds of one forward as a function of the tokens in it: piecewise linear through measured buckets.
-
-    Seeded from a start-up measurement [(tokens, seconds), ...]; each bucket then holds an EWMA refreshed by
-    `observe`, and a step far past the last bucket opens a new one. Predictions are made non-decreasing in tokens
-    (a running max over buckets) so that noise never makes extra tokens look free; below the first bucket the time
-    is flat, above the last the last slope goes on.
-
-        seconds
-          |                    ,*   <- extrapolated with the last segment's slope
-          |         *-------*'
-          |   *---*'              * = bucket (tokens_b, EWMA seconds_b); linear in between
-          | --*                   <- flat below the first bucket
-          +---------------------- tokens
-    """
-
-    def __init__(self, points: Sequence[tuple[int, float]], rate: float = 0.1, up_rate: float | None = None):
-        """rate: the EWMA weight of an observation below the fit; up_rate: above it (default: rate). A smaller
-        up_rate trusts fast steps more than slow ones, as noise on a shared machine only ever adds time."""
-        merged: dict[int, list[float]] = {}
-        for tokens, seconds in points:
-            if tokens < 1 or not seconds > 0:
-                raise ValueError(f"a step-time point needs tokens >= 1 and seconds > 0, got ({tokens}, {seconds})")
-            merged.setdefault(int(tokens), []).append(float(seconds))
-        if len(merged) < 2:
-            raise ValueError("a step-time model needs measurements at two or more token counts")
-        up_rate = rate if up_rate is None else up_rate
-        if not (0.0 < rate <= 1.0 and 0.0 < up_rate <= 1.0):
-            raise ValueError(f"rate and up_rate must be in (0, 1], got {rate}, {up_rate}")
-        self.tokens = sorted(merged)
-        self.seconds = [sum(merged[t]) / len(merged[t]) for t in self.tokens]
-        self.rate, self.up_rate = rate, up_rate
-        self._refresh()
-
-    def predict(self, num_tokens: int) -> float:
-        """Expected seconds of a forward over `num_tokens` tokens."""
-        if num_tokens <= self.tokens[0]:
-            return self._monotone[0]
-        a = min(bisect.bisect_right(self.tokens, num_tokens), len(self.tokens) - 1) - 1
-        w = self._weight(a, num_tokens)
-        return self._monotone[a] + w * (self._monotone[a + 1] - self._monotone[a])
-
-    def min_slope(self, num_tokens: int) -> float:
-        """The least slope of the prediction from `num_tokens` on: predict(n + d) >= predict(n) + d * min_slope(n)."""
-        if num_tokens < self.tokens[0]:
-            return 0.0
-        return self._min_slope[min(bisect.bisect_right(self.tokens, num_tokens), len(self.tokens) - 1) - 1]
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """A measured forward. Inside the buckets' range the two neighbours move by the gradient of the squared
-        error of the interpolation (on a bucket exactly: that bucket's EWMA); outside it the observation, rescaled
-        by the model's own curve, updates the edge bucket."""
-        if not seconds > 0:
-            return
-        seconds = min(seconds, MAX_RISE * self.predict(num_tokens))  # a stall (descheduled, paused) is not a cost
-        if num_tokens >= NEW_BUCKET_FACTOR * self.tokens[-1]:
-            self._add_bucket(num_tokens)
-        last = len(self.tokens) - 1
-        if num_tokens <= self.tokens[0] or num_tokens >= self.tokens[last]:
-            edge = 0 if num_tokens <= self.tokens[0] else last
-            scaled = seconds * self.predict(self.tokens[edge]) / self.predict(num_tokens)
-            error = scaled - self.seconds[edge]
-            self.seconds[edge] += self._rate(error) * error
-        else:
-            a = bisect.bisect_right(self.tokens, num_tokens) - 1
-            w = self._weight(a, num_tokens)
-            error = seconds - ((1 - w) * self.seconds[a] + w * self.seconds[a + 1])
-            rate = self._rate(error)
-            # a step much faster than the fit could push a bucket to 0 or below (and predict() to 0, a
-            # divisor above): one observation at most halves a bucket, so every time stays positive
-            self.seconds[a] = max(self.seconds[a] + rate * (1 - w) * error, self.seconds[a] / 2)
-            self.seconds[a + 1] = max(self.seconds[a + 1] + rate * w * error, self.seconds[a + 1] / 2)
-        self._refresh()
-
-    def _add_bucket(self, num_tokens: int) -> None:
-        """A bucket at `num_tokens`, past the last one, seeded with the extrapolation: from here on the slope
-        beyond the measured range is learned, not assumed (a start-up measurement cut short by its time budget
-        ends at a few tokens, where the slope is often the steepest)."""
-        self.seconds.append(self.predict(num_tokens))
-        self.tokens.append(num_tokens)
-        self._refresh()
-
-    def _rate(self, error: float) -> float:
-        return self.up_rate if error > 0 else self.rate
-
-    def _weight(self, a: int, num_tokens: int) -> float:
-        return (num_tokens - self.tokens[a]) / (self.tokens[a + 1] - self.tokens[a])
-
-    def _refresh(self) -> None:
-        self._monotone, top = [], 0.0
-        for seconds in self.seconds:
-            top = max(top, seconds)
-            self._monotone.append(top)
-        # segment a's slope, then the least of segments a.. (the last one's slope goes on past the last bucket)
-        slopes = [(self._monotone[a + 1] - self._monotone[a]) / (self.tokens[a + 1] - self.tokens[a])
-                  for a in range(len(self.tokens) - 1)]
-        self._min_slope = [min(slopes[a:]) for a in range(len(slopes))]
 
 
 def allocate(gains: Sequence[Sequence[float]], step_time: StepTimeModel, base_tokens: int = 0,
              base_emitted: float = 0.0, max_drafts: int | None = None, draft_seconds: float = 0.0,
-             overhead: float = 0.0) -> list[int]:
+             overhead: float = 0.0, verify_seconds: float = 0.0) -> list[int]:
     """The exact argmax of R(k) (module docstring): k_i drafts for request i, given its gains g_{i,1..cap_i}.
 
     gains[i] must be non-increasing (as products of probabilities are); max_drafts bounds T (a token budget);
     draft_seconds is c, the cost of making each draft; overhead is the step's seconds besides its tokens' forward
-    and its drafts (s (S - 1)), whatever k.
+    and its drafts (s (S - 1)), whatever k; verify_seconds (j) is added to every T > 0.
     Candidates with gain <= 0 are never drafted. The scan over T stops as soon as `_can_beat` proves that no
     larger T wins; when speculation cannot pay at all (a large compute-bound batch) that is before sorting.
     """
@@ -252,18 +151,20 @@ def allocate(gains: Sequence[Sequence[float]], step_time: StepTimeModel, base_to
     seconds = step_time.predict(tokens) + overhead
     best_rate, best_total = emitted / seconds, 0
     top = max((row[0] for row in gains if row), default=0.0)
-    if max_drafts == 0 or not _can_beat(best_rate, emitted, seconds, step_time.min_slope(tokens) + draft_seconds, top):
+    if max_drafts == 0 or not _can_beat(best_rate, emitted, seconds + verify_seconds,
+                                        step_time.min_slope(tokens) + draft_seconds, top):
         return [0] * n
     # every candidate draft (i, j), best first; within a request j ascending, so the top T form prefixes
     order = sorted(((g, j, i) for i, row in enumerate(gains) for j, g in enumerate(row) if g > 0.0),
                    key=lambda c: (-c[0], c[1], c[2]))
     if max_drafts is not None:
         order = order[:max_drafts]
+    seconds += verify_seconds  # from the first draft on (the bound above and below: d drafts cost j + d * slope)
     for total, (g, _, _) in enumerate(order, start=1):
         if not _can_beat(best_rate, emitted, seconds, step_time.min_slope(tokens + total - 1) + draft_seconds, g):
             break  # every draft left is worth at most g
         emitted += g
-        seconds = step_time.predict(tokens + total) + overhead + draft_seconds * total
+        seconds = step_time.predict(tokens + total) + overhead + draft_seconds * total + verify_seconds
         if emitted / seconds > best_rate:
             best_rate, best_total = emitted / seconds, total
     ks = [0] * n
@@ -342,6 +243,7 @@ class SpecController:
         self.buckets: dict[str, int] = {}  # request id -> the evidence bucket of its latest proposal
         self.draft_seconds = 0.0  # c: what making one draft costs (a network proposer's forward per draft token)
         self.seq_seconds = 0.0  # s: what each sequence of a step past the first adds to it (observe_step)
+        self.verify_seconds = 0.0  # j: what a step of several sequences adds when it verifies drafts (observe_step)
 
     def choose(self, request_ids: Sequence[str], proposal_lens: Sequence[int], base_tokens: int = 0,
                base_emitted: float = 0.0, token_budget: int | None = None,
@@ -372,8 +274,10 @@ class SpecController:
         if not any(row and row[0] > 0.0 for row in gains):
             ks = [0] * len(caps)  # every draft is expected to fail: the plain path, step time not read
         else:
-            overhead = self.seq_seconds * max(0, len(caps) + base_seqs - 1)
-            ks = allocate(gains, self.step_time, base_tokens, base_emitted, room, self.draft_seconds, overhead)
+            sequences = len(caps) + base_seqs
+            overhead = self.seq_seconds * max(0, sequences - 1)
+            jump = self.verify_seconds if sequences > 1 else 0.0  # one sequence's is in the curve
+            ks = allocate(gains, self.step_time, base_tokens, base_emitted, room, self.draft_seconds, overhead, jump)
         for rid, cap, k in zip(request_ids, caps, ks):
             if cap and not k:
                 stats = self.stats[rid]
@@ -428,19 +332,27 @@ class SpecController:
             self.request_stats(request_id).update(drafted, accepted)
             self.prior_of(request_id).update(drafted, accepted)
 
-    def observe_step(self, num_tokens: int, seconds: float, num_seqs: int = 1) -> None:
-        """A step of `num_tokens` tokens in `num_seqs` sequences took `seconds` (measured by the caller).
+    def observe_step(self, num_tokens: int, seconds: float, num_seqs: int = 1, drafted: bool = False) -> None:
+        """A step of `num_tokens` tokens in `num_seqs` sequences took `seconds` (measured by the caller); `drafted`:
+        it verified drafts.
 
         The step-time model is one sequence's, as measured at start-up, and only steps of one sequence refresh it;
         what a step of several takes beyond it (each sequence's attention over its own pages, its sampling and
         output) is learned from the others as seq_seconds per sequence past the first. Both from every step are not
-        identified: a rising model and a falling seq_seconds explain the same steps (a simulated fit: 60% of s)."""
+        identified: a rising model and a falling seq_seconds explain the same steps (a simulated fit: 60% of s).
+        Likewise s is learned from the steps of several sequences that verify nothing, and what verifying adds to
+        such a step (j, verify_seconds) from those that do."""
         if num_seqs <= 1:
             self.step_time.observe(num_tokens, seconds)
         elif seconds > 0:
             predicted, extra = self.step_time.predict(num_tokens), num_seqs - 1
-            seconds = min(seconds, MAX_RISE * (predicted + self.seq_seconds * extra))  # a stall is not a cost
+            plain = predicted + self.seq_seconds * extra
             one = self.step_time.predict(1)  # a sequence adds at most a decode step: one noisy prefill moves s little
+            if drafted:  # verifying adds at most a decode step's time, and a stall is not a cost
+                jump = min(one, max(-one, min(seconds, MAX_RISE * (plain + self.verify_seconds)) - plain))
+                self.verify_seconds = max(0.0, self.verify_seconds + SEQ_RATE * (jump - self.verify_seconds))
+                return
+            seconds = min(seconds, MAX_RISE * plain)  # a stall is not a cost
             per_seq = min(one, max(-one, (seconds - predicted) / extra))
             self.seq_seconds = max(0.0, self.seq_seconds + SEQ_RATE * (per_seq - self.seq_seconds))
 

@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from banyan.spec.config import SpeculativeConfig
-from banyan.spec.controller import SpecController, StepTimeModel
+from banyan.spec.controller import SpecController
+from banyan.spec.step_time import StepTimeModel
 from banyan.spec.proposer import make_proposer
 
 logger = logging.getLogger(__name__)
@@ -181,9 +182,9 @@ class Speculator:
 
     def observe_step(self, num_tokens: int, seconds: float, draft_seconds: float = 0.0, num_drafts: int = 0,
                      num_seqs: int = 1) -> None:
-        """A step over `num_tokens` tokens of `num_seqs` sequences took `seconds`, of which `draft_seconds` a network
-        spent making its `num_drafts` drafts; without a start-up measurement the first step scales the assumed
-        shape."""
+        """A step over `num_tokens` tokens of `num_seqs` sequences took `seconds` and verified `num_drafts` drafts,
+        of which a network spent `draft_seconds` making them; without a start-up measurement the first step scales the
+        assumed shape."""
         if num_drafts and draft_seconds > 0:
             controller = self.controller
             controller.draft_seconds += DRAFT_COST_RATE * (draft_seconds / num_drafts - controller.draft_seconds)
@@ -195,7 +196,7 @@ class Speculator:
             scale = seconds / self.controller.step_time.predict(num_tokens)  # still the assumed shape
             self.controller.step_time = step_time_model([(n, t * scale) for n, t in STEP_TIME_SHAPE])
             self._measured = True
-        self.controller.observe_step(num_tokens, seconds, num_seqs)
+        self.controller.observe_step(num_tokens, seconds, num_seqs, drafted=num_drafts > 0)
 
     def finish(self, request_id: str, output_token_ids: Sequence[int]) -> None:
         """The request ended (finished, aborted): both forget it, a cross-request proposer learns its output."""

@@ -11,9 +11,9 @@ import pytest
 
 from banyan.errors import InvalidParameterError
 from banyan.spec.config import SpeculativeConfig
-from banyan.spec.controller import (AcceptanceStats, SpecController, StepTimeModel, allocate, cut_to_budget,
-                                   evidence_bucket)
+from banyan.spec.controller import AcceptanceStats, SpecController, allocate, cut_to_budget, evidence_bucket
 from banyan.spec.speculator import Speculator
+from banyan.spec.step_time import StepTimeModel
 
 # fake forward-time curves over N tokens: memory-bound then compute-bound, concave, and one with tile steps
 CURVES = {
@@ -45,16 +45,16 @@ class NoTime:
         raise AssertionError("the step-time model was updated")
 
 
-def rate_of(ks, gains, curve, base_tokens=0, base_emitted=0.0, overhead=0.0):
-    """R(k) = (E_base + sum_i (1 + sum_{j<=k_i} g_ij)) / (t(B + sum_i (1 + k_i)) + overhead)."""
+def rate_of(ks, gains, curve, base_tokens=0, base_emitted=0.0, overhead=0.0, jump=0.0):
+    """R(k) = (E_base + sum_i (1 + sum_{j<=k_i} g_ij)) / (t(B + sum_i (1 + k_i)) + overhead + [any k_i] jump)."""
     emitted = base_emitted + sum(1 + sum(row[:k]) for row, k in zip(gains, ks))
-    return emitted / (curve(base_tokens + len(ks) + sum(ks)) + overhead)
+    return emitted / (curve(base_tokens + len(ks) + sum(ks)) + overhead + (jump if any(ks) else 0.0))
 
 
-def brute_force(gains, curve, base_tokens=0, base_emitted=0.0, max_drafts=None, overhead=0.0):
+def brute_force(gains, curve, base_tokens=0, base_emitted=0.0, max_drafts=None, overhead=0.0, jump=0.0):
     choices = itertools.product(*(range(len(row) + 1) for row in gains))
     allowed = [ks for ks in choices if max_drafts is None or sum(ks) <= max_drafts]
-    return max(rate_of(ks, gains, curve, base_tokens, base_emitted, overhead) for ks in allowed)
+    return max(rate_of(ks, gains, curve, base_tokens, base_emitted, overhead, jump) for ks in allowed)
 
 
 def random_gains(rng, n, max_k):
@@ -121,6 +121,21 @@ def test_allocation_with_a_per_sequence_cost_matches_brute_force():
         ks = allocate(gains, model, overhead=overhead)
         best = brute_force(gains, model.predict, overhead=overhead)
         assert rate_of(ks, gains, model.predict, overhead=overhead) == pytest.approx(best, rel=1e-12)
+
+
+@pytest.mark.parametrize("curve", ["linear", "tiles", "flat"])
+def test_allocation_with_a_verify_jump_matches_brute_force(curve):
+    """Verifying anything costs a step a fixed j more (a GPU's plain step replays a CUDA graph, a verify step cannot):
+    the optimum weighs the first draft against j plus its own cost, and later ones against their own."""
+    rng = random.Random(curve)
+    shape = {"flat": lambda n: 0.0076 + 0.00001 * n}.get(curve) or CURVES[curve]  # an H200's: drafts nearly free
+    model = make_time_model(shape, points=range(1, 81))
+    for _ in range(150):
+        gains = random_gains(rng, rng.randint(1, 4), 4)
+        overhead, jump = rng.choice([0.0, 0.002]), rng.choice([0.0, 0.0015, 0.01, 0.05])
+        ks = allocate(gains, model, overhead=overhead, verify_seconds=jump)
+        best = brute_force(gains, model.predict, overhead=overhead, jump=jump)
+        assert rate_of(ks, gains, model.predict, overhead=overhead, jump=jump) == pytest.approx(best, rel=1e-12)
 
 
 def test_a_bump_in_step_time_does_not_stop_the_scan():
@@ -419,6 +434,34 @@ def test_per_sequence_cost_makes_drafts_pay_beside_many_decoding_requests():
     gains = [[0.7]] * 8
     assert ks == [1] * 8
     assert rate_of(ks, gains, curve, overhead=0.0008 * 7) == pytest.approx(brute_force(gains, curve, overhead=0.0056))
+
+
+def test_what_verifying_adds_to_a_step_of_several_sequences_is_learned_apart_from_s():
+    """Steps of several sequences that verify drafts cost j more than those that do not: s is learned from the plain
+    ones and j from the others, and one sequence's steps teach neither (its jump is in the curve)."""
+    curve, s, j = CURVES["linear"], 0.0008, 0.0015
+    c = make_controller(time_model=make_time_model(curve))
+    rng = random.Random(0)
+    for _ in range(3000):
+        n, seqs, drafted = rng.randint(2, 48), rng.choice([1, 2, 4, 8]), rng.random() < 0.3
+        seqs = min(seqs, n)
+        seconds = curve(n) + s * (seqs - 1) + (j if drafted and seqs > 1 else 0.0) + rng.uniform(0, 0.0002)
+        c.observe_step(n, seconds, seqs, drafted=drafted)
+    assert c.seq_seconds == pytest.approx(s, rel=0.2)
+    assert c.verify_seconds == pytest.approx(j, rel=0.2)
+
+
+def test_a_verify_jump_keeps_drafts_that_cannot_repay_it_off_beside_other_requests():
+    """16 requests whose drafts pass at 0.05, on a curve where drafts are nearly free (an H200's): without j the
+    controller drafts for all of them; once it has learned that verifying costs 1.5 ms more, for none. One request
+    alone is priced by the curve, whatever j is."""
+    curve = lambda n: 0.0076 + 0.00001 * n  # noqa: E731
+    ids = [f"r{i}" for i in range(16)]
+    c = make_controller(prior=(0.05,), k=1, time_model=make_time_model(curve, points=range(1, 81)))
+    assert c.choose(ids, [1] * 16) == [1] * 16
+    c.verify_seconds = 0.0015
+    assert c.choose(ids, [1] * 16) == [0] * 16
+    assert c.choose(ids[:1], [1]) == [1]
 
 
 def test_a_stalled_step_of_many_sequences_moves_the_per_sequence_cost_little():
