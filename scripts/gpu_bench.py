@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: banyan, tests.factories
@@ -333,7 +334,7 @@ def model_name(args) -> str:
 # -- (4) transformers baseline -----------------------------------------------------------------------
 
 
-def hf_baseline(args) -> list[dict]:
+def hf_baseline(args) -> Iterator[dict]:
     import torch
     import transformers
 
@@ -351,17 +352,15 @@ def hf_baseline(args) -> list[dict]:
                            min_new_tokens=output_len, do_sample=False, pad_token_id=0)
 
     generate(2, 8, 4)  # warm-up
-    results = []
-    for batch in args.batch_sizes:
+    for batch in args.batch_sizes:  # each result printed as it comes: a step cut by its time limit keeps the rest
         sync()
         start = time.perf_counter()
         generate(batch, args.input_len, args.output_len)
         sync()
         elapsed = time.perf_counter() - start
-        results.append(dict(check="throughput", engine="transformers", backend="sdpa", model=model_name(args),
-                            batch=batch, input_len=args.input_len, output_len=args.output_len,
-                            output_tok_s=round(batch * args.output_len / elapsed, 1), seconds=round(elapsed, 2)))
-    return results
+        yield dict(check="throughput", engine="transformers", backend="sdpa", model=model_name(args),
+                   batch=batch, input_len=args.input_len, output_len=args.output_len,
+                   output_tok_s=round(batch * args.output_len / elapsed, 1), seconds=round(elapsed, 2))
 
 
 # -- (6) speculative decoding (issue 13) ------------------------------------------------------------------
@@ -377,7 +376,7 @@ SPEC_CONFIGS = {  # label -> speculative_config; "off" first: every ratio is ove
 }
 
 
-def speculative(args) -> list[dict]:
+def speculative(args) -> Iterator[dict]:
     """The issue's three measurements on the 7B-shaped model, each configuration an engine of its own, side by side
     in rounds (banyan.bench.speculative.side_by_side): batch 1 greedy (random weights: what there is to copy is the
     loops greedy decoding falls into, not a rewrite; the acceptance is reported beside the ratio), 16 and 64 streams
@@ -420,31 +419,33 @@ def speculative(args) -> list[dict]:
                  ("16 streams, temperature 1", 16, prompts(16, 1.0, 2)),
                  ("64 streams, temperature 1", 64, prompts(64, 1.0, 2)),
                  ("16 streams, half greedy, half temperature 1", 16, [p for pair in zip(half[:8], half[8:]) for p in pair])]
-    results = []
     try:
         for label, llm in llms.items():
             speculator = llm.engine.speculator
             if speculator is not None:
                 model = speculator.controller.step_time
-                results.append(dict(check="spec_step_time", config=label, model=model_name(args),
-                                    points=[[t, round(s * 1e3, 3)] for t, s in zip(model.tokens, model.seconds)]))
+                yield dict(check="spec_step_time", config=label, model=model_name(args),
+                           points=[[t, round(s * 1e3, 3)] for t, s in zip(model.tokens, model.seconds)])
         for name, streams, batch in scenarios:
             for llm in llms.values():  # the scheduler admits `streams` at once; the engines were built for 64
                 scheduler = llm.engine.scheduler
                 scheduler.config = dataclasses.replace(scheduler.config, max_num_seqs=streams)
             runs = side_by_side(llms, batch, args.spec_rounds, temperature=0.0)  # each prompt's own temperature
             for label, r in runs.items():
-                results.append(dict(check="speculative", scenario=name, config=label, model=model_name(args),
-                                    input_len=args.input_len, output_len=out_len,
-                                    output_tok_s=round(r["output_throughput"], 1), ratio=round(r["ratio"], 3),
-                                    ratio_median=round(r["ratio_median"], 3),
-                                    mean_accepted_len=round(r.get("mean_accepted_len", 1.0), 2),
-                                    acceptance_per_pos=[round(a, 3) for a in r.get("acceptance_per_pos", [])],
-                                    num_drafts=r.get("num_drafts", 0)))
+                controller = llms[label].engine.speculator and llms[label].engine.speculator.controller
+                yield dict(check="speculative", scenario=name, config=label, model=model_name(args),
+                           input_len=args.input_len, output_len=out_len,
+                           output_tok_s=round(r["output_throughput"], 1), ratio=round(r["ratio"], 3),
+                           ratio_median=round(r["ratio_median"], 3),
+                           mean_accepted_len=round(r.get("mean_accepted_len", 1.0), 2),
+                           acceptance_per_pos=[round(a, 3) for a in r.get("acceptance_per_pos", [])],
+                           num_drafts=r.get("num_drafts", 0),
+                           # what the controller learned: s per sequence past the first, j per verifying step (ms)
+                           seq_ms=round(controller.seq_seconds * 1e3, 3) if controller else None,
+                           verify_ms=round(controller.verify_seconds * 1e3, 3) if controller else None)
     finally:
         for llm in llms.values():
             llm.engine.close()
-    return results
 
 
 # -- the table ---------------------------------------------------------------------------------------
@@ -494,12 +495,13 @@ def speculative_table(results: list[dict]) -> list[str]:
     if not spec:
         return []
     lines = ["", f"speculative decoding, {spec[0]['model']}, {spec[0]['input_len']} in / {spec[0]['output_len']} out",
-             "| scenario | config | output tok/s | ratio (median) | mean accepted length | acceptance per position |",
-             "|---|---|---|---|---|---|"]
+             "| scenario | config | output tok/s | ratio (median) | mean accepted length | acceptance per position "
+             "| learned s / j (ms) |", "|---|---|---|---|---|---|---|"]
     for r in spec:
         accept = " / ".join(f"{a:.2f}" for a in r["acceptance_per_pos"]) or "-"
+        learned = f"{r['seq_ms']:.3f} / {r['verify_ms']:.3f}" if r.get("seq_ms") is not None else "-"
         lines.append(f"| {r['scenario']} | {r['config']} | {r['output_tok_s']:,.0f} | {r['ratio']:.2f}x "
-                     f"({r['ratio_median']:.2f}x) | {r['mean_accepted_len']:.2f} | {accept} |")
+                     f"({r['ratio_median']:.2f}x) | {r['mean_accepted_len']:.2f} | {accept} | {learned} |")
     for r in results:
         if r["check"] == "spec_step_time":
             points = ", ".join(f"{t}: {ms:.2f}" for t, ms in r["points"])

@@ -67,6 +67,6 @@ for variant in $VARIANTS; do  # backend-mode[-fp8w][-fp8kv][-async]
     step "throughput-$variant" 85 $PY scripts/gpu_bench.py throughput "${flags[@]}" --batch-sizes "$BATCHES" \
         "${BENCH[@]}" --json "$JSONL"
 done
-step transformers 60 $PY scripts/gpu_bench.py hf --batch-sizes "$BATCHES" "${BENCH[@]}" --json "$JSONL"
+step transformers 120 $PY scripts/gpu_bench.py hf --batch-sizes "$BATCHES" "${BENCH[@]}" --json "$JSONL"
 
 $PY scripts/gpu_bench.py table "$JSONL" | tee "$RES/table.md"
