@@ -418,7 +418,8 @@ def speculative(args) -> Iterator[dict]:
     scenarios = [("batch 1, greedy", 1, prompts(args.spec_prompts, 0.0, 1)),
                  ("16 streams, temperature 1", 16, prompts(16, 1.0, 2)),
                  ("64 streams, temperature 1", 64, prompts(64, 1.0, 2)),
-                 ("16 streams, half greedy, half temperature 1", 16, [p for pair in zip(half[:8], half[8:]) for p in pair])]
+                 ("16 streams, half greedy, half temperature 1", 16,
+                  [p for pair in zip(half[:8], half[8:]) for p in pair])]
     try:
         for label, llm in llms.items():
             speculator = llm.engine.speculator

@@ -62,7 +62,8 @@ def per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if rows:
         _per_token_fp8_kernel[(rows,)](
             x, q, scale, cols, x.stride(0), q.stride(0),
-            FP8_MAX=torch.finfo(torch.float8_e4m3fn).max, MIN_AMAX=MIN_AMAX, PREROUND=os.environ.get("TRITON_INTERPRET") == "1",
+            FP8_MAX=torch.finfo(torch.float8_e4m3fn).max, MIN_AMAX=MIN_AMAX,
+            PREROUND=os.environ.get("TRITON_INTERPRET") == "1",
             BLOCK=min(BLOCK, triton.next_power_of_2(max(cols, 16))),
         )
     return q, scale

@@ -100,7 +100,8 @@ REPEATING = [("repeating", [1, 2, 3, 1, 2, 3, 1, 2], 4)]  # a pattern ngram cont
 
 
 def test_a_pass_that_drafts_nothing_is_paid_for_by_the_passes_skipped_after_it():
-    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4), clock=StepClock(0.0, 0.5, 10.0, 10.5))
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    spec = Speculator(config, clock=StepClock(0.0, 0.5, 10.0, 10.5))
     calls = counting_proposer(spec)
     spec.observe_step(1, 5.0)  # steps of 5 s: a pass of 0.5 s is 10 steps' share (1% each)
     assert spec.drafts(FRESH, 0, 0.0, 64) == {} and calls[0] == 1
@@ -113,7 +114,8 @@ def test_a_pass_that_drafts_nothing_is_paid_for_by_the_passes_skipped_after_it()
 
 
 def test_a_pass_small_against_the_step_or_one_that_drafts_skips_nothing():
-    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4), clock=StepClock(0.0, 0.001, 1.0, 1.5))
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    spec = Speculator(config, clock=StepClock(0.0, 0.001, 1.0, 1.5))
     spec.observe_step(1, 5.0)
     assert spec.drafts(FRESH, 0, 0.0, 64) == {} and spec.skip_passes == 0  # 0.001 s: under 1% of a 5 s step
     assert spec.drafts(REPEATING, 0, 0.0, 64) and spec.skip_passes == 0  # 0.5 s, but it drafted
