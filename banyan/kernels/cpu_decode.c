@@ -644,6 +644,74 @@ static int plan_tiles(const int32_t *seq_of_row, const int32_t *positions, const
     return tiles;
 }
 
+/* One (tile, KV head) of attend_pages: its rows' scores, softmax and weighted V rows. Called with `kind` a literal
+ * inside the OpenMP region: GCC outlines that region into a function of its own and passes what it captures through
+ * memory, so a kind passed down from outside would be a load there, and every loop would keep all three kinds'
+ * code, constants and registers (perf annotate showed two of weighted_add_heads' twelve sums spilled to the stack,
+ * a store and a reload on every key). Float16 pages of head_dim 64 (the CPU default, the default model's heads) get a
+ * copy with D a literal too. Measured side by side (benchmarks/paged_attention_ab.py, 2-vCPU Zen 3, 2 threads, the
+ * same bits): float16 decode, verify and prefill cases 1.02-1.19x with the kind a literal, then 0.99-1.10x more with
+ * D (about 6 s more to compile). */
+static inline __attribute__((always_inline)) void attend_tile_head(
+        const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *tables, int table_stride,
+        const int32_t *rows, const int32_t *seq_of_row, const int32_t *positions, int H, int KVH, int D, int P,
+        int window, float scale, float value_scale, float *out, float *scratch, int max_keys, const int *tile_start,
+        const int *tile_keys, int tile, int kh, const int kind) {
+    const int group = H / KVH;
+    const int i0 = tile_start[tile], rows_here = tile_start[tile + 1] - i0, alike = tile_keys[tile];
+    int first[Q_TILE], base = INT32_MAX, top = 0;
+    for (int t = 0; t < rows_here; t++) {
+        const int pos = positions[i0 + t];
+        first[t] = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+        base = first[t] < base ? first[t] : base;
+        top = pos > top ? pos : top;
+    }
+    const size_t token = (size_t)KVH * D, head_at = (size_t)kh * D;  /* this KV head's elements in a token's row */
+    float *p = scratch + (size_t)omp_get_thread_num() * (Q_TILE * group + 1) * max_keys;  /* [t][g][span] */
+    /* what a row reading in place fetches ahead of a key (FETCH_WHOLE_ROWS) */
+    const Tile w = {.q = q + head_at * group, .out = out + head_at * group, .k_cache = k_cache, .v_cache = v_cache,
+                    .rows = rows + i0, .positions = positions + i0, .first = first, .q_stride = q_stride,
+                    .out_stride = H * D, .group = group, .D = D, .base = base, .max_keys = max_keys,
+                    .token = token, .head_at = head_at, .fetch_at = FETCH_WHOLE_ROWS && kh == 0 ? 0 : head_at,
+                    .fetch_width = FETCH_WHOLE_ROWS && kh == 0 ? token : (size_t)D, .scale = scale, .p = p,
+                    .slot = (uint32_t *)(p + (size_t)Q_TILE * group * max_keys)};
+    /* keys [0, common) of the span: every row's, from the first row's table; read once for the tile's rows,
+     * gathered (a decode row alone reads its keys in place: gathering would cost it more than it saves) */
+    const int span = top - base + 1, common = alike ? alike : span;
+    const int gather = rows_here > 1 && D <= MAX_GATHER_HEAD_DIM;
+    fill_slots(&w, tables + (size_t)seq_of_row[i0] * table_stride, 0, common, P);
+    score_keys(&w, 0, rows_here, 0, common, gather, kind);
+    for (int t = 0; alike && t < rows_here; t++) {  /* each row's own keys after the pages it shares */
+        const int end = positions[i0 + t] - base + 1;
+        fill_slots(&w, tables + (size_t)seq_of_row[i0 + t] * table_stride, common, end, P);
+        score_keys(&w, t, t + 1, common, end, 0, kind);
+    }
+    float totals[Q_TILE * group];  /* each row and head's sum of its exponentials */
+    for (int t = 0; t < rows_here; t++) {
+        const int lo = first[t] - base, keys = positions[i0 + t] - first[t] + 1;
+        for (int g = 0; g < group; g++) {
+            float *pg = p + ((size_t)t * group + g) * max_keys + lo;
+            totals[t * group + g] = exp_shifted_sum(pg, keys, max_of(pg, keys));
+        }
+        float *o = w.out + (size_t)rows[i0 + t] * w.out_stride;
+        for (int d = 0; d < group * D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
+    }
+    add_values(&w, 0, rows_here, 0, common, gather, kind);
+    for (int t = 0; alike && t < rows_here; t++) {
+        const int end = positions[i0 + t] - base + 1;
+        fill_slots(&w, tables + (size_t)seq_of_row[i0 + t] * table_stride, common, end, P);
+        add_values(&w, t, t + 1, common, end, 0, kind);
+    }
+    for (int t = 0; t < rows_here; t++) {
+        float *o = w.out + (size_t)rows[i0 + t] * w.out_stride;
+        for (int g = 0; g < group; g++) {
+            const __m256 inv = _mm256_set1_ps(value_scale / totals[t * group + g]);
+            for (int d = 0; d < D; d += 8)
+                _mm256_storeu_ps(o + (size_t)g * D + d, _mm256_mul_ps(_mm256_loadu_ps(o + (size_t)g * D + d), inv));
+        }
+    }
+}
+
 /* Causal attention of n query rows over a paged cache [pages, P, KVH, D]. Query row i is q row rows[i] (rows
  * q_stride floats apart, heads D apart), at position positions[i] of the sequence whose pages are
  * tables[seq_of_row[i]] (table_stride entries apart); it sees the keys at positions (pos - window, pos]
@@ -667,7 +735,6 @@ static inline __attribute__((always_inline)) void attend_pages(
         const int32_t *rows, const int32_t *seq_of_row, const int32_t *positions, const int32_t *shared, int n, int H,
         int KVH, int D, int P, int window, float scale, float value_scale, float *out, float *scratch, int max_keys,
         int threads, const int kind) {
-    const int group = H / KVH;
     int *tile_start = (int *)__builtin_alloca(sizeof(int) * (n + 1)), *tile_keys = (int *)__builtin_alloca(sizeof(int) * n);
     const int tiles = plan_tiles(seq_of_row, positions, shared, n, P, window, KVH, threads, tile_start, tile_keys);
     /* Taken a few at a time as threads come free (a prefill tile costs many decode rows), a tile's KV heads
@@ -678,58 +745,22 @@ static inline __attribute__((always_inline)) void attend_pages(
 #pragma omp parallel for collapse(2) num_threads(threads) schedule(dynamic, chunk)
     for (int tile = 0; tile < tiles; tile++) {
         for (int kh = 0; kh < KVH; kh++) {
-            const int i0 = tile_start[tile], rows_here = tile_start[tile + 1] - i0, alike = tile_keys[tile];
-            int first[Q_TILE], base = INT32_MAX, top = 0;
-            for (int t = 0; t < rows_here; t++) {
-                const int pos = positions[i0 + t];
-                first[t] = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-                base = first[t] < base ? first[t] : base;
-                top = pos > top ? pos : top;
-            }
-            const size_t token = (size_t)KVH * D, head_at = (size_t)kh * D;  /* this KV head's elements in a token's row */
-            float *p = scratch + (size_t)omp_get_thread_num() * (Q_TILE * group + 1) * max_keys;  /* [t][g][span] */
-            /* what a row reading in place fetches ahead of a key (FETCH_WHOLE_ROWS) */
-            const Tile w = {.q = q + head_at * group, .out = out + head_at * group, .k_cache = k_cache, .v_cache = v_cache,
-                            .rows = rows + i0, .positions = positions + i0, .first = first, .q_stride = q_stride,
-                            .out_stride = H * D, .group = group, .D = D, .base = base, .max_keys = max_keys,
-                            .token = token, .head_at = head_at, .fetch_at = FETCH_WHOLE_ROWS && kh == 0 ? 0 : head_at,
-                            .fetch_width = FETCH_WHOLE_ROWS && kh == 0 ? token : (size_t)D, .scale = scale, .p = p,
-                            .slot = (uint32_t *)(p + (size_t)Q_TILE * group * max_keys)};
-            /* keys [0, common) of the span: every row's, from the first row's table; read once for the tile's rows,
-             * gathered (a decode row alone reads its keys in place: gathering would cost it more than it saves) */
-            const int span = top - base + 1, common = alike ? alike : span;
-            const int gather = rows_here > 1 && D <= MAX_GATHER_HEAD_DIM;
-            fill_slots(&w, tables + (size_t)seq_of_row[i0] * table_stride, 0, common, P);
-            score_keys(&w, 0, rows_here, 0, common, gather, kind);
-            for (int t = 0; alike && t < rows_here; t++) {  /* each row's own keys after the pages it shares */
-                const int end = positions[i0 + t] - base + 1;
-                fill_slots(&w, tables + (size_t)seq_of_row[i0 + t] * table_stride, common, end, P);
-                score_keys(&w, t, t + 1, common, end, 0, kind);
-            }
-            float totals[Q_TILE * group];  /* each row and head's sum of its exponentials */
-            for (int t = 0; t < rows_here; t++) {
-                const int lo = first[t] - base, keys = positions[i0 + t] - first[t] + 1;
-                for (int g = 0; g < group; g++) {
-                    float *pg = p + ((size_t)t * group + g) * max_keys + lo;
-                    totals[t * group + g] = exp_shifted_sum(pg, keys, max_of(pg, keys));
-                }
-                float *o = w.out + (size_t)rows[i0 + t] * w.out_stride;
-                for (int d = 0; d < group * D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
-            }
-            add_values(&w, 0, rows_here, 0, common, gather, kind);
-            for (int t = 0; alike && t < rows_here; t++) {
-                const int end = positions[i0 + t] - base + 1;
-                fill_slots(&w, tables + (size_t)seq_of_row[i0 + t] * table_stride, common, end, P);
-                add_values(&w, t, t + 1, common, end, 0, kind);
-            }
-            for (int t = 0; t < rows_here; t++) {
-                float *o = w.out + (size_t)rows[i0 + t] * w.out_stride;
-                for (int g = 0; g < group; g++) {
-                    const __m256 inv = _mm256_set1_ps(value_scale / totals[t * group + g]);
-                    for (int d = 0; d < D; d += 8)
-                        _mm256_storeu_ps(o + (size_t)g * D + d, _mm256_mul_ps(_mm256_loadu_ps(o + (size_t)g * D + d), inv));
-                }
-            }
+            if (kind == KV_F16 && D == 64)
+                attend_tile_head(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, H, KVH,
+                                 64, P, window, scale, value_scale, out, scratch, max_keys, tile_start, tile_keys, tile, kh,
+                                 KV_F16);
+            else if (kind == KV_F16)
+                attend_tile_head(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, H, KVH,
+                                 D, P, window, scale, value_scale, out, scratch, max_keys, tile_start, tile_keys, tile, kh,
+                                 KV_F16);
+            else if (kind == KV_FP8)
+                attend_tile_head(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, H, KVH,
+                                 D, P, window, scale, value_scale, out, scratch, max_keys, tile_start, tile_keys, tile, kh,
+                                 KV_FP8);
+            else
+                attend_tile_head(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, H, KVH,
+                                 D, P, window, scale, value_scale, out, scratch, max_keys, tile_start, tile_keys, tile, kh,
+                                 KV_F32);
         }
     }
 }
