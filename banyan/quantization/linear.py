@@ -296,7 +296,7 @@ class QuantizedLinear(nn.Module):
         if x.is_cuda:  # one kernel for what is eight small ones below (imported here: triton is a GPU dependency)
             from banyan.kernels.fp8_quant import per_token_fp8
 
-            x_fp8, x_scale = per_token_fp8(x)
+            x_fp8, x_scale = per_token_fp8(x if x.stride(-1) == 1 else x.contiguous())
         else:
             x_fp8, x_scale = per_token_fp8_reference(x)
         out_dtype = x.dtype if x.device.type == "cpu" else torch.bfloat16  # CUDA's row-wise scaling outputs bf16
