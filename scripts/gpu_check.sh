@@ -20,7 +20,7 @@ RES=${OUT:-$(mktemp -d)}
 mkdir -p "$RES"
 LOG=$RES/log.txt JSONL=$RES/results.jsonl
 BATCHES=${BATCHES:-1,16,64,256}
-VARIANTS=${VARIANTS:-auto-eager auto-graphs auto-graphs-async auto-graphs-fp8w-fp8kv}
+VARIANTS=${VARIANTS:-auto-graphs auto-graphs-async auto-graphs-fp8w-fp8kv}  # auto-eager: what the graphs bring
 read -r -a BENCH <<<"${BENCH_ARGS:-}"
 : >"$LOG"
 : >"$JSONL"
