@@ -651,7 +651,7 @@ static int plan_tiles(const int32_t *seq_of_row, const int32_t *positions, const
  * a store and a reload on every key). Float16 pages of head_dim 64 (the CPU default, the default model's heads) get a
  * copy with D a literal too. Measured side by side (benchmarks/paged_attention_ab.py, 2-vCPU Zen 3, 2 threads, the
  * same bits): float16 decode, verify and prefill cases 1.02-1.19x with the kind a literal, then 0.99-1.10x more with
- * D (about 6 s more to compile). */
+ * D (about 4 s more to compile). */
 static inline __attribute__((always_inline)) void attend_tile_head(
         const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *tables, int table_stride,
         const int32_t *rows, const int32_t *seq_of_row, const int32_t *positions, int H, int KVH, int D, int P,
@@ -728,7 +728,7 @@ static inline __attribute__((always_inline)) void attend_tile_head(
  * or per row the leading pages its table has alike with the row before's (see plan_tiles). out [T, H, D]; scratch:
  * threads * (Q_TILE * H / KVH + 1) * max_keys floats (each row and head's scores, the slots), max_keys at least
  * the keys a tile spans (the largest position + 1). D a multiple of 8. The caches hold float32, float16 or fp8 (kind:
- * a constant, so each is its own compiled loop); fp8 values are K / kv_scale and V / kv_scale, so the scores take
+ * each its own compiled loop: attend_tile_head); fp8 values are K / kv_scale and V / kv_scale, so the scores take
  * scale * kv_scale and the outputs kv_scale / sum p (1.0 for the others: the same bits as without it). */
 static inline __attribute__((always_inline)) void attend_pages(
         const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *tables, int table_stride,
@@ -745,22 +745,14 @@ static inline __attribute__((always_inline)) void attend_pages(
 #pragma omp parallel for collapse(2) num_threads(threads) schedule(dynamic, chunk)
     for (int tile = 0; tile < tiles; tile++) {
         for (int kh = 0; kh < KVH; kh++) {
-            if (kind == KV_F16 && D == 64)
-                attend_tile_head(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, H, KVH,
-                                 64, P, window, scale, value_scale, out, scratch, max_keys, tile_start, tile_keys, tile, kh,
-                                 KV_F16);
-            else if (kind == KV_F16)
-                attend_tile_head(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, H, KVH,
-                                 D, P, window, scale, value_scale, out, scratch, max_keys, tile_start, tile_keys, tile, kh,
-                                 KV_F16);
-            else if (kind == KV_FP8)
-                attend_tile_head(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, H, KVH,
-                                 D, P, window, scale, value_scale, out, scratch, max_keys, tile_start, tile_keys, tile, kh,
-                                 KV_FP8);
-            else
-                attend_tile_head(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, H, KVH,
-                                 D, P, window, scale, value_scale, out, scratch, max_keys, tile_start, tile_keys, tile, kh,
-                                 KV_F32);
+#define TILE_HEAD(D_, KIND)                                                                                              \
+    attend_tile_head(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, H, KVH, D_, P,     \
+                     window, scale, value_scale, out, scratch, max_keys, tile_start, tile_keys, tile, kh, KIND)
+            if (kind == KV_F16 && D == 64) TILE_HEAD(64, KV_F16);
+            else if (kind == KV_F16) TILE_HEAD(D, KV_F16);
+            else if (kind == KV_FP8) TILE_HEAD(D, KV_FP8);
+            else TILE_HEAD(D, KV_F32);
+#undef TILE_HEAD
         }
     }
 }
@@ -770,15 +762,9 @@ void paged_attention(const float *q, int q_stride, const void *k_cache, const vo
                      const int32_t *positions, const int32_t *shared, int n, int H, int KVH, int D, int P, int window, float scale,
                      float *out, float *scratch, int max_keys, int kv_kind, float kv_scale, int threads) {
     const float s = scale * kv_scale;  /* kv_scale 1.0 (float32, float16): scale itself */
-    if (kv_kind == KV_FP8)
-        attend_pages(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, shared, n, H, KVH, D, P,
-                     window, s, kv_scale, out, scratch, max_keys, threads, KV_FP8);
-    else if (kv_kind == KV_F16)
-        attend_pages(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, shared, n, H, KVH, D, P,
-                     window, s, kv_scale, out, scratch, max_keys, threads, KV_F16);
-    else
-        attend_pages(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, shared, n, H, KVH, D, P,
-                     window, s, kv_scale, out, scratch, max_keys, threads, KV_F32);
+    /* one region, whose loop body takes the kind as a literal (attend_tile_head) */
+    attend_pages(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, shared, n, H, KVH, D, P,
+                 window, s, kv_scale, out, scratch, max_keys, threads, kv_kind);
 }
 
 /* Eight bf16 values from p on, widened to float32 (exactly: bf16 is float32's upper half). */
