@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import time
 
@@ -60,11 +61,18 @@ def verify_calls(monkeypatch):
     return calls
 
 
-def generate(path, prompts, params, speculative_config=None, **settings):
-    """Outputs per prompt, and the engine, with check_integrity run before every step and after the last."""
+def generate(path, prompts, params, speculative_config=None, proposer=None, **settings):
+    """Outputs per prompt, and the engine, with check_integrity run before every step and after the last;
+    proposer: a stand-in for the proposer's propose_with_evidence."""
     settings = {"block_size": 4, "num_threads": 1, "num_pages": 256} | settings  # few pages: integrity checks are fast
     llm = LLM(str(path), speculative_config=speculative_config, **settings)
     engine = llm.engine
+    if proposer is not None:
+        engine.speculator.proposer.propose_with_evidence = proposer
+    if engine.speculator is not None:
+        # a tiny model's step is well under a millisecond, so the proposal budget would skip most passes and
+        # whether anything is drafted here would hang on timing (the budget has tests of its own)
+        engine.speculator.proposal_share = math.inf
     engine.before_step.append(lambda e: e.kv.check_integrity())
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     engine.kv.check_integrity()
@@ -163,7 +171,11 @@ def logprob_values(outputs):
 def test_penalties_min_tokens_and_logprobs_are_verified_position_by_position(tiny, verify_calls):
     """Each verify row's processors see the drafts before it (penalties count them, min_tokens counts them as output)
     and the tokens it emits report the logprobs the plain sampler would: the same tokens and reports as without
-    speculation, greedy and seeded sampled alike, with drafts made and accepted for every request."""
+    speculation, greedy and seeded sampled alike, with drafts made and accepted for every request.
+
+    The drafts are the plain run's own tokens (penalised text rarely repeats, so a lookup would seldom draft what
+    passes): a greedy request then keeps every one of them, which it does only if each row applies its penalties
+    and min_tokens as the plain sampler did at that position."""
     path, prompts = tiny
     plain_text, _ = generate(path, prompts[:1], greedy())
     stop = plain_text[0].outputs[0].token_ids[3]  # a token the plain run emits early: min_tokens must hold it back
@@ -174,8 +186,19 @@ def test_penalties_min_tokens_and_logprobs_are_verified_position_by_position(tin
                              frequency_penalty=0.2, logprobs=1)]
     plain, _ = generate(path, prompts[:4], params)
     assert not verify_calls
-    spec, engine = generate(path, prompts[:4], params, CONFIGS["ngram-fixed3"])
+    plain_outputs = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts[:4], plain)}
+
+    def plain_continuation(request_id, token_ids, max_k):
+        for prompt, output in plain_outputs.items():
+            if tuple(token_ids[: len(prompt)]) == prompt:
+                done = len(token_ids) - len(prompt)
+                return output[done : done + max_k], 0
+        return [], 0
+
+    spec, engine = generate(path, prompts[:4], params, CONFIGS["ngram-fixed3"], proposer=plain_continuation)
     assert token_ids(spec) == token_ids(plain)
+    for out in spec[:3]:  # greedy: every draft passes
+        assert 0 < out.metrics.spec_accepted_tokens == out.metrics.spec_draft_tokens
     assert len(plain[2].outputs[0].token_ids) >= 12  # min_tokens held the stop token back in both runs
     assert [c.cumulative_logprob for o in spec for c in o.outputs] == pytest.approx(
         [c.cumulative_logprob for o in plain for c in o.outputs], abs=1e-3)

@@ -28,12 +28,20 @@ def test_ngram_proposes_what_followed_the_last_n_tokens():
     assert ngram.propose("s", [1, 2, 3, 4, 5, 6, 9, 2, 3], max_k=10)[:5] == [4, 5, 6, 9, 2]
 
 
-def test_ngram_prefers_the_longest_n_then_the_latest_occurrence():
+def test_ngram_prefers_the_longest_n_then_what_followed_most_often():
     ngram = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3)
     # (7, 8) occurs twice; only the first occurrence has 6 before it: the 3-gram (6, 7, 8) wins
     assert ngram.propose("a", [6, 7, 8, 1, 5, 7, 8, 2, 6, 7, 8], max_k=1) == [1]
-    # without the 3-gram, the latest (7, 8) wins
-    assert ngram.propose("b", [6, 7, 8, 1, 5, 7, 8, 2, 9, 7, 8], max_k=1) == [2]
+    # without the 3-gram, (7, 8) was followed by 1 and by 2 once each: the first to lead the vote, 1 (the source
+    # text comes first in input-grounded work)
+    assert ngram.propose("b", [6, 7, 8, 1, 5, 7, 8, 2, 9, 7, 8], max_k=1) == [1]
+    # followed by 2 twice and by 1 once: 2, continued from its latest occurrence (2 then 4, not 2 then 3)
+    assert ngram.propose("c", [7, 8, 2, 3, 7, 8, 1, 0, 7, 8, 2, 4, 9, 7, 8], max_k=2) == [2, 4]
+    # the vote follows the history as it grows: a third 1 takes the lead back
+    tokens = [7, 8, 1, 7, 8, 2, 7, 8, 2, 7, 8]
+    assert ngram.propose("d", tokens, max_k=1) == [2]
+    tokens += [1, 5, 7, 8, 1, 6, 7, 8]
+    assert ngram.propose("d", tokens, max_k=2) == [1, 6]
 
 
 def test_ngram_bounds_k_min_and_max_n():
