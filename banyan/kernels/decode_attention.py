@@ -1,13 +1,21 @@
 """Decode kernel: one query row per request over its paged context, split along the context (split-K).
 
 A decode step has few rows, so one program per (request, head) would leave most of a GPU idle on
-long contexts. The visible keys of each request are cut into num_splits spans, one program each;
-each writes a partial output and its log-sum-exp, and a reduce step merges them:
+long contexts. The visible keys of each request are cut into S spans, one program each; each writes a
+partial output and its log-sum-exp, and a reduce step merges them:
 
     visible keys [lo, c)   (lo = 0, or c - w with a sliding window w)
     split:         |   0   |   1   |  ...  | S-1 |      span = ceil((c - lo) / S), rounded up to BLOCK_N
     partial:       o_0, lse_0   o_1, lse_1  ...         (an empty span writes lse = -inf)
     merge:         o = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m),   m = max_s lse_s
+
+S is the request's own: splits_for(c - lo), about two key tiles a split up to MAX_SPLITS, and the merge
+always reduces over MAX_SPLITS lanes (the empty ones weigh 0). So a request's output has the same bits
+whatever else is in the batch and whatever bound on the lengths sizes the grid: a CUDA graph (its grid as
+wide as max_model_len, its batch padded to a bucket) replays what an eager step computes. (Splits chosen
+from the batch, fewer as the grid filled, made greedy outputs of graphs and eager steps part in float32
+beyond 128 tokens.) The grid has splits_for(the longest visible length) programs a (request, KV head);
+those past a request's own S exit at once. A test may fix S for every request (num_splits).
 
 A program serves all query heads of one KV head (GQA): the group's rows share each K/V tile load.
 
@@ -29,8 +37,8 @@ from banyan.kernels.prefill_attention import (
     load_kv_tile,
 )
 
-TARGET_PROGRAMS = 512  # enough programs to fill a large GPU (an H200 has 132 SMs) several times over
 MAX_SPLITS = 32
+SPLIT_TILES = 2  # key tiles a split covers at least, where the request has that many
 
 
 @triton.jit
@@ -40,7 +48,7 @@ def _decode_split_kernel(
     qk_scale, v_scale,  # see prefill_attention: an fp8 cache's scale is folded into both
     stride_qt, stride_qh,
     stride_cp, stride_cs, stride_ch, stride_bt,
-    page_size, window, num_splits,
+    page_size, window, num_splits, split_keys,  # split_keys > 0: each request's own splits, one per split_keys
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -52,7 +60,9 @@ def _decode_split_kernel(
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(seq_lens_ptr + seq)
     lo = tl.maximum(0, ctx - window)
-    span = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
+    own = tl.minimum(num_splits, tl.maximum(1, tl.cdiv(ctx - lo, tl.maximum(split_keys, 1))))  # splits_for's count
+    splits = tl.where(split_keys > 0, own, num_splits)
+    span = tl.cdiv(tl.cdiv(ctx - lo, splits), BLOCK_N) * BLOCK_N
     split_lo = lo + split * span
     split_hi = tl.minimum(ctx, split_lo + span)
 
@@ -116,7 +126,7 @@ def decode_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
     kv_scale: float = 1.0,  # an fp8 cache's scale
-    num_splits: int | None = None,
+    num_splits: int | None = None,  # every request cut into this many spans (tests); None: each its own (splits_for)
     block_n: int = 64,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
@@ -126,8 +136,11 @@ def decode_attention(
     if num_seqs == 0:
         return out
     visible = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+    split_keys = 0 if num_splits is not None else SPLIT_TILES * block_n
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs * num_kv_heads, visible, block_n)
+        num_splits = splits_for(visible, block_n)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     block_d = max(16, triton.next_power_of_2(head_dim))
     part_out = torch.empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -138,7 +151,7 @@ def decode_attention(
         scale * LOG2E * kv_scale, kv_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        k_cache.shape[1], NO_WINDOW if sliding_window is None else sliding_window, num_splits,
+        k_cache.shape[1], NO_WINDOW if sliding_window is None else sliding_window, num_splits, split_keys,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
@@ -151,14 +164,13 @@ def decode_attention(
         out.stride(0), out.stride(1),
         num_splits,
         HEAD_DIM=head_dim,
-        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_S=MAX_SPLITS,  # one reduction shape for every grid: the merge's order never depends on the batch
         BLOCK_D=block_d,
     )
     return out
 
 
-def choose_num_splits(num_programs: int, max_keys: int, block_n: int) -> int:
-    """Split until the grid has about TARGET_PROGRAMS programs, keeping >= 2 key tiles per split."""
-    by_occupancy = triton.cdiv(TARGET_PROGRAMS, num_programs)
-    by_length = triton.cdiv(max_keys, 2 * block_n)
-    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+def splits_for(visible_keys: int, block_n: int) -> int:
+    """The spans a request with this many visible keys is cut into: about SPLIT_TILES key tiles each, at most
+    MAX_SPLITS (the kernel computes the same per request from its own length)."""
+    return max(1, min(triton.cdiv(visible_keys, SPLIT_TILES * block_n), MAX_SPLITS))
