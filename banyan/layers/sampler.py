@@ -77,7 +77,7 @@ class Sampler:
         to_host: reads device tensors (default: tolist); called once for the ids, once more for any logprobs."""
         to_host = to_host or read_list
         raw = logits[:, : self.vocab_size].float()  # drop padded vocabulary columns
-        if grammar is None and all(_plain_greedy(r) for r in requests):  # each row's argmax and nothing else
+        if grammar is None and all(plain_greedy(r) for r in requests):  # each row's argmax and nothing else
             return SamplerOutput(to_host(argmax_rows(raw), "sampled ids"), [None] * len(requests), [None] * len(requests))
         uniforms = self._uniforms(requests, raw.device)  # drawn for the whole batch: chunking changes nothing
         params = [r.sampling_params for r in requests]
@@ -203,7 +203,7 @@ def _processed(raw: torch.Tensor, requests: Sequence[Request], grammar) -> torch
     return logits
 
 
-def _plain_greedy(request: Request) -> bool:
+def plain_greedy(request: Request) -> bool:
     """Greedy, without logprobs nor anything that changes the logits: its token is the raw logits' argmax (the
     fast path of a batch-1 or all-greedy step, which skips the chunks, the per-row lists and the logprobs pass)."""
     p = request.sampling_params

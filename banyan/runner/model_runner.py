@@ -18,7 +18,7 @@ from banyan.distributed.tensor_parallel import TensorParallel
 from banyan.errors import InvalidParameterError
 from banyan.layers.attention.base import kv_torch_dtype
 from banyan.layers.pooler import pool
-from banyan.layers.sampler import Sampler, compute_prompt_logprobs, request_generator, target_distribution
+from banyan.layers.sampler import Sampler, compute_prompt_logprobs
 from banyan.lora.layers import LoRAGroups, LoRAModel
 from banyan.models.registry import get_model_class
 from banyan.quantization.formats import FP16
@@ -34,14 +34,14 @@ from banyan.runner.host_reads import HostReads
 from banyan.runner.logits_plan import LogitsPlan
 from banyan.runner.overlap import KeepIds, LaunchedStep, PendingIds
 from banyan.runner.piecewise_graphs import PiecewiseGraphs, piecewise_capable, token_buckets
+from banyan.runner.verify_step import verify_drafts
 from banyan.forward_batch import ForwardBatch, to_device
 from banyan.runner.memory import (GiB, KVCapacity, cpu_kv_budget, lazily_zeroed, pages_for_budget, profile_batch,
                                   profile_cuda_forward)
 from banyan.runner.weights import ModelSource
 from banyan.scheduler.batch import Batch, SampledToken, StepResult
-from banyan.spec import verify as spec_verify
-from banyan.structured import GrammarBackend, allocate_bitmask, apply_bitmask
-from banyan.structured.bitmask import allow_token, draft_bitmask
+from banyan.structured import GrammarBackend, allocate_bitmask
+from banyan.structured.bitmask import allow_token
 
 logger = logging.getLogger(__name__)
 
@@ -389,7 +389,7 @@ class ModelRunner:
             for i, request in enumerate(plan.sample_requests):
                 result.sampled[request.request_id] = SampledToken(out.token_ids[i], out.chosen_logprobs[i], out.logprobs[i])
         if plan.verify:
-            result.verified = self._verify(logits, plan.verify)
+            result.verified = verify_drafts(logits, plan.verify, self.sampler, self.arch.vocab_size, self.to_host)
         for request, first, count, targets in plan.prompt:
             k = request.sampling_params.prompt_logprobs
             target_ids = to_device(targets, torch.long, logits.device)
@@ -397,44 +397,6 @@ class ModelRunner:
                 logits[first : first + count], target_ids, k, self.to_host)
         return result
 
-    def _verify(self, logits: torch.Tensor, verify: list[tuple]) -> dict[str, list[SampledToken]]:
-        """The tokens each drafting request gains: its accepted drafts, then the target's token (spec/verify.py).
-
-        Request b's logits rows first_b .. first_b + k_b are p_0 .. p_k; rows are padded to K + 1 with its last:
-            index:  [ first_b, first_b + 1, ..., first_b + k_b, first_b + k_b, ... ]   K + 1 per request
-        """
-        requests = [request for request, _, _ in verify]
-        width = 1 + max(len(drafts) for _, drafts, _ in verify)
-        index = [[first + min(j, len(drafts)) for j in range(width)] for _, drafts, first in verify]
-        rows, vocab = [row for each in index for row in each], self.sampler.vocab_size
-        constrained = [(b, r.matcher, drafts) for b, (r, drafts, _) in enumerate(verify) if r.matcher is not None]
-        if rows == list(range(rows[0], rows[0] + len(rows))) and not constrained and logits.shape[1] == vocab:
-            raw = logits[rows[0] : rows[0] + len(rows)]  # as they lie (batch 1): a copy took 0.1 ms, page faults mostly
-        else:
-            raw = logits[torch.tensor(rows, device=logits.device), :vocab]
-        if constrained:  # structured output: p_j under the grammar's state after the first j drafts
-            apply_bitmask(raw, *draft_bitmask(constrained, width, self.arch.vocab_size))
-        positions = [spec_verify.AfterDrafts(r, drafts[:j]) for r, drafts, _ in verify for j in range(width)]
-        probs = target_distribution(raw, positions)  # [B * (K + 1), V]: row j's processors see the drafts before it
-        draft_ids = [list(drafts) + [0] * (width - 1 - len(drafts)) for _, drafts, _ in verify]
-        out = spec_verify.verify(
-            probs.view(len(verify), width, -1),
-            torch.tensor(draft_ids, dtype=torch.long, device=logits.device),
-            torch.tensor([len(drafts) for _, drafts, _ in verify], dtype=torch.long, device=logits.device),
-            greedy=[r.sampling_params.temperature == 0.0 for r in requests],
-            generators=[request_generator(r, logits.device) for r in requests],
-            default_generator=self.sampler.generator(logits.device),
-            to_host=self.to_host,
-        )
-        verified = {r.request_id: [SampledToken(t, None) for t in tokens] for r, tokens in zip(requests, out.token_ids)}
-        wanted = [b for b, r in enumerate(requests) if r.sampling_params.logprobs is not None]
-        if wanted:  # after the ids, as the plain sampler reads them: from the raw rows that predicted each token
-            reports = spec_verify.emitted_logprobs(logits[:, : self.sampler.vocab_size], [index[b] for b in wanted],
-                                                   [out.token_ids[b] for b in wanted],
-                                                   [requests[b].sampling_params.logprobs for b in wanted], self.to_host)
-            for b, entries in zip(wanted, reports):
-                verified[requests[b].request_id] = [SampledToken(e.token_id, e.logprob, e) for e in entries]
-        return verified
 
 
 def _sample_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -138,6 +138,23 @@ def verify(
     return VerifyOutput(counts, [row[2 : 2 + row[0]] + [row[1]] for row in table])
 
 
+def verify_plain_greedy(rows: torch.Tensor, drafts: Sequence[Sequence[int]], to_host=None) -> VerifyOutput:
+    """verify for requests that are all greedy with nothing that changes their logits (the sampler's plain_greedy)
+    and no grammar: p_j's argmax is the raw row's, so one argmax over the rows and one read give every target token,
+    and the drafts are matched on the host, where verify's torch ops for the same answer took 0.3 ms of a 7 ms
+    batch-1 step. rows: [sum_b (1 + k_b), V], request b's 1 + k_b rows in order; the same tokens as verify."""
+    targets = (to_host or _read_list)(argmax_rows(rows), "verified ids")
+    counts, tokens, first = [], [], 0
+    for draft in drafts:
+        mine, accepted = targets[first : first + len(draft) + 1], 0
+        while accepted < len(draft) and draft[accepted] == mine[accepted]:
+            accepted += 1
+        counts.append(accepted)
+        tokens.append(list(draft[:accepted]) + [mine[accepted]])
+        first += len(draft) + 1
+    return VerifyOutput(counts, tokens)
+
+
 def _argmax(probs: torch.Tensor) -> torch.Tensor:
     """probs.argmax(-1) of [B, K + 1, V], through banyan's CPU argmax where it serves (the sampler's: the same first
     index of the max; torch took 186 us for 6 rows of a 49k vocabulary, banyan 18 us, beside a 5 ms verify step)."""

@@ -50,14 +50,18 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture
 def verify_calls(monkeypatch):
+    """Every call of the verifier (its general path or its plain-greedy one), by the drafts it was given."""
     calls = []
 
-    def counting(*args, **kwargs):
-        calls.append(args[1].shape)
-        return verify(*args, **kwargs)
+    def counting(verifier, drafts_of):
+        def call(*args, **kwargs):
+            calls.append(drafts_of(args))
+            return verifier(*args, **kwargs)
+        return call
 
-    verify = spec_verify.verify
-    monkeypatch.setattr(spec_verify, "verify", counting)
+    monkeypatch.setattr(spec_verify, "verify", counting(spec_verify.verify, lambda args: args[1].shape))
+    monkeypatch.setattr(spec_verify, "verify_plain_greedy",
+                        counting(spec_verify.verify_plain_greedy, lambda args: [len(d) for d in args[1]]))
     return calls
 
 

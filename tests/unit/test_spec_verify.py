@@ -9,7 +9,7 @@ import torch
 from banyan.layers.sampler import Sampler, target_distribution
 from banyan.request import Request
 from banyan.sampling_params import SamplingParams
-from banyan.spec.verify import AfterDrafts, draw_uniforms, verify
+from banyan.spec.verify import AfterDrafts, draw_uniforms, verify, verify_plain_greedy
 
 V = 5
 
@@ -127,6 +127,30 @@ def test_greedy_accepts_while_the_draft_is_the_argmax(drafts, argmaxes, accepted
     q = None if q is None else torch.full((1, 3, V), 1.0 / V)
     out = verify(greedy_probs(argmaxes), torch.tensor([drafts]), torch.tensor([3]), q, greedy=[True])
     assert out.num_accepted == [accepted] and out.token_ids == [emitted]
+
+
+def test_plain_greedy_requests_take_verifys_tokens_from_one_argmax_of_their_rows():
+    """verify_plain_greedy (the runner's path where every request is greedy with nothing changing its logits): the
+    same counts and tokens as verify, from the raw rows laid end to end (1 + k_b per request, no padding)."""
+    gen = torch.Generator().manual_seed(3)
+    drafts = [[5, 9, 2], [], [7], [1, 4, 4, 8, 0]]
+    vocab = 12
+    rows = torch.randn(sum(1 + len(d) for d in drafts), vocab, generator=gen)
+    first = 0
+    for d in drafts:  # make each request's first drafts the argmax of their rows, up to a point
+        for j, token in enumerate(d[:2]):
+            rows[first + j, token] = 10.0
+        first += 1 + len(d)
+    width = 1 + max(map(len, drafts))
+    padded, first = [], 0
+    for d in drafts:  # verify's layout: K + 1 rows per request, the last repeated
+        padded += [rows[first + min(j, len(d))] for j in range(width)]
+        first += 1 + len(d)
+    want = verify(torch.stack(padded).view(len(drafts), width, vocab),
+                  torch.tensor([d + [0] * (width - 1 - len(d)) for d in drafts]),
+                  torch.tensor([len(d) for d in drafts]), greedy=[True] * len(drafts))
+    got = verify_plain_greedy(rows, drafts)
+    assert got == want and got.num_accepted == [2, 0, 1, 2]
 
 
 def test_padding_past_num_drafts_is_never_accepted_and_k0_is_plain_decoding():
