@@ -90,10 +90,12 @@ static void quantize_rows(const float *x, int8_t *q, float *scale, float *sum, i
 #define PREFETCH_AHEAD 512
 #define INT8_PREFETCH 0
 #endif
-/* The widest tile: TILE_ROWS, or one more where a last tile of 1 row would follow. The 5th row in a tile of its own
- * added about a fifth to the matmuls of 4 rows (it unpacks every block again), so 5 rows left take one tile of 5: the default model's matmuls at 5 rows (a verify of 4 drafts) 1.07-1.13x faster on
- * a 2-vCPU Zen 3 (benchmarks/gemv_ab.py, 2 threads; 1.09x at 1), 4 and 6 rows the same, every row's bits the same. */
-#define LAST_TILE_ROWS (TILE_ROWS == 4 ? 5 : TILE_ROWS)
+/* The widest tile: TILE_ROWS, or where tiles are 4 rows, 6: a last tile of 1 or 2 rows unpacks every block again,
+ * and the 5th row in a tile of its own added about a fifth to the matmuls of 4 rows. So 5 or 6 rows left take one
+ * tile: the default model's matmuls at 5 rows (a verify of 4 drafts) 1.07-1.13x faster on a 2-vCPU Zen 3
+ * (benchmarks/gemv_ab.py, 2 threads; 1.09x at 1), at 6 rows 1.07-1.08x; 7 rows in one tile were no faster than
+ * 4 + 3; every row's bits the same. */
+#define LAST_TILE_ROWS (TILE_ROWS == 4 ? 6 : TILE_ROWS)
 #define PASS_BYTES (96 * 1024)
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -266,7 +268,8 @@ static inline __attribute__((always_inline)) void int4_tile16(const int R, const
     case 7: TILE(7, __VA_ARGS__); break;
 #else
 #define WIDE_TILE_CASES(TILE, ...)                                                                                 \
-    case 5: TILE(5, __VA_ARGS__); break;
+    case 5: TILE(5, __VA_ARGS__); break;                                                                           \
+    case 6: TILE(6, __VA_ARGS__); break;
 #endif
 
 /* Rows [begin, end) of x as int8 blocks (quantize_rows), their block sums summed per group when a group spans
@@ -631,7 +634,7 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
                 for (int R; m < m_end; m += R) {
                     const int8_t *xm = xq + (size_t)m * K;
                     const float *xs = xscale + (size_t)m * blocks, *xt = xsum + (size_t)m * blocks;
-                    R = m_end - m <= LAST_TILE_ROWS ? m_end - m : TILE_ROWS;  /* 5 rows left: one tile, not 4 + 1 */
+                    R = m_end - m <= LAST_TILE_ROWS ? m_end - m : TILE_ROWS;  /* 5 or 6 rows left: one tile */
                     const int direct = lanes == width;  /* a whole group's columns go straight into y's rows */
                     float *out = direct ? y + (size_t)m * N + 8 * G : tile;
                     const int ldy = direct ? N : width;

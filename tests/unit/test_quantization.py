@@ -245,11 +245,11 @@ def test_a_gated_mlp_on_bf16_copies_keeps_its_middle_in_bf16():
 
 @needs_gemv
 @pytest.mark.parametrize("fmt", [INT8, WeightFormat("int4", 32), WeightFormat("fp16")])
-@pytest.mark.parametrize("rows", [40, 41])
+@pytest.mark.parametrize("rows", [40, 41, 42])
 def test_batch_invariant_layers_give_each_row_its_bits_alone(weight_and_input, fmt, rows):
-    """batch_invariant: every row through banyan's kernel, 40 or 41 rows at once (the last tile of 41 takes 5 rows
-    where tiles are 4) bit for bit as one at a time (torch's GEMMs, FBGEMM's and MKL's, pick their blocking by the
-    row count: their rows move in the last bits)."""
+    """batch_invariant: every row through banyan's kernel, 40 to 42 rows at once (where tiles are 4 rows, the last
+    tile of 41 or 42 takes 5 or 6) bit for bit as one at a time (torch's GEMMs, FBGEMM's and MKL's, pick their
+    blocking by the row count: their rows move in the last bits)."""
     w, _ = weight_and_input
     layer = QuantizedLinear(256, 96, fmt, packed_kernels=False)
     layer.batch_invariant = True
