@@ -12,13 +12,15 @@ the history's length, and a prompt is indexed once, in O(len * n_max^2).
 
 An n-gram followed by different tokens in different places is a vote: the drafts continue the latest occurrence
 of the token that followed it most often, the first to reach that count on a tie (kept as each occurrence is
-indexed: O(1)). In input-grounded work the text being rewritten comes first, so on a tie its continuation wins
-over a later one in the model's own output. Replayed on recorded greedy outputs (banyan/bench/spec_replay.py,
-default model, 2-vCPU Zen 3) this took batch-1 code edits 1.68x -> 1.72x and 1.76x -> 1.81x and rewrites 1.92x ->
-1.95x and 2.02x -> 2.07x of the decode, against the latest occurrence, which had passed for "recent text predicts
-best" and which a tie broken toward the latest did not beat. Drafts may run past the
-history's end: the continuation of position e is taken to repeat with period len - e, so a repeated pattern
-(a a a a, or a b a b) proposes max_k tokens and not only what is left before the end.
+indexed: O(1); only n-grams seen twice hold a vote). In input-grounded work the text being rewritten comes first, so
+on a tie its continuation wins over a later one in the model's own output. Replayed on recorded greedy outputs
+(banyan/bench/spec_replay.py, default model, 2-vCPU Zen 3) this took batch-1 code edits 1.68x -> 1.72x and 1.76x ->
+1.81x and rewrites 1.92x -> 1.95x and 2.02x -> 2.07x of the decode, against the latest occurrence ("recent text
+predicts best"); ties broken toward the latest gained nothing. Where a model's output loops and the loop shifts (a
+tiny random model's) the latest occurrence follows the shift sooner: 1.45x against the vote's 1.41x.
+
+Drafts may run past the history's end: the continuation of position e is taken to repeat with period len - e, so a
+repeated pattern (a a a a, or a b a b) proposes max_k tokens and not only what is left before the end.
 Keys are hashes of n-gram tuples (smaller than the tuples); a lookup checks the tokens, so a collision costs a
 missed proposal, never a wrong one.
 """
