@@ -22,6 +22,7 @@ import banyan.engine.engine as engine_module
 import banyan.spec.verify as spec_verify
 from banyan import LLM, SamplingParams
 from banyan.errors import InvalidParameterError
+from banyan.ipc.core_process import STATS_INTERVAL
 from tests.factories import write_model_dir
 from tests.server_process import start_server
 
@@ -375,12 +376,15 @@ def test_metrics_endpoint_shows_the_speculation_counters(tiny):
         assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == logprobs["tokens"]
         assert [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs] == pytest.approx(
             logprobs["token_logprobs"], abs=1e-5)
-        deadline = time.monotonic() + 10
-        while True:  # the core sends its counters a few times a second
-            values = spec_samples(httpx.get(f"{server.base_url}/metrics").text)
-            if values.get("banyan:spec_decode_num_drafts_total") or time.monotonic() > deadline:
+        # The core sends its counters every STATS_INTERVAL, busy or idle, and these three requests may all run
+        # within one interval: read until two reads a few intervals apart agree (the engine is idle by now).
+        deadline, values = time.monotonic() + 10, {}
+        while True:
+            time.sleep(3 * STATS_INTERVAL)
+            latest = spec_samples(httpx.get(f"{server.base_url}/metrics").text)
+            if (latest == values and values.get("banyan:spec_decode_num_drafts_total")) or time.monotonic() > deadline:
                 break
-            time.sleep(0.1)
+            values = latest
     finally:
         server.stop()
     drafts = values["banyan:spec_decode_num_drafts_total"]
