@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from banyan.spec.config import SpeculativeConfig
 from banyan.spec.proposer import Proposer
 from banyan.spec.speculator import Speculator
+from banyan.spec.verify import greedy_accepted
 
 StepSeconds = Callable[[int], float]
 """Seconds of one forward of one sequence over n tokens (1: a decode, 1 + k: a verify of k drafts)."""
@@ -75,14 +76,6 @@ class Replay:
         self.on_seconds += seconds
 
 
-def passed(drafts: Sequence[int], truth: Sequence[int]) -> int:
-    """How many drafts a greedy verifier keeps: the longest prefix equal to what the target emits."""
-    n = 0
-    while n < len(drafts) and n < len(truth) and drafts[n] == truth[n]:
-        n += 1
-    return n
-
-
 def replay(traces: Sequence[Trace], config: SpeculativeConfig, step_seconds: StepSeconds) -> Replay:
     """The real Speculator (its proposer, controller and learning) over `traces`, one request at a time, as at
     batch 1. Its step-time model is calibrated on step_seconds and each step is observed at step_seconds, as the
@@ -94,7 +87,7 @@ def replay(traces: Sequence[Trace], config: SpeculativeConfig, step_seconds: Ste
         out = trace.output
         candidates = [(request_id, trace.prompt + out[:pos], trace.room(pos))]
         drafts = speculator.drafts(candidates, 0, 0.0, 1 << 30).get(request_id, [])
-        accepted = passed(drafts, out[pos:])
+        accepted = greedy_accepted(drafts, out[pos:])
         if drafts:
             speculator.observe(request_id, len(drafts), accepted)
         speculator.observe_step(1 + len(drafts), step_seconds(1 + len(drafts)), num_drafts=len(drafts))
@@ -111,7 +104,7 @@ def best_step(usable: int, step_seconds: StepSeconds) -> int:
 def replay_best_k(traces: Sequence[Trace], proposer: Proposer, max_k: int, step_seconds: StepSeconds) -> Replay:
     """The proposer's drafts with k chosen knowing how many pass: the ceiling of any controller for this proposer."""
     def usable(request_id: str, history: list[int], truth: list[int], room: int) -> int:
-        return passed(proposer.propose(request_id, history, room), truth)
+        return greedy_accepted(proposer.propose(request_id, history, room), truth)
 
     return _walk(traces, step_seconds, _oracle_step(usable, max_k, step_seconds), proposer.finish)
 

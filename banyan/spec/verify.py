@@ -146,13 +146,20 @@ def verify_plain_greedy(rows: torch.Tensor, drafts: Sequence[Sequence[int]], to_
     targets = (to_host or _read_list)(argmax_rows(rows), "verified ids")
     counts, tokens, first = [], [], 0
     for draft in drafts:
-        mine, accepted = targets[first : first + len(draft) + 1], 0
-        while accepted < len(draft) and draft[accepted] == mine[accepted]:
-            accepted += 1
+        mine = targets[first : first + len(draft) + 1]
+        accepted = greedy_accepted(draft, mine)
         counts.append(accepted)
         tokens.append(list(draft[:accepted]) + [mine[accepted]])
         first += len(draft) + 1
     return VerifyOutput(counts, tokens)
+
+
+def greedy_accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
+    """How many drafts a greedy request keeps: the longest prefix equal to the target's tokens at those positions."""
+    n = 0
+    while n < len(drafts) and n < len(targets) and drafts[n] == targets[n]:
+        n += 1
+    return n
 
 
 def _argmax(probs: torch.Tensor) -> torch.Tensor:

@@ -9,13 +9,13 @@ from banyan.bench.spec_replay import (
     Trace,
     best_step,
     longest_found,
-    passed,
     replay,
     replay_best_k,
     replay_copy_oracle,
 )
 from banyan.spec import make_proposer
 from banyan.spec.config import SpeculativeConfig
+from banyan.spec.verify import greedy_accepted
 
 
 def cheap(n):
@@ -33,10 +33,10 @@ def copy_trace(n=41):
     return Trace(prompt=[7] + text, output=text)
 
 
-def test_passed_is_the_longest_agreeing_prefix():
-    assert passed([1, 2, 3], [1, 2, 4, 5]) == 2
-    assert passed([9], [1]) == 0 and passed([], [1]) == 0
-    assert passed([1, 2, 3], [1, 2]) == 2  # the output ends first
+def test_a_greedy_request_keeps_the_longest_agreeing_prefix():
+    assert greedy_accepted([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert greedy_accepted([9], [1]) == 0 and greedy_accepted([], [1]) == 0
+    assert greedy_accepted([1, 2, 3], [1, 2]) == 2  # the output ends first
 
 
 def test_longest_found_looks_for_a_contiguous_run_anywhere():
