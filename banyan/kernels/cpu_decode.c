@@ -712,6 +712,169 @@ static inline __attribute__((always_inline)) void attend_tile_head(
     }
 }
 
+/* score8 over the 8 keys of one run of a page (cache rows one token apart): key u at k + at + u * token. Two row
+ * pointers and the stride keep every address in registers (score8's eight offsets spill in the big loops). The same
+ * sums in the same order: the same bits. */
+static inline __attribute__((always_inline)) void score8_run(const float *q, const void *k, size_t at, size_t token,
+                                                             const int D, float scale, float *p, const int kind) {
+    const char *r0 = (const char *)k + at * kv_bytes(kind), *r4 = r0 + 4 * token * kv_bytes(kind);
+    const size_t t1 = token * kv_bytes(kind), t3 = 3 * t1;
+    __m256 acc[8];
+    for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+        const size_t b = (size_t)d * kv_bytes(kind);
+        acc[0] = _mm256_fmadd_ps(qd, load_kv(r0 + b, 0, kind), acc[0]);
+        acc[1] = _mm256_fmadd_ps(qd, load_kv(r0 + t1 + b, 0, kind), acc[1]);
+        acc[2] = _mm256_fmadd_ps(qd, load_kv(r0 + 2 * t1 + b, 0, kind), acc[2]);
+        acc[3] = _mm256_fmadd_ps(qd, load_kv(r0 + t3 + b, 0, kind), acc[3]);
+        acc[4] = _mm256_fmadd_ps(qd, load_kv(r4 + b, 0, kind), acc[4]);
+        acc[5] = _mm256_fmadd_ps(qd, load_kv(r4 + t1 + b, 0, kind), acc[5]);
+        acc[6] = _mm256_fmadd_ps(qd, load_kv(r4 + 2 * t1 + b, 0, kind), acc[6]);
+        acc[7] = _mm256_fmadd_ps(qd, load_kv(r4 + t3 + b, 0, kind), acc[7]);
+    }
+    store_scores(acc, 8, scale, p);
+}
+
+/* score8_run for 3 query heads at once, 4 keys at a time (score4_heads over a run): each key's chunk loaded and widened
+ * once for all three. Each dot product in score8's tree: the same bits. */
+static inline __attribute__((always_inline)) void score3x8_run(const float *q, const void *k, size_t at, size_t token,
+                                                               const int D, float scale, float *const p[3],
+                                                               const int kind) {
+    const size_t t1 = token * kv_bytes(kind), t3 = 3 * t1;
+    for (int half = 0; half < 2; half++) {
+        const char *r0 = (const char *)k + (at + (size_t)half * 4 * token) * kv_bytes(kind);
+        __m256 acc[3][4];
+        for (int h = 0; h < 3; h++)
+            for (int u = 0; u < 4; u++) acc[h][u] = _mm256_setzero_ps();
+        for (int d = 0; d < D; d += 8) {
+            const size_t b = (size_t)d * kv_bytes(kind);
+            const __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + D + d), q2 = _mm256_loadu_ps(q + 2 * D + d);
+            __m256 kd = load_kv(r0 + b, 0, kind);
+            acc[0][0] = _mm256_fmadd_ps(q0, kd, acc[0][0]), acc[1][0] = _mm256_fmadd_ps(q1, kd, acc[1][0]), acc[2][0] = _mm256_fmadd_ps(q2, kd, acc[2][0]);
+            kd = load_kv(r0 + t1 + b, 0, kind);
+            acc[0][1] = _mm256_fmadd_ps(q0, kd, acc[0][1]), acc[1][1] = _mm256_fmadd_ps(q1, kd, acc[1][1]), acc[2][1] = _mm256_fmadd_ps(q2, kd, acc[2][1]);
+            kd = load_kv(r0 + 2 * t1 + b, 0, kind);
+            acc[0][2] = _mm256_fmadd_ps(q0, kd, acc[0][2]), acc[1][2] = _mm256_fmadd_ps(q1, kd, acc[1][2]), acc[2][2] = _mm256_fmadd_ps(q2, kd, acc[2][2]);
+            kd = load_kv(r0 + t3 + b, 0, kind);
+            acc[0][3] = _mm256_fmadd_ps(q0, kd, acc[0][3]), acc[1][3] = _mm256_fmadd_ps(q1, kd, acc[1][3]), acc[2][3] = _mm256_fmadd_ps(q2, kd, acc[2][3]);
+        }
+        for (int h = 0; h < 3; h++) {  /* ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), as hsum8x8 */
+            const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[h][0], acc[h][1]), _mm256_hadd_ps(acc[h][2], acc[h][3]));
+            _mm_storeu_ps(p[h] + 4 * half, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)),
+                                                      _mm_set1_ps(scale)));
+        }
+    }
+}
+
+/* A decode row alone in its tile (its own table, no rows beside it), KV heads [kh0, kh1) in one pass over its keys:
+ * with all of them (a step of two tiles or more a thread), each token's row of all heads is fetched once, a run of
+ * memory, and read while the heads compute, where one (tile, KV head) item at a time left memory idle while the
+ * second and third heads worked from cache. Each head's numbers are attend_tile_head's: the same scores (score8's, or
+ * score8_run's over a page's run of 8 keys), exponentials, sums and weighted V rows in the same order, so the same
+ * bits whichever way a step's rows are handed out. Scores [head - kh0 * group][span] in the thread's scratch
+ * (kh1 - kh0 <= Q_TILE). */
+static inline __attribute__((always_inline)) void attend_row_heads(
+        const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *table, int row,
+        int pos, int H, int KVH, int kh0, int kh1, const int D, int P, int window, float scale, float value_scale,
+        float *out, float *scratch, int max_keys, const int kind) {
+    const int group = H / KVH, base = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0, span = pos - base + 1;
+    const int heads = (kh1 - kh0) * group;
+    const size_t token = (size_t)KVH * D;
+    /* what a key's prefetch covers: the whole row where kh 0 leads (FETCH_WHOLE_ROWS), else these heads' part */
+    const size_t fetch_at = FETCH_WHOLE_ROWS && kh0 == 0 ? 0 : (size_t)kh0 * D;
+    const int fetch_width = FETCH_WHOLE_ROWS && kh0 == 0 ? (int)token : (kh1 - kh0) * D;
+    float *p = scratch + (size_t)omp_get_thread_num() * (Q_TILE * group + 1) * max_keys;
+    uint32_t *slot = (uint32_t *)(p + (size_t)Q_TILE * group * max_keys);
+    const float *qr = q + (size_t)row * q_stride + (size_t)kh0 * group * D;
+    float *o = out + (size_t)row * H * D + (size_t)kh0 * group * D;
+    for (int j = 0, page = base / P, at = base % P; j < span; j++) {
+        slot[j] = (uint32_t)table[page] * P + at;
+        if (++at == P) at = 0, page++;
+    }
+    for (int j = 0; j < span; j += 8) {  /* K rows PREFETCH_KEYS ahead; past the last, the first V rows */
+        for (int u = j == 0 ? 0 : j + PREFETCH_KEYS; u < j + PREFETCH_KEYS + 8 && u < 2 * span; u++)
+            prefetch_kv(u < span ? k_cache : v_cache, fetch_at + slot[u < span ? u : u - span] * token, fetch_width, kind);
+        const int m = span - j < 8 ? span - j : 8, run = m == 8 && (base + j) % P + 8 <= P;  /* 8 keys of one page */
+        size_t kr[8];
+        for (int kh = kh0; kh < kh1; kh++) {
+            if (!run)
+                for (int u = 0; u < 8; u++) kr[u] = (size_t)kh * D + slot[j + (u < m ? u : 0)] * token;
+            const int lh = (kh - kh0) * group;  /* this KV head's first query head here */
+            if (run && group == 3) {
+                float *const ph[3] = {p + (size_t)lh * max_keys + j, p + (size_t)(lh + 1) * max_keys + j,
+                                      p + (size_t)(lh + 2) * max_keys + j};
+                score3x8_run(qr + (size_t)lh * D, k_cache, slot[j] * token + (size_t)kh * D, token, D, scale, ph, kind);
+                continue;
+            }
+            for (int g = 0; g < group; g++) {
+                const int h = lh + g;
+                if (run) score8_run(qr + (size_t)h * D, k_cache, slot[j] * token + (size_t)kh * D, token, D, scale,
+                                    p + (size_t)h * max_keys + j, kind);
+                else score8(qr + (size_t)h * D, k_cache, kr, m, D, scale, p + (size_t)h * max_keys + j, kind);
+            }
+        }
+    }
+    float totals[heads];
+    for (int h = 0; h < heads; h++) {
+        float *ph = p + (size_t)h * max_keys;
+        totals[h] = exp_shifted_sum(ph, span, max_of(ph, span));
+    }
+    for (int d = 0; d < heads * D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
+#if defined(__AVX512F__)
+    const int cw = 64;
+#else
+    const int cw = group > 1 ? 32 : 64;
+#endif
+    for (int j = 0; j < span; j += V_BLOCK) {
+        for (int u = j + PREFETCH_KEYS; u < j + V_BLOCK + PREFETCH_KEYS && u < span; u++)
+            prefetch_kv(v_cache, fetch_at + slot[u] * token, fetch_width, kind);
+        const int n = span - j < V_BLOCK ? span - j : V_BLOCK;
+        for (int kh = kh0; kh < kh1; kh++)
+            for (int c = 0; c < D; c += cw) {
+                const int width = D - c < cw ? D - c : cw;
+                const size_t at = (size_t)kh * D + c;
+                for (int g = 0; g < group; g += 3) {
+                    const int nh = group - g < 3 ? group - g : 3;
+                    const float *ph[3];
+                    float *oh[3];
+                    for (int i = 0; i < 3; i++) {
+                        const int h = (kh - kh0) * group + g + (i < nh ? i : 0);
+                        ph[i] = p + (size_t)h * max_keys + j, oh[i] = o + (size_t)h * D + c;
+                    }
+                    if (width == 64 && nh == 3) weighted_add_heads(ph, 3, v_cache, at, slot + j, token, n, 8, oh, kind);
+                    else if (width == 64 && nh == 2) weighted_add_heads(ph, 2, v_cache, at, slot + j, token, n, 8, oh, kind);
+                    else if (width == 32 && nh == 3) weighted_add_heads(ph, 3, v_cache, at, slot + j, token, n, 4, oh, kind);
+                    else if (width == 32 && nh == 2) weighted_add_heads(ph, 2, v_cache, at, slot + j, token, n, 4, oh, kind);
+                    else
+                        for (int i = 0; i < nh; i++) weighted_add(ph[i], v_cache, at, slot + j, token, n, width, oh[i], kind);
+                }
+            }
+    }
+    for (int h = 0; h < heads; h++) {
+        const __m256 inv = _mm256_set1_ps(value_scale / totals[h]);
+        for (int d = 0; d < D; d += 8)
+            _mm256_storeu_ps(o + (size_t)h * D + d, _mm256_mul_ps(_mm256_loadu_ps(o + (size_t)h * D + d), inv));
+    }
+}
+
+/* attend_row_heads for each kind (float16 of head_dim 64 its own too), each a function of its own: inlined into
+ * attend_pages' OpenMP region it shared that region's registers, and score8_run's row pointers spilled there. */
+#define ROW_HEADS_FN(NAME, D_, KIND)                                                                                   \
+    static __attribute__((noinline)) void NAME(const float *q, int q_stride, const void *k_cache, const void *v_cache, \
+                                               const int32_t *table, int row, int pos, int H, int KVH, int kh0,       \
+                                               int kh1, int D, int P, int window, float scale, float value_scale,     \
+                                               float *out, float *scratch, int max_keys) {                            \
+        (void)D;                                                                                                       \
+        attend_row_heads(q, q_stride, k_cache, v_cache, table, row, pos, H, KVH, kh0, kh1, D_, P, window, scale,      \
+                         value_scale, out, scratch, max_keys, KIND);                                                   \
+    }
+ROW_HEADS_FN(row_heads_f16_64, 64, KV_F16)
+ROW_HEADS_FN(row_heads_f16, D, KV_F16)
+ROW_HEADS_FN(row_heads_fp8, D, KV_FP8)
+ROW_HEADS_FN(row_heads_f32, D, KV_F32)
+#undef ROW_HEADS_FN
+
 /* Causal attention of n query rows over a paged cache [pages, P, KVH, D]. Query row i is q row rows[i] (rows
  * q_stride floats apart, heads D apart), at position positions[i] of the sequence whose pages are
  * tables[seq_of_row[i]] (table_stride entries apart); it sees the keys at positions (pos - window, pos]
@@ -742,19 +905,35 @@ static inline __attribute__((always_inline)) void attend_pages(
      * follows, where two threads reading different heads of the same rows ran 20% slower in a decode step. */
     int chunk = KVH;
     while (chunk > 1 && tiles * KVH < chunk * threads * 4) chunk--;
-#pragma omp parallel for collapse(2) num_threads(threads) schedule(dynamic, chunk)
-    for (int tile = 0; tile < tiles; tile++) {
-        for (int kh = 0; kh < KVH; kh++) {
+    /* A lone decode row goes through attend_row_heads: with two tiles or more a thread, all its KV heads in one pass;
+     * with fewer, each KV head an item of its own, so that every thread has work (the same bits either way). */
+    const int whole_rows = tiles >= 2 * threads && KVH <= Q_TILE;
 #define TILE_HEAD(D_, KIND)                                                                                              \
     attend_tile_head(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, H, KVH, D_, P,     \
                      window, scale, value_scale, out, scratch, max_keys, tile_start, tile_keys, tile, kh, KIND)
+#define ROW_HEADS(FN)                                                                                                    \
+    FN(q, q_stride, k_cache, v_cache, tables + (size_t)seq_of_row[i0] * table_stride, rows[i0], positions[i0], H, KVH,     \
+       whole_rows ? 0 : kh, whole_rows ? KVH : kh + 1, D, P, window, scale, value_scale, out, scratch, max_keys)
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(dynamic, chunk)
+    for (int tile = 0; tile < tiles; tile++) {
+        for (int kh = 0; kh < KVH; kh++) {
+            const int i0 = tile_start[tile];
+            if (tile_start[tile + 1] - i0 == 1 && tile_keys[tile] == 0) {
+                if (whole_rows && kh > 0) continue;  /* kh 0's item took them */
+                if (kind == KV_F16 && D == 64) ROW_HEADS(row_heads_f16_64);
+                else if (kind == KV_F16) ROW_HEADS(row_heads_f16);
+                else if (kind == KV_FP8) ROW_HEADS(row_heads_fp8);
+                else ROW_HEADS(row_heads_f32);
+                continue;
+            }
             if (kind == KV_F16 && D == 64) TILE_HEAD(64, KV_F16);
             else if (kind == KV_F16) TILE_HEAD(D, KV_F16);
             else if (kind == KV_FP8) TILE_HEAD(D, KV_FP8);
             else TILE_HEAD(D, KV_F32);
-#undef TILE_HEAD
         }
     }
+#undef TILE_HEAD
+#undef ROW_HEADS
 }
 
 void paged_attention(const float *q, int q_stride, const void *k_cache, const void *v_cache,
