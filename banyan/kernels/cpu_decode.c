@@ -293,6 +293,86 @@ static inline __attribute__((always_inline)) void score4_heads(const float *q, c
     }
 }
 
+/* score8 over the 8 keys of one run of a page (cache rows one token apart): key u at k + at + u * token. Two row
+ * pointers and the stride keep every address in registers (score8's eight offsets spill in the big loops). The same
+ * sums in the same order: the same bits. */
+static inline __attribute__((always_inline)) void score8_run(const float *q, const void *k, size_t at, size_t token,
+                                                             const int D, float scale, float *p, const int kind) {
+    const char *r0 = (const char *)k + at * kv_bytes(kind), *r4 = r0 + 4 * token * kv_bytes(kind);
+    const size_t t1 = token * kv_bytes(kind), t3 = 3 * t1;
+    __m256 acc[8];
+    for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+        const size_t b = (size_t)d * kv_bytes(kind);
+        acc[0] = _mm256_fmadd_ps(qd, load_kv(r0 + b, 0, kind), acc[0]);
+        acc[1] = _mm256_fmadd_ps(qd, load_kv(r0 + t1 + b, 0, kind), acc[1]);
+        acc[2] = _mm256_fmadd_ps(qd, load_kv(r0 + 2 * t1 + b, 0, kind), acc[2]);
+        acc[3] = _mm256_fmadd_ps(qd, load_kv(r0 + t3 + b, 0, kind), acc[3]);
+        acc[4] = _mm256_fmadd_ps(qd, load_kv(r4 + b, 0, kind), acc[4]);
+        acc[5] = _mm256_fmadd_ps(qd, load_kv(r4 + t1 + b, 0, kind), acc[5]);
+        acc[6] = _mm256_fmadd_ps(qd, load_kv(r4 + 2 * t1 + b, 0, kind), acc[6]);
+        acc[7] = _mm256_fmadd_ps(qd, load_kv(r4 + t3 + b, 0, kind), acc[7]);
+    }
+    store_scores(acc, 8, scale, p);
+}
+
+/* score8_run for 3 query heads at once, 4 keys at a time (score4_heads over a run): each key's chunk loaded and widened
+ * once for all three. Each dot product in score8's tree: the same bits. */
+static inline __attribute__((always_inline)) void score3x8_run(const float *q, const void *k, size_t at, size_t token,
+                                                               const int D, float scale, float *const p[3],
+                                                               const int kind) {
+    const size_t t1 = token * kv_bytes(kind), t3 = 3 * t1;
+    for (int half = 0; half < 2; half++) {
+        const char *r0 = (const char *)k + (at + (size_t)half * 4 * token) * kv_bytes(kind);
+        __m256 acc[3][4];
+        for (int h = 0; h < 3; h++)
+            for (int u = 0; u < 4; u++) acc[h][u] = _mm256_setzero_ps();
+        for (int d = 0; d < D; d += 8) {
+            const size_t b = (size_t)d * kv_bytes(kind);
+            const __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + D + d), q2 = _mm256_loadu_ps(q + 2 * D + d);
+            __m256 kd = load_kv(r0 + b, 0, kind);
+            acc[0][0] = _mm256_fmadd_ps(q0, kd, acc[0][0]), acc[1][0] = _mm256_fmadd_ps(q1, kd, acc[1][0]), acc[2][0] = _mm256_fmadd_ps(q2, kd, acc[2][0]);
+            kd = load_kv(r0 + t1 + b, 0, kind);
+            acc[0][1] = _mm256_fmadd_ps(q0, kd, acc[0][1]), acc[1][1] = _mm256_fmadd_ps(q1, kd, acc[1][1]), acc[2][1] = _mm256_fmadd_ps(q2, kd, acc[2][1]);
+            kd = load_kv(r0 + 2 * t1 + b, 0, kind);
+            acc[0][2] = _mm256_fmadd_ps(q0, kd, acc[0][2]), acc[1][2] = _mm256_fmadd_ps(q1, kd, acc[1][2]), acc[2][2] = _mm256_fmadd_ps(q2, kd, acc[2][2]);
+            kd = load_kv(r0 + t3 + b, 0, kind);
+            acc[0][3] = _mm256_fmadd_ps(q0, kd, acc[0][3]), acc[1][3] = _mm256_fmadd_ps(q1, kd, acc[1][3]), acc[2][3] = _mm256_fmadd_ps(q2, kd, acc[2][3]);
+        }
+        for (int h = 0; h < 3; h++) {  /* ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), as hsum8x8 */
+            const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[h][0], acc[h][1]), _mm256_hadd_ps(acc[h][2], acc[h][3]));
+            _mm_storeu_ps(p[h] + 4 * half, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)),
+                                                      _mm_set1_ps(scale)));
+        }
+    }
+}
+
+/* p[h * stride + u] = scale * <q + h * D, key u> for the group's heads h and the 8 keys of a page's run from cache
+ * element at on: score3x8_run for groups of 3, else score8_run a head. Also a function of its own for each kind
+ * (score_run_*), called from the big loops of attend_tile_head, whose registers its pointers would not fit. */
+static inline __attribute__((always_inline)) void score_run(const float *q, const void *k, size_t at, size_t token,
+                                                            int group, const int D, float scale, float *p,
+                                                            size_t stride, const int kind) {
+    if (group == 3) {
+        float *const ph[3] = {p, p + stride, p + 2 * stride};
+        score3x8_run(q, k, at, token, D, scale, ph, kind);
+        return;
+    }
+    for (int h = 0; h < group; h++) score8_run(q + (size_t)h * D, k, at, token, D, scale, p + h * stride, kind);
+}
+#define SCORE_RUN_FN(NAME, D_, KIND)                                                                                   \
+    static __attribute__((noinline)) void NAME(const float *q, const void *k, size_t at, size_t token, int group,     \
+                                               int D, float scale, float *p, size_t stride) {                         \
+        (void)D;                                                                                                       \
+        score_run(q, k, at, token, group, D_, scale, p, stride, KIND);                                                 \
+    }
+SCORE_RUN_FN(score_run_f16_64, 64, KV_F16)
+SCORE_RUN_FN(score_run_f16, D, KV_F16)
+SCORE_RUN_FN(score_run_fp8, D, KV_FP8)
+SCORE_RUN_FN(score_run_f32, D, KV_F32)
+#undef SCORE_RUN_FN
+
 /* o[0, width) += sum_j p[j] * v[at + slot[j] * token, + width) in j order, width <= 64: the sums stay in registers. */
 static inline __attribute__((always_inline)) void weighted_add(const float *p, const void *v, size_t at,
                                                                const uint32_t *slot, size_t token, int n, int width,
@@ -454,7 +534,7 @@ typedef struct {
     const void *k_cache, *v_cache;
     const int32_t *rows, *positions;
     const int *first;
-    int q_stride, out_stride, group, D, base, max_keys;
+    int q_stride, out_stride, group, D, base, max_keys, P;
     size_t token, head_at, fetch_at, fetch_width;  /* elements a token's row, this head's within it, what to prefetch */
     float scale, *p;
     uint32_t *slot;
@@ -469,11 +549,12 @@ static void fill_slots(const Tile *w, const int32_t *table, int jb, int je, int 
 }
 
 /* Scores of rows [t0, t1) for keys [jb, je) (a row's keys it does not see, past its position or before its window,
- * are computed and never read), the K rows fetched ahead and, past je, the first V rows of [jb, je). gather: the keys
- * gathered 8 at a time (float16 widened) for every row and head (see MAX_GATHER_HEAD_DIM); else read in place. */
+ * are computed and never read), the K rows fetched ahead and, past je, the first V rows of [jb, je) where the V pass
+ * of those keys comes next (then_values; else add_values fetches them). gather: the keys gathered 8 at a time (float16
+ * widened) for every row and head (see MAX_GATHER_HEAD_DIM); else read in place. */
 static inline __attribute__((always_inline)) void score_keys(const Tile *w, int t0, int t1, int jb, int je,
-                                                             const int gather, const int kind) {
-    const int D = w->D, group = w->group, n = je - jb;
+                                                             const int gather, const int then_values, const int kind) {
+    const int D = w->D, group = w->group, n = then_values ? je - jb : 0;
     float block[8 * MAX_GATHER_HEAD_DIM];  /* 8 keys x D */
     for (int j = jb; j < je; j += 8) {
         const int m = je - j < 8 ? je - j : 8;
@@ -487,8 +568,18 @@ static inline __attribute__((always_inline)) void score_keys(const Tile *w, int 
             gather_keys(w->k_cache, w->head_at, edge, w->token, D, block, kind);  /* score8_rows reads it whole */
         } else
             for (int u = 0; u < 8; u++) kr[u] = w->head_at + w->slot[j + (u < m ? u : 0)] * w->token;
+        const int run = !gather && m == 8 && (w->base + j) % w->P + 8 <= w->P;  /* 8 keys of one page */
         for (int t = t0; t < t1; t++) {
             const float *qr = w->q + (size_t)w->rows[t] * w->q_stride;
+            if (run) {
+                float *pt = w->p + (size_t)t * group * w->max_keys + j;
+                const size_t at = w->head_at + w->slot[j] * w->token;
+                if (kind == KV_F16 && D == 64) score_run_f16_64(qr, w->k_cache, at, w->token, group, D, w->scale, pt, w->max_keys);
+                else if (kind == KV_F16) score_run_f16(qr, w->k_cache, at, w->token, group, D, w->scale, pt, w->max_keys);
+                else if (kind == KV_FP8) score_run_fp8(qr, w->k_cache, at, w->token, group, D, w->scale, pt, w->max_keys);
+                else score_run_f32(qr, w->k_cache, at, w->token, group, D, w->scale, pt, w->max_keys);
+                continue;
+            }
             for (int g = 0; g < group; g++) {
                 float *pg = w->p + ((size_t)t * group + g) * w->max_keys + j;
                 const int nh = group - g < 3 ? group - g : 3;
@@ -517,9 +608,10 @@ static inline __attribute__((always_inline)) void score_keys(const Tile *w, int 
 }
 
 /* out rows [t0, t1) += their weights times the V rows of keys [jb, je), each row's keys in position order, the V rows
- * fetched ahead as far as score_keys fetched them. gather: gathered a block at a time; else read in place. */
+ * fetched ahead: from the first on where other keys' passes came between (fetch_first), else as far on from where
+ * score_keys' tail fetched them. gather: gathered a block at a time; else read in place. */
 static inline __attribute__((always_inline)) void add_values(const Tile *w, int t0, int t1, int jb, int je,
-                                                             const int gather, const int kind) {
+                                                             const int gather, const int fetch_first, const int kind) {
     const int D = w->D, group = w->group;
     static const uint32_t in_order[V_BLOCK] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
                                                16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
@@ -539,8 +631,8 @@ static inline __attribute__((always_inline)) void add_values(const Tile *w, int 
             /* the block's V rows: in the cache, or gathered once into `block` [j_end - j, width] */
             const void *values = w->v_cache;
             size_t value_at = w->head_at + c, value_token = w->token;
-            if (c == 0)  /* V rows as far ahead as the K pass fetched them (its tail began) */
-                for (int u = j + PREFETCH_KEYS; u < j_end + PREFETCH_KEYS && u < je; u++)
+            if (c == 0)  /* V rows PREFETCH_KEYS ahead (the first of them: score_keys' tail, or here) */
+                for (int u = fetch_first && j == jb ? jb : j + PREFETCH_KEYS; u < j_end + PREFETCH_KEYS && u < je; u++)
                     prefetch_kv(w->v_cache, w->fetch_at + w->slot[u] * w->token, w->fetch_width, kind);
             if (gather) {
                 gather_rows(w->v_cache, w->head_at + c, w->slot + j, w->token, j_end - j, width, block, kind);
@@ -671,7 +763,7 @@ static inline __attribute__((always_inline)) void attend_tile_head(
     /* what a row reading in place fetches ahead of a key (FETCH_WHOLE_ROWS) */
     const Tile w = {.q = q + head_at * group, .out = out + head_at * group, .k_cache = k_cache, .v_cache = v_cache,
                     .rows = rows + i0, .positions = positions + i0, .first = first, .q_stride = q_stride,
-                    .out_stride = H * D, .group = group, .D = D, .base = base, .max_keys = max_keys,
+                    .out_stride = H * D, .group = group, .D = D, .base = base, .max_keys = max_keys, .P = P,
                     .token = token, .head_at = head_at, .fetch_at = FETCH_WHOLE_ROWS && kh == 0 ? 0 : head_at,
                     .fetch_width = FETCH_WHOLE_ROWS && kh == 0 ? token : (size_t)D, .scale = scale, .p = p,
                     .slot = (uint32_t *)(p + (size_t)Q_TILE * group * max_keys)};
@@ -680,11 +772,13 @@ static inline __attribute__((always_inline)) void attend_tile_head(
     const int span = top - base + 1, common = alike ? alike : span;
     const int gather = rows_here > 1 && D <= MAX_GATHER_HEAD_DIM;
     fill_slots(&w, tables + (size_t)seq_of_row[i0] * table_stride, 0, common, P);
-    score_keys(&w, 0, rows_here, 0, common, gather, kind);
+    /* with shared pages, every row's own K rows come between a span's K and V passes (more than L2 holds at long
+     * contexts): the V passes fetch their first rows themselves */
+    score_keys(&w, 0, rows_here, 0, common, gather, !alike, kind);
     for (int t = 0; alike && t < rows_here; t++) {  /* each row's own keys after the pages it shares */
         const int end = positions[i0 + t] - base + 1;
         fill_slots(&w, tables + (size_t)seq_of_row[i0 + t] * table_stride, common, end, P);
-        score_keys(&w, t, t + 1, common, end, 0, kind);
+        score_keys(&w, t, t + 1, common, end, 0, 0, kind);
     }
     float totals[Q_TILE * group];  /* each row and head's sum of its exponentials */
     for (int t = 0; t < rows_here; t++) {
@@ -696,11 +790,11 @@ static inline __attribute__((always_inline)) void attend_tile_head(
         float *o = w.out + (size_t)rows[i0 + t] * w.out_stride;
         for (int d = 0; d < group * D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
     }
-    add_values(&w, 0, rows_here, 0, common, gather, kind);
+    add_values(&w, 0, rows_here, 0, common, gather, alike, kind);
     for (int t = 0; alike && t < rows_here; t++) {
         const int end = positions[i0 + t] - base + 1;
         fill_slots(&w, tables + (size_t)seq_of_row[i0 + t] * table_stride, common, end, P);
-        add_values(&w, t, t + 1, common, end, 0, kind);
+        add_values(&w, t, t + 1, common, end, 0, 1, kind);
     }
     for (int t = 0; t < rows_here; t++) {
         float *o = w.out + (size_t)rows[i0 + t] * w.out_stride;
@@ -708,61 +802,6 @@ static inline __attribute__((always_inline)) void attend_tile_head(
             const __m256 inv = _mm256_set1_ps(value_scale / totals[t * group + g]);
             for (int d = 0; d < D; d += 8)
                 _mm256_storeu_ps(o + (size_t)g * D + d, _mm256_mul_ps(_mm256_loadu_ps(o + (size_t)g * D + d), inv));
-        }
-    }
-}
-
-/* score8 over the 8 keys of one run of a page (cache rows one token apart): key u at k + at + u * token. Two row
- * pointers and the stride keep every address in registers (score8's eight offsets spill in the big loops). The same
- * sums in the same order: the same bits. */
-static inline __attribute__((always_inline)) void score8_run(const float *q, const void *k, size_t at, size_t token,
-                                                             const int D, float scale, float *p, const int kind) {
-    const char *r0 = (const char *)k + at * kv_bytes(kind), *r4 = r0 + 4 * token * kv_bytes(kind);
-    const size_t t1 = token * kv_bytes(kind), t3 = 3 * t1;
-    __m256 acc[8];
-    for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
-    for (int d = 0; d < D; d += 8) {
-        const __m256 qd = _mm256_loadu_ps(q + d);
-        const size_t b = (size_t)d * kv_bytes(kind);
-        acc[0] = _mm256_fmadd_ps(qd, load_kv(r0 + b, 0, kind), acc[0]);
-        acc[1] = _mm256_fmadd_ps(qd, load_kv(r0 + t1 + b, 0, kind), acc[1]);
-        acc[2] = _mm256_fmadd_ps(qd, load_kv(r0 + 2 * t1 + b, 0, kind), acc[2]);
-        acc[3] = _mm256_fmadd_ps(qd, load_kv(r0 + t3 + b, 0, kind), acc[3]);
-        acc[4] = _mm256_fmadd_ps(qd, load_kv(r4 + b, 0, kind), acc[4]);
-        acc[5] = _mm256_fmadd_ps(qd, load_kv(r4 + t1 + b, 0, kind), acc[5]);
-        acc[6] = _mm256_fmadd_ps(qd, load_kv(r4 + 2 * t1 + b, 0, kind), acc[6]);
-        acc[7] = _mm256_fmadd_ps(qd, load_kv(r4 + t3 + b, 0, kind), acc[7]);
-    }
-    store_scores(acc, 8, scale, p);
-}
-
-/* score8_run for 3 query heads at once, 4 keys at a time (score4_heads over a run): each key's chunk loaded and widened
- * once for all three. Each dot product in score8's tree: the same bits. */
-static inline __attribute__((always_inline)) void score3x8_run(const float *q, const void *k, size_t at, size_t token,
-                                                               const int D, float scale, float *const p[3],
-                                                               const int kind) {
-    const size_t t1 = token * kv_bytes(kind), t3 = 3 * t1;
-    for (int half = 0; half < 2; half++) {
-        const char *r0 = (const char *)k + (at + (size_t)half * 4 * token) * kv_bytes(kind);
-        __m256 acc[3][4];
-        for (int h = 0; h < 3; h++)
-            for (int u = 0; u < 4; u++) acc[h][u] = _mm256_setzero_ps();
-        for (int d = 0; d < D; d += 8) {
-            const size_t b = (size_t)d * kv_bytes(kind);
-            const __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + D + d), q2 = _mm256_loadu_ps(q + 2 * D + d);
-            __m256 kd = load_kv(r0 + b, 0, kind);
-            acc[0][0] = _mm256_fmadd_ps(q0, kd, acc[0][0]), acc[1][0] = _mm256_fmadd_ps(q1, kd, acc[1][0]), acc[2][0] = _mm256_fmadd_ps(q2, kd, acc[2][0]);
-            kd = load_kv(r0 + t1 + b, 0, kind);
-            acc[0][1] = _mm256_fmadd_ps(q0, kd, acc[0][1]), acc[1][1] = _mm256_fmadd_ps(q1, kd, acc[1][1]), acc[2][1] = _mm256_fmadd_ps(q2, kd, acc[2][1]);
-            kd = load_kv(r0 + 2 * t1 + b, 0, kind);
-            acc[0][2] = _mm256_fmadd_ps(q0, kd, acc[0][2]), acc[1][2] = _mm256_fmadd_ps(q1, kd, acc[1][2]), acc[2][2] = _mm256_fmadd_ps(q2, kd, acc[2][2]);
-            kd = load_kv(r0 + t3 + b, 0, kind);
-            acc[0][3] = _mm256_fmadd_ps(q0, kd, acc[0][3]), acc[1][3] = _mm256_fmadd_ps(q1, kd, acc[1][3]), acc[2][3] = _mm256_fmadd_ps(q2, kd, acc[2][3]);
-        }
-        for (int h = 0; h < 3; h++) {  /* ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), as hsum8x8 */
-            const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[h][0], acc[h][1]), _mm256_hadd_ps(acc[h][2], acc[h][3]));
-            _mm_storeu_ps(p[h] + 4 * half, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)),
-                                                      _mm_set1_ps(scale)));
         }
     }
 }
@@ -801,18 +840,11 @@ static inline __attribute__((always_inline)) void attend_row_heads(
             if (!run)
                 for (int u = 0; u < 8; u++) kr[u] = (size_t)kh * D + slot[j + (u < m ? u : 0)] * token;
             const int lh = (kh - kh0) * group;  /* this KV head's first query head here */
-            if (run && group == 3) {
-                float *const ph[3] = {p + (size_t)lh * max_keys + j, p + (size_t)(lh + 1) * max_keys + j,
-                                      p + (size_t)(lh + 2) * max_keys + j};
-                score3x8_run(qr + (size_t)lh * D, k_cache, slot[j] * token + (size_t)kh * D, token, D, scale, ph, kind);
-                continue;
-            }
-            for (int g = 0; g < group; g++) {
-                const int h = lh + g;
-                if (run) score8_run(qr + (size_t)h * D, k_cache, slot[j] * token + (size_t)kh * D, token, D, scale,
-                                    p + (size_t)h * max_keys + j, kind);
-                else score8(qr + (size_t)h * D, k_cache, kr, m, D, scale, p + (size_t)h * max_keys + j, kind);
-            }
+            if (run) score_run(qr + (size_t)lh * D, k_cache, slot[j] * token + (size_t)kh * D, token, group, D, scale,
+                               p + (size_t)lh * max_keys + j, max_keys, kind);
+            else
+                for (int h = lh; h < lh + group; h++)
+                    score8(qr + (size_t)h * D, k_cache, kr, m, D, scale, p + (size_t)h * max_keys + j, kind);
         }
     }
     float totals[heads];
