@@ -491,8 +491,8 @@ static inline __attribute__((always_inline)) void weighted_add_heads_rows(const 
 
 /* The K and V rows a tile of several query rows reads (a prefill chunk's) are gathered a block at a time into one
  * float32 buffer, one row after another (a float16 cache's widened, exactly), which every row and head of the tile
- * then reads with plain offsets, for head_dim up to this. A decode row reads the cache in place (gathering would
- * cost it more than it saves), as does every row of a larger head_dim. */
+ * then reads with plain offsets, for head_dim up to this. A decode row and a tile of up to IN_PLACE_ROWS rows read
+ * the cache in place (gathering would cost them more than it saves), as does every row of a larger head_dim. */
 #define MAX_GATHER_HEAD_DIM 256
 
 /* rows [0, n) of cache elements at + slot[j] * token, width values each, into buf [n, width] as float32 */
@@ -520,6 +520,12 @@ static inline __attribute__((always_inline)) void gather_keys(const void *cache,
  * the decode rows of up to Q_TILE sequences over the pages their tables begin with alike (a shared prompt's pages:
  * see plan_tiles). Must match banyan/kernels/cpu_decode.py's ATTENTION_TILE, which sizes the scratch. */
 #define Q_TILE 8
+
+/* Rows of one sequence (a verify pass's) that read their keys in place, each row on its own, rather than gathered once
+ * for all of them: attend_rows_in_place. */
+#ifndef IN_PLACE_ROWS
+#define IN_PLACE_ROWS 4
+#endif
 
 /* Leading pages two decode rows' tables must have alike for the rows to read them together (not tuned: the 1,024-token
  * prompts measured share 64). */
@@ -806,27 +812,32 @@ static inline __attribute__((always_inline)) void attend_tile_head(
     }
 }
 
-/* A decode row alone in its tile (its own table, no rows beside it), KV heads [kh0, kh1) in one pass over its keys:
- * with all of them (a step of two tiles or more a thread), each token's row of all heads is fetched once, a run of
- * memory, and read while the heads compute, where one (tile, KV head) item at a time left memory idle while the
- * second and third heads worked from cache. Each head's numbers are attend_tile_head's: the same scores (score8's, or
- * score8_run's over a page's run of 8 keys), exponentials, sums and weighted V rows in the same order, so the same
- * bits whichever way a step's rows are handed out. Scores [head - kh0 * group][span] in the thread's scratch
- * (kh1 - kh0 <= Q_TILE). */
-static inline __attribute__((always_inline)) void attend_row_heads(
-        const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *table, int row,
-        int pos, int H, int KVH, int kh0, int kh1, const int D, int P, int window, float scale, float value_scale,
-        float *out, float *scratch, int max_keys, const int kind) {
-    const int group = H / KVH, base = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0, span = pos - base + 1;
-    const int heads = (kh1 - kh0) * group;
-    const size_t token = (size_t)KVH * D;
+/* The rows of a tile that reads its keys in place (rows [0, n) of one sequence, its table, nothing shared: a decode
+ * row alone, or a verify pass's few rows), KV heads [kh0, kh1) in one pass over the keys: with all of them (a step of
+ * two tiles or more a thread), each token's row of all heads is fetched once, a run of memory, and read while the
+ * heads compute, where one (tile, KV head) item at a time left memory idle while the second and third heads worked
+ * from cache. Each row and head's numbers are attend_tile_head's: the same scores (score8's, or score_run's over a
+ * page's run of 8 keys), exponentials, sums and weighted V rows in the same order, so the same bits whichever way a
+ * step's rows are handed out. Scores [t][head - kh0 * group][span] in the thread's scratch (n * (kh1 - kh0) <=
+ * Q_TILE). */
+static inline __attribute__((always_inline)) void attend_rows_in_place(
+        const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *table,
+        const int32_t *rows, const int32_t *positions, int n, int H, int KVH, int kh0, int kh1, const int D, int P,
+        int window, float scale, float value_scale, float *out, float *scratch, int max_keys, const int kind) {
+    const int group = H / KVH, heads = (kh1 - kh0) * group;
+    int first[Q_TILE], base = INT32_MAX, top = 0;
+    for (int t = 0; t < n; t++) {
+        first[t] = window > 0 && positions[t] - window + 1 > 0 ? positions[t] - window + 1 : 0;
+        base = first[t] < base ? first[t] : base;
+        top = positions[t] > top ? positions[t] : top;
+    }
+    const int span = top - base + 1;
+    const size_t token = (size_t)KVH * D, row_scores = (size_t)heads * max_keys;
     /* what a key's prefetch covers: the whole row where kh 0 leads (FETCH_WHOLE_ROWS), else these heads' part */
     const size_t fetch_at = FETCH_WHOLE_ROWS && kh0 == 0 ? 0 : (size_t)kh0 * D;
     const int fetch_width = FETCH_WHOLE_ROWS && kh0 == 0 ? (int)token : (kh1 - kh0) * D;
     float *p = scratch + (size_t)omp_get_thread_num() * (Q_TILE * group + 1) * max_keys;
     uint32_t *slot = (uint32_t *)(p + (size_t)Q_TILE * group * max_keys);
-    const float *qr = q + (size_t)row * q_stride + (size_t)kh0 * group * D;
-    float *o = out + (size_t)row * H * D + (size_t)kh0 * group * D;
     for (int j = 0, page = base / P, at = base % P; j < span; j++) {
         slot[j] = (uint32_t)table[page] * P + at;
         if (++at == P) at = 0, page++;
@@ -840,19 +851,27 @@ static inline __attribute__((always_inline)) void attend_row_heads(
             if (!run)
                 for (int u = 0; u < 8; u++) kr[u] = (size_t)kh * D + slot[j + (u < m ? u : 0)] * token;
             const int lh = (kh - kh0) * group;  /* this KV head's first query head here */
-            if (run) score_run(qr + (size_t)lh * D, k_cache, slot[j] * token + (size_t)kh * D, token, group, D, scale,
-                               p + (size_t)lh * max_keys + j, max_keys, kind);
-            else
-                for (int h = lh; h < lh + group; h++)
-                    score8(qr + (size_t)h * D, k_cache, kr, m, D, scale, p + (size_t)h * max_keys + j, kind);
+            for (int t = 0; t < n; t++) {  /* a row's keys past its position are scored and never read */
+                const float *qr = q + (size_t)rows[t] * q_stride + (size_t)kh0 * group * D;
+                float *pt = p + t * row_scores + j;
+                if (run) score_run(qr + (size_t)lh * D, k_cache, slot[j] * token + (size_t)kh * D, token, group, D,
+                                   scale, pt + (size_t)lh * max_keys, max_keys, kind);
+                else
+                    for (int h = lh; h < lh + group; h++)
+                        score8(qr + (size_t)h * D, k_cache, kr, m, D, scale, pt + (size_t)h * max_keys, kind);
+            }
         }
     }
-    float totals[heads];
-    for (int h = 0; h < heads; h++) {
-        float *ph = p + (size_t)h * max_keys;
-        totals[h] = exp_shifted_sum(ph, span, max_of(ph, span));
+    float totals[Q_TILE * heads];
+    for (int t = 0; t < n; t++) {
+        const int lo = first[t] - base, keys = positions[t] - first[t] + 1;
+        for (int h = 0; h < heads; h++) {
+            float *ph = p + t * row_scores + (size_t)h * max_keys + lo;
+            totals[t * heads + h] = exp_shifted_sum(ph, keys, max_of(ph, keys));
+        }
+        float *o = out + (size_t)rows[t] * H * D + (size_t)kh0 * group * D;
+        for (int d = 0; d < heads * D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
     }
-    for (int d = 0; d < heads * D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
 #if defined(__AVX512F__)
     const int cw = 64;
 #else
@@ -861,45 +880,56 @@ static inline __attribute__((always_inline)) void attend_row_heads(
     for (int j = 0; j < span; j += V_BLOCK) {
         for (int u = j + PREFETCH_KEYS; u < j + V_BLOCK + PREFETCH_KEYS && u < span; u++)
             prefetch_kv(v_cache, fetch_at + slot[u] * token, fetch_width, kind);
-        const int n = span - j < V_BLOCK ? span - j : V_BLOCK;
-        for (int kh = kh0; kh < kh1; kh++)
-            for (int c = 0; c < D; c += cw) {
-                const int width = D - c < cw ? D - c : cw;
-                const size_t at = (size_t)kh * D + c;
-                for (int g = 0; g < group; g += 3) {
-                    const int nh = group - g < 3 ? group - g : 3;
-                    const float *ph[3];
-                    float *oh[3];
-                    for (int i = 0; i < 3; i++) {
-                        const int h = (kh - kh0) * group + g + (i < nh ? i : 0);
-                        ph[i] = p + (size_t)h * max_keys + j, oh[i] = o + (size_t)h * D + c;
+        const int j_end = span - j < V_BLOCK ? span : j + V_BLOCK;
+        for (int t = 0; t < n; t++) {  /* each row's keys of this block, in position order */
+            const int lo = first[t] - base, hi = positions[t] - base + 1;
+            const int from = j > lo ? j : lo, to = j_end < hi ? j_end : hi, keys = to - from;
+            if (keys <= 0) continue;
+            float *o = out + (size_t)rows[t] * H * D + (size_t)kh0 * group * D;
+            for (int kh = kh0; kh < kh1; kh++)
+                for (int c = 0; c < D; c += cw) {
+                    const int width = D - c < cw ? D - c : cw;
+                    const size_t at = (size_t)kh * D + c;
+                    for (int g = 0; g < group; g += 3) {
+                        const int nh = group - g < 3 ? group - g : 3;
+                        const float *ph[3];
+                        float *oh[3];
+                        for (int i = 0; i < 3; i++) {
+                            const int h = (kh - kh0) * group + g + (i < nh ? i : 0);
+                            ph[i] = p + t * row_scores + (size_t)h * max_keys + from, oh[i] = o + (size_t)h * D + c;
+                        }
+                        const uint32_t *vs = slot + from;
+                        if (width == 64 && nh == 3) weighted_add_heads(ph, 3, v_cache, at, vs, token, keys, 8, oh, kind);
+                        else if (width == 64 && nh == 2) weighted_add_heads(ph, 2, v_cache, at, vs, token, keys, 8, oh, kind);
+                        else if (width == 32 && nh == 3) weighted_add_heads(ph, 3, v_cache, at, vs, token, keys, 4, oh, kind);
+                        else if (width == 32 && nh == 2) weighted_add_heads(ph, 2, v_cache, at, vs, token, keys, 4, oh, kind);
+                        else
+                            for (int i = 0; i < nh; i++) weighted_add(ph[i], v_cache, at, vs, token, keys, width, oh[i], kind);
                     }
-                    if (width == 64 && nh == 3) weighted_add_heads(ph, 3, v_cache, at, slot + j, token, n, 8, oh, kind);
-                    else if (width == 64 && nh == 2) weighted_add_heads(ph, 2, v_cache, at, slot + j, token, n, 8, oh, kind);
-                    else if (width == 32 && nh == 3) weighted_add_heads(ph, 3, v_cache, at, slot + j, token, n, 4, oh, kind);
-                    else if (width == 32 && nh == 2) weighted_add_heads(ph, 2, v_cache, at, slot + j, token, n, 4, oh, kind);
-                    else
-                        for (int i = 0; i < nh; i++) weighted_add(ph[i], v_cache, at, slot + j, token, n, width, oh[i], kind);
                 }
-            }
+        }
     }
-    for (int h = 0; h < heads; h++) {
-        const __m256 inv = _mm256_set1_ps(value_scale / totals[h]);
-        for (int d = 0; d < D; d += 8)
-            _mm256_storeu_ps(o + (size_t)h * D + d, _mm256_mul_ps(_mm256_loadu_ps(o + (size_t)h * D + d), inv));
+    for (int t = 0; t < n; t++) {
+        float *o = out + (size_t)rows[t] * H * D + (size_t)kh0 * group * D;
+        for (int h = 0; h < heads; h++) {
+            const __m256 inv = _mm256_set1_ps(value_scale / totals[t * heads + h]);
+            for (int d = 0; d < D; d += 8)
+                _mm256_storeu_ps(o + (size_t)h * D + d, _mm256_mul_ps(_mm256_loadu_ps(o + (size_t)h * D + d), inv));
+        }
     }
 }
 
-/* attend_row_heads for each kind (float16 of head_dim 64 its own too), each a function of its own: inlined into
+/* attend_rows_in_place for each kind (float16 of head_dim 64 its own too), each a function of its own: inlined into
  * attend_pages' OpenMP region it shared that region's registers, and score8_run's row pointers spilled there. */
 #define ROW_HEADS_FN(NAME, D_, KIND)                                                                                   \
     static __attribute__((noinline)) void NAME(const float *q, int q_stride, const void *k_cache, const void *v_cache, \
-                                               const int32_t *table, int row, int pos, int H, int KVH, int kh0,       \
-                                               int kh1, int D, int P, int window, float scale, float value_scale,     \
-                                               float *out, float *scratch, int max_keys) {                            \
+                                               const int32_t *table, const int32_t *rows, const int32_t *positions,   \
+                                               int n, int H, int KVH, int kh0, int kh1, int D, int P, int window,     \
+                                               float scale, float value_scale, float *out, float *scratch,            \
+                                               int max_keys) {                                                        \
         (void)D;                                                                                                       \
-        attend_row_heads(q, q_stride, k_cache, v_cache, table, row, pos, H, KVH, kh0, kh1, D_, P, window, scale,      \
-                         value_scale, out, scratch, max_keys, KIND);                                                   \
+        attend_rows_in_place(q, q_stride, k_cache, v_cache, table, rows, positions, n, H, KVH, kh0, kh1, D_, P,       \
+                             window, scale, value_scale, out, scratch, max_keys, KIND);                                \
     }
 ROW_HEADS_FN(row_heads_f16_64, 64, KV_F16)
 ROW_HEADS_FN(row_heads_f16, D, KV_F16)
@@ -937,21 +967,23 @@ static inline __attribute__((always_inline)) void attend_pages(
      * follows, where two threads reading different heads of the same rows ran 20% slower in a decode step. */
     int chunk = KVH;
     while (chunk > 1 && tiles * KVH < chunk * threads * 4) chunk--;
-    /* A lone decode row goes through attend_row_heads: with two tiles or more a thread, all its KV heads in one pass;
-     * with fewer, each KV head an item of its own, so that every thread has work (the same bits either way). */
-    const int whole_rows = tiles >= 2 * threads && KVH <= Q_TILE;
+    /* A tile of up to IN_PLACE_ROWS rows of one sequence goes through attend_rows_in_place: with two tiles or more a
+     * thread and room in the scratch, all its KV heads in one pass; else each KV head an item of its own, so that
+     * every thread has work (the same bits either way). */
+    const int whole_rows = tiles >= 2 * threads;
 #define TILE_HEAD(D_, KIND)                                                                                              \
     attend_tile_head(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, H, KVH, D_, P,     \
                      window, scale, value_scale, out, scratch, max_keys, tile_start, tile_keys, tile, kh, KIND)
 #define ROW_HEADS(FN)                                                                                                    \
-    FN(q, q_stride, k_cache, v_cache, tables + (size_t)seq_of_row[i0] * table_stride, rows[i0], positions[i0], H, KVH,     \
-       whole_rows ? 0 : kh, whole_rows ? KVH : kh + 1, D, P, window, scale, value_scale, out, scratch, max_keys)
+    FN(q, q_stride, k_cache, v_cache, tables + (size_t)seq_of_row[i0] * table_stride, rows + i0, positions + i0, n, H,    \
+       KVH, whole ? 0 : kh, whole ? KVH : kh + 1, D, P, window, scale, value_scale, out, scratch, max_keys)
 #pragma omp parallel for collapse(2) num_threads(threads) schedule(dynamic, chunk)
     for (int tile = 0; tile < tiles; tile++) {
         for (int kh = 0; kh < KVH; kh++) {
             const int i0 = tile_start[tile];
-            if (tile_start[tile + 1] - i0 == 1 && tile_keys[tile] == 0) {
-                if (whole_rows && kh > 0) continue;  /* kh 0's item took them */
+            const int n = tile_start[tile + 1] - i0, whole = whole_rows && n * KVH <= Q_TILE;
+            if (n <= IN_PLACE_ROWS && tile_keys[tile] == 0) {
+                if (whole && kh > 0) continue;  /* kh 0's item took them */
                 if (kind == KV_F16 && D == 64) ROW_HEADS(row_heads_f16_64);
                 else if (kind == KV_F16) ROW_HEADS(row_heads_f16);
                 else if (kind == KV_FP8) ROW_HEADS(row_heads_fp8);

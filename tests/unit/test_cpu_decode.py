@@ -247,17 +247,19 @@ def test_a_lone_row_or_tile_has_its_bits_at_any_thread_count(kv_heads, group, ne
 @READ_DTYPES
 @pytest.mark.parametrize("window", [None, 5, 12])
 @pytest.mark.parametrize("page_size,kv_heads,group", [(16, 3, 3), (8, 2, 4), (16, 1, 1), (1, 3, 3), (4, 2, 2)])
-def test_lone_decode_rows_keep_their_bits_however_the_threads_share_them(page_size, kv_heads, group, window, kv_dtype):
-    """A step of decode rows, each of its own sequence: with two rows or more a thread, a row reads all its KV heads in
-    one pass (eight keys of a page at once where they lie in one); with fewer, one KV head an item. Each row equals
-    itself alone bit for bit at 1, 2, 3 and 7 threads, and SDPA closely: contexts of one key to several pages, ending
-    on page edges and inside pages, windows shorter and longer than a page, pages in a shuffled order."""
-    specs = [(n, 1) for n in (0, 7, 8, 15, 16, 17, 40, 63, 64, 100, 5, 33)]
+def test_decode_and_verify_rows_read_in_place_keep_their_bits_however_the_threads_share_them(page_size, kv_heads,
+                                                                                             group, window, kv_dtype):
+    """A step of decode rows and verify passes of 2 to 4 rows, each of its own sequence, read in place: with two tiles
+    or more a thread, a tile reads all its KV heads in one pass where the scratch has room (eight keys of a page at
+    once where they lie in one); else one KV head an item. Each row equals itself alone bit for bit at 1, 2, 3 and 7
+    threads, and SDPA closely: contexts of one key to several pages, ending on page edges and inside pages, windows
+    shorter and longer than a page, pages in a shuffled order."""
+    specs = [(n, 1) for n in (0, 7, 8, 15, 16, 17, 40, 63, 64, 100, 5, 33)] + [(30, 2), (14, 3), (61, 4)]
     q, k_cache, v_cache, table, seq_of_row, positions = paged_case(specs, page_size, kv_heads, kv_heads * group, 64, 5,
                                                                     kv_dtype)
     if page_size == 1:  # pages 7 apart at both ends of 8 keys, and not a run between
         table[9, :8] = torch.tensor([10, 3, 4, 5, 6, 7, 8, 17])
-    every = cpu_decode.PagedRows(list(range(len(specs))), seq_of_row, positions, table)
+    every = cpu_decode.PagedRows(list(range(len(positions))), seq_of_row, positions, table)
     threads, outs = torch.get_num_threads(), []
     try:
         for n in (1, 2, 3, 7):
@@ -267,10 +269,10 @@ def test_lone_decode_rows_keep_their_bits_however_the_threads_share_them(page_si
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
-    for r in range(len(specs)):
+    for r in range(len(positions)):
         alone = torch.full_like(q, float("nan"))
-        KERNELS.paged_attention(q, k_cache, v_cache, alone, cpu_decode.PagedRows([r], [r], [positions[r]], table), 0.125,
-                                window)
+        rows = cpu_decode.PagedRows([r], [seq_of_row[r]], [positions[r]], table)
+        KERNELS.paged_attention(q, k_cache, v_cache, alone, rows, 0.125, window)
         assert torch.equal(alone[r], outs[0][r]), f"row {r} (position {positions[r]})"
     expected = sdpa_reference(q, k_cache.float(), v_cache.float(), table, specs, 0.125, window)
     torch.testing.assert_close(outs[0], expected, atol=2e-6, rtol=1e-5)
