@@ -22,7 +22,9 @@ Each sequence's pages are consecutive, except in the cases marked scattered, who
 through the pool, as a server's are.
 
 `--only TEXT` runs the cases whose name contains it. A then B, alternating, `--rounds` times; prints the medians,
-A/B (above 1: B faster) and the largest difference of their outputs (0 where B keeps A's bits).
+A/B (above 1: B faster), the largest difference of their outputs (0 where B keeps A's bits), and the K/V bytes the
+case reads at least (bytes_read) with each one's rate, to set beside what the machine reads
+(benchmarks/page_read_bandwidth.c).
 """
 
 from __future__ import annotations
@@ -76,29 +78,38 @@ def case(seqs: int, context: int, new_rows: int, dtype: torch.dtype, mixed: bool
     return q, torch.empty_like(q), cpu_decode.PagedRows(rows, seq_of_row, positions, tables), layers
 
 
-CASES = {
-    "decode 8 x 1,400, float32": lambda: case(8, 1400, 1, torch.float32),
-    "decode 8 x 1,400, float16": lambda: case(8, 1400, 1, torch.float16),
-    "decode 8 x 1,400, fp8": lambda: case(8, 1400, 1, torch.float8_e4m3fn),
-    "decode 1 x 1,400, float32": lambda: case(1, 1400, 1, torch.float32),
-    "decode 64 x 192, float16": lambda: case(64, 192, 1, torch.float16),
-    "decode 16 x 330, float16": lambda: case(16, 330, 1, torch.float16),
-    "decode 16 x 330, float16, scattered": lambda: case(16, 330, 1, torch.float16, scattered=True),
-    "decode 8 x 1,400, float16, scattered": lambda: case(8, 1400, 1, torch.float16, scattered=True),
-    "decode 8 x 1,400 sharing 1,024, float16, scattered": lambda: case(8, 1400, 1, torch.float16, scattered=True,
-                                                                       shared=1024),
-    "decode 32 x 1,200 sharing 1,024, float16, scattered": lambda: case(32, 1200, 1, torch.float16, scattered=True,
-                                                                        shared=1024),
-    "prefill 8 x 128 at 1,400, float32": lambda: case(8, 1400, 128, torch.float32),
-    "prefill 8 x 128 at 1,400, float16": lambda: case(8, 1400, 128, torch.float16),
-    "prefill 8 x 128 at 1,400, fp8": lambda: case(8, 1400, 128, torch.float8_e4m3fn),
-    "prefill 8 x 128 at 1,400, float16, scattered": lambda: case(8, 1400, 128, torch.float16, scattered=True),
-    "mixed, float32": lambda: case(8, 1400, 64, torch.float32, mixed=True),
-    "verify 1 x 1 at 800, float16": lambda: case(1, 800, 1, torch.float16),
-    "verify 1 x 2 at 800, float16": lambda: case(1, 800, 2, torch.float16),
-    "verify 1 x 4 at 800, float16": lambda: case(1, 800, 4, torch.float16),
-    "verify 16 x 4 at 330, float16, scattered": lambda: case(16, 330, 4, torch.float16, scattered=True),
+F16_SCATTERED = dict(dtype=torch.float16, scattered=True)
+CASES = {  # case()'s arguments
+    "decode 8 x 1,400, float32": dict(seqs=8, context=1400, new_rows=1, dtype=torch.float32),
+    "decode 8 x 1,400, float16": dict(seqs=8, context=1400, new_rows=1, dtype=torch.float16),
+    "decode 8 x 1,400, fp8": dict(seqs=8, context=1400, new_rows=1, dtype=torch.float8_e4m3fn),
+    "decode 1 x 1,400, float32": dict(seqs=1, context=1400, new_rows=1, dtype=torch.float32),
+    "decode 64 x 192, float16": dict(seqs=64, context=192, new_rows=1, dtype=torch.float16),
+    "decode 16 x 330, float16": dict(seqs=16, context=330, new_rows=1, dtype=torch.float16),
+    "decode 16 x 330, float16, scattered": dict(seqs=16, context=330, new_rows=1, **F16_SCATTERED),
+    "decode 8 x 1,400, float16, scattered": dict(seqs=8, context=1400, new_rows=1, **F16_SCATTERED),
+    "decode 8 x 1,400 sharing 1,024, float16, scattered": dict(seqs=8, context=1400, new_rows=1, **F16_SCATTERED,
+                                                               shared=1024),
+    "decode 32 x 1,200 sharing 1,024, float16, scattered": dict(seqs=32, context=1200, new_rows=1, **F16_SCATTERED,
+                                                                shared=1024),
+    "prefill 8 x 128 at 1,400, float32": dict(seqs=8, context=1400, new_rows=128, dtype=torch.float32),
+    "prefill 8 x 128 at 1,400, float16": dict(seqs=8, context=1400, new_rows=128, dtype=torch.float16),
+    "prefill 8 x 128 at 1,400, fp8": dict(seqs=8, context=1400, new_rows=128, dtype=torch.float8_e4m3fn),
+    "prefill 8 x 128 at 1,400, float16, scattered": dict(seqs=8, context=1400, new_rows=128, **F16_SCATTERED),
+    "mixed, float32": dict(seqs=8, context=1400, new_rows=64, dtype=torch.float32, mixed=True),
+    "verify 1 x 1 at 800, float16": dict(seqs=1, context=800, new_rows=1, dtype=torch.float16),
+    "verify 1 x 2 at 800, float16": dict(seqs=1, context=800, new_rows=2, dtype=torch.float16),
+    "verify 1 x 4 at 800, float16": dict(seqs=1, context=800, new_rows=4, dtype=torch.float16),
+    "verify 16 x 4 at 330, float16, scattered": dict(seqs=16, context=330, new_rows=4, **F16_SCATTERED),
 }
+
+
+def bytes_read(seqs: int, context: int, dtype: torch.dtype, shared: int = 0, mixed: bool = False, **_) -> int:
+    """K and V bytes a case's 30 layers read once each: every sequence's keys, a shared prompt's pages counted once
+    (what decode attention cannot do with less than; a prefill case reads them once a tile, so its GB/s is a lower
+    bound)."""
+    keys = sum(context // (1 + s % 3) if mixed else context for s in range(seqs)) - shared * max(seqs - 1, 0)
+    return 2 * LAYERS * keys * KV_HEADS * HEAD_DIM * torch.empty(0, dtype=dtype).element_size()
 
 
 def main() -> None:
@@ -113,10 +124,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         kernels = [build(args.a, Path(tmp) / "a.so"), build(args.b, Path(tmp) / "b.so")]
         print(f"{args.threads} threads, {args.rounds} rounds, {LAYERS} layers a case; A = {args.a}, B = {args.b}")
-        for name, make in CASES.items():
+        for name, spec in CASES.items():
             if args.only not in name:
                 continue
-            q, out, rows, layers = make()
+            q, out, rows, layers = case(**spec)
             times, outputs = [[], []], []
             for round_ in range(args.rounds):
                 for i, lib in enumerate(kernels):
@@ -127,8 +138,10 @@ def main() -> None:
                     if round_ == 0:
                         outputs.append(out.clone())
             a, b = statistics.median(times[0]), statistics.median(times[1])
+            gb = bytes_read(**spec) / 1e9
             print(f"{name:36s} A {a * 1e3:8.1f} ms  B {b * 1e3:8.1f} ms  A/B {a / b:.2f}  "
-                  f"max |A - B| {(outputs[0] - outputs[1]).abs().max().item():.1e}", flush=True)
+                  f"max |A - B| {(outputs[0] - outputs[1]).abs().max().item():.1e}  "
+                  f"K/V read {gb * 1e3:.0f} MB: A {gb / a:.1f}, B {gb / b:.1f} GB/s", flush=True)
 
 
 if __name__ == "__main__":
