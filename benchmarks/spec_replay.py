@@ -8,7 +8,8 @@ Prints the curve (median of interleaved rounds of ModelRunner.time_forward at th
 prefill's share of the plain run's time (the same prompts with max_tokens=1 against the full run, their prefixes
 cached as in the rounds of `banyan bench speculative`, so an estimate of what it would show: 1 / (share + (1 - share)
 / ratio)), and per configuration the
-decode's speed-up, the steps by drafts, and the mean accepted length. Same outputs and curve: the same numbers
+decode's speed-up, the steps by drafts, and the mean accepted length; for a proposer that tells its evidence, also
+the best fixed k for each evidence bucket in hindsight (bucket:k), between the controller and best k. Same outputs and curve: the same numbers
 every run: the curve moves between runs on a shared machine (t(4) / t(1) 1.47-1.70 in three runs on a 2-vCPU
 Zen 3), so judge a change to a proposer or the controller on one recording (--save, then --load).
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from banyan import LLM, SamplingParams
 from banyan.bench.code_edits import code_edit_prompts
-from banyan.bench.spec_replay import Trace, replay, replay_best_k, replay_copy_oracle
+from banyan.bench.spec_replay import Trace, replay, replay_best_k, replay_copy_oracle, replay_hindsight_evidence_k
 from banyan.bench.speculative import copy_prompts
 from banyan.kernels.cpu_features import cpu_flags
 from banyan.spec.config import SpeculativeConfig
@@ -124,8 +125,15 @@ def main() -> None:
                                                   **extra})
             row(f"{method}-{policy}", replay(traces, config, seconds))
         config = SpeculativeConfig.from_dict({"method": method, "num_speculative_tokens": max_k, **extra})
-        row(f"{method}, best k (ceiling)", replay_best_k(traces, make_proposer(method, **config.proposer_options()),
-                                                          max_k, seconds))
+
+        def make(method=method, config=config):
+            return make_proposer(method, **config.proposer_options())
+
+        if hasattr(make(), "propose_with_evidence"):
+            result, ks = replay_hindsight_evidence_k(traces, make, max_k, seconds)
+            chosen = " ".join(f"{b}:{k}" for b, k in ks.items())
+            row(f"{method}, k per evidence bucket in hindsight ({chosen})", result)
+        row(f"{method}, best k (ceiling)", replay_best_k(traces, make(), max_k, seconds))
     row("copy oracle (ceiling)", replay_copy_oracle(traces, max_k, seconds))
 
 

@@ -12,7 +12,12 @@ exact for that curve and those outputs, the same at every run. Two ceilings go b
 - best k: the proposer's own drafts, k chosen knowing how many will pass (what a perfect controller reaches);
 - copy oracle: the longest start of the true continuation found anywhere in the history (what any lookup proposer,
   drafting from this request's own text, reaches at best).
-Both choose, among the k they could draft, the one with the most tokens per second in that step.
+Both choose, among the k they could draft, the one with the most tokens per second in that step. A third sits
+between the controller and best k, for a proposer that tells its evidence (the length of the match its drafts
+continue: ngram):
+- k per evidence bucket in hindsight: a fixed k for each of the controller's evidence buckets, chosen on these traces
+  (coordinate ascent from the best single k); what any controller that sees only the bucket reaches at best with
+  one k a bucket.
 
 What replay leaves out: the prompt's prefill (the same work on and off: it dilutes the ratio) and what a step costs
 beyond its forward (proposing, verifying, output processing: small at batch 1). In the compact default a verify
@@ -26,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from banyan.spec.config import SpeculativeConfig
+from banyan.spec.controller import evidence_bucket
 from banyan.spec.proposer import Proposer
 from banyan.spec.speculator import Speculator
 from banyan.spec.verify import greedy_accepted
@@ -116,6 +122,42 @@ def replay_copy_oracle(traces: Sequence[Trace], max_k: int, step_seconds: StepSe
         return longest_found(history, truth[:room])
 
     return _walk(traces, step_seconds, _oracle_step(usable, max_k, step_seconds), lambda request_id, out: None)
+
+
+EVIDENCE_BUCKETS = range(1, 7)
+"""evidence_bucket's values for a proposal with evidence (0: none, which drafts nothing)."""
+
+
+def replay_evidence_k(traces: Sequence[Trace], make: Callable[[], Proposer], ks: dict[int, int],
+                      step_seconds: StepSeconds) -> Replay:
+    """A fresh proposer's drafts (make(): one with propose_with_evidence), cut to ks[its evidence bucket] each step."""
+    proposer = make()
+
+    def step(request_id: str, trace: Trace, pos: int) -> tuple[int, int]:
+        room, out = trace.room(pos), trace.output
+        if room <= 0:
+            return 0, 0
+        drafts, evidence = proposer.propose_with_evidence(request_id, trace.prompt + out[:pos], room)
+        drafts = drafts[: ks.get(evidence_bucket(evidence), 0)]
+        return len(drafts), greedy_accepted(drafts, out[pos:])
+
+    return _walk(traces, step_seconds, step, proposer.finish)
+
+
+def replay_hindsight_evidence_k(traces: Sequence[Trace], make: Callable[[], Proposer], max_k: int,
+                                step_seconds: StepSeconds, rounds: int = 2) -> tuple[Replay, dict[int, int]]:
+    """The best fixed k for each evidence bucket on these traces, and its replay: from the best single k for every
+    bucket, each bucket in turn takes its best k with the others held (ties to fewer drafts), `rounds` times over.
+    Never below the best single k (the start), never above best k (which knows each step's outcome)."""
+    def ratio(ks: dict[int, int]) -> float:
+        return replay_evidence_k(traces, make, ks, step_seconds).ratio
+
+    single = max(range(max_k + 1), key=lambda k: (ratio(dict.fromkeys(EVIDENCE_BUCKETS, k)), -k))
+    ks = dict.fromkeys(EVIDENCE_BUCKETS, single)
+    for _ in range(rounds):
+        for bucket in EVIDENCE_BUCKETS:
+            ks[bucket] = max(range(max_k + 1), key=lambda k, b=bucket: (ratio({**ks, b: k}), -k))
+    return replay_evidence_k(traces, make, ks, step_seconds), ks
 
 
 def longest_found(history: Sequence[int], continuation: Sequence[int]) -> int:

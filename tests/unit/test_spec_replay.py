@@ -6,12 +6,15 @@ import random
 import pytest
 
 from banyan.bench.spec_replay import (
+    EVIDENCE_BUCKETS,
     Trace,
     best_step,
     longest_found,
     replay,
     replay_best_k,
     replay_copy_oracle,
+    replay_evidence_k,
+    replay_hindsight_evidence_k,
 )
 from banyan.spec import make_proposer
 from banyan.spec.config import SpeculativeConfig
@@ -79,6 +82,26 @@ def test_best_k_never_drafts_a_token_that_fails():
     assert result.accepted == result.drafted > 0
     adaptive = replay([trace], ngram("adaptive", 5), cheap)
     assert result.ratio >= adaptive.ratio > 1.0
+
+
+def test_a_k_per_evidence_bucket_in_hindsight_lies_between_the_best_single_k_and_best_k():
+    rng = random.Random(1)
+    prompt = [rng.randrange(50) for _ in range(200)]
+    trace = Trace(prompt, prompt[40:60] + [rng.randrange(50) for _ in range(20)] + prompt[100:120])
+    make = lambda: make_proposer("ngram")  # noqa: E731
+    result, ks = replay_hindsight_evidence_k([trace], make, 5, cheap)
+    assert set(ks) == set(EVIDENCE_BUCKETS) and all(0 <= k <= 5 for k in ks.values())
+    assert result.ratio == replay_evidence_k([trace], make, ks, cheap).ratio  # the replay of the map it chose
+    single = max(replay_evidence_k([trace], make, dict.fromkeys(EVIDENCE_BUCKETS, k), cheap).ratio for k in range(6))
+    assert single <= result.ratio <= replay_best_k([trace], make(), 5, cheap).ratio
+    assert result.accepted < result.drafted  # a fixed k drafts past what passes where best k would not
+
+
+def test_k_per_evidence_bucket_drafts_nothing_where_no_draft_can_pay():
+    result, ks = replay_hindsight_evidence_k([copy_trace()], lambda: make_proposer("ngram"), 3, lambda n: float(n))
+    assert set(ks.values()) == {0} and result.steps == {0: 40} and result.ratio == 1.0
+    copied, _ = replay_hindsight_evidence_k([copy_trace()], lambda: make_proposer("ngram"), 3, cheap)
+    assert copied.steps == replay_copy_oracle([copy_trace()], 3, cheap).steps  # all of it passes: k 3 every step
 
 
 def test_drafts_reach_as_far_as_max_tokens_allows():
