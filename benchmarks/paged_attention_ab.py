@@ -109,7 +109,7 @@ def bytes_read(seqs: int, context: int, dtype: torch.dtype, shared: int = 0, mix
     (what decode attention cannot do with less than; a prefill case reads them once a tile, so its GB/s is a lower
     bound)."""
     keys = sum(context // (1 + s % 3) if mixed else context for s in range(seqs)) - shared * max(seqs - 1, 0)
-    return 2 * LAYERS * keys * KV_HEADS * HEAD_DIM * torch.empty(0, dtype=dtype).element_size()
+    return 2 * LAYERS * keys * KV_HEADS * HEAD_DIM * dtype.itemsize
 
 
 def main() -> None:

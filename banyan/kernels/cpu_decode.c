@@ -487,6 +487,32 @@ static inline __attribute__((always_inline)) void weighted_add_heads_rows(const 
         for (int r = 0; r < lanes; r++) _mm256_storeu_ps(o[h] + 8 * r, acc[h][r]);
 }
 
+/* o[h] += sum_j p[h][j] * v[slot[j]] for nh (1 to 3) heads over width columns read in place (or from a gathered block:
+ * kind KV_F32, slot its row order): weighted_add_heads where the width has its registers, else weighted_add a head.
+ * NH and lanes reach the kernels as literals. */
+static inline __attribute__((always_inline)) void weigh_values(const float *const ph[3], int nh, const void *v,
+                                                               size_t at, const uint32_t *slot, size_t token, int n,
+                                                               int width, float *const oh[3], const int kind) {
+    if (width == 64 && nh == 3) weighted_add_heads(ph, 3, v, at, slot, token, n, 8, oh, kind);
+    else if (width == 64 && nh == 2) weighted_add_heads(ph, 2, v, at, slot, token, n, 8, oh, kind);
+    else if (width == 32 && nh == 3) weighted_add_heads(ph, 3, v, at, slot, token, n, 4, oh, kind);
+    else if (width == 32 && nh == 2) weighted_add_heads(ph, 2, v, at, slot, token, n, 4, oh, kind);
+    else
+        for (int h = 0; h < nh; h++) weighted_add(ph[h], v, at, slot, token, n, width, oh[h], kind);
+}
+
+/* The first position a row at pos sees: pos - window + 1, or 0 (window 0: all of them) */
+static inline int first_seen(int pos, int window) { return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0; }
+
+/* A row's heads (heads of D floats from o on) divided by their sums of exponentials (times value_scale) */
+static inline void divide_by_totals(float *o, int heads, int D, float value_scale, const float *totals) {
+    for (int h = 0; h < heads; h++) {
+        const __m256 inv = _mm256_set1_ps(value_scale / totals[h]);
+        for (int d = 0; d < D; d += 8)
+            _mm256_storeu_ps(o + (size_t)h * D + d, _mm256_mul_ps(_mm256_loadu_ps(o + (size_t)h * D + d), inv));
+    }
+}
+
 #define V_BLOCK 32 /* keys whose V rows serve every head of a group from L1 (32 x 64 floats: 8 KiB) */
 
 /* The K and V rows a tile of several query rows reads (a prefill chunk's) are gathered a block at a time into one
@@ -670,13 +696,8 @@ static inline __attribute__((always_inline)) void add_values(const Tile *w, int 
                     else if (gather && width == 64 && nh == 2) weighted_add_heads_rows(ph, 2, gathered, n, 8, oh);
                     else if (gather && width == 32 && nh == 3) weighted_add_heads_rows(ph, 3, gathered, n, 4, oh);
                     else if (gather && width == 32 && nh == 2) weighted_add_heads_rows(ph, 2, gathered, n, 4, oh);
-                    else if (width == 64 && nh == 3 && !gather) weighted_add_heads(ph, 3, values, value_at, vs, value_token, n, 8, oh, kind);
-                    else if (width == 64 && nh == 2 && !gather) weighted_add_heads(ph, 2, values, value_at, vs, value_token, n, 8, oh, kind);
-                    else if (width == 32 && nh == 3) weighted_add_heads(ph, 3, values, value_at, vs, value_token, n, 4, oh, gather ? KV_F32 : kind);
-                    else if (width == 32 && nh == 2) weighted_add_heads(ph, 2, values, value_at, vs, value_token, n, 4, oh, gather ? KV_F32 : kind);
-                    else
-                        for (int h = 0; h < nh; h++)
-                            weighted_add(ph[h], values, value_at, vs, value_token, n, width, oh[h], gather ? KV_F32 : kind);
+                    else if (gather) weigh_values(ph, nh, values, value_at, vs, value_token, n, width, oh, KV_F32);
+                    else weigh_values(ph, nh, values, value_at, vs, value_token, n, width, oh, kind);
                 }
             }
         }
@@ -760,7 +781,7 @@ static inline __attribute__((always_inline)) void attend_tile_head(
     int first[Q_TILE], base = INT32_MAX, top = 0;
     for (int t = 0; t < rows_here; t++) {
         const int pos = positions[i0 + t];
-        first[t] = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+        first[t] = first_seen(pos, window);
         base = first[t] < base ? first[t] : base;
         top = pos > top ? pos : top;
     }
@@ -802,14 +823,8 @@ static inline __attribute__((always_inline)) void attend_tile_head(
         fill_slots(&w, tables + (size_t)seq_of_row[i0 + t] * table_stride, common, end, P);
         add_values(&w, t, t + 1, common, end, 0, 1, kind);
     }
-    for (int t = 0; t < rows_here; t++) {
-        float *o = w.out + (size_t)rows[i0 + t] * w.out_stride;
-        for (int g = 0; g < group; g++) {
-            const __m256 inv = _mm256_set1_ps(value_scale / totals[t * group + g]);
-            for (int d = 0; d < D; d += 8)
-                _mm256_storeu_ps(o + (size_t)g * D + d, _mm256_mul_ps(_mm256_loadu_ps(o + (size_t)g * D + d), inv));
-        }
-    }
+    for (int t = 0; t < rows_here; t++)
+        divide_by_totals(w.out + (size_t)rows[i0 + t] * w.out_stride, group, D, value_scale, totals + t * group);
 }
 
 /* The rows of a tile that reads its keys in place (rows [0, n) of one sequence, its table, nothing shared: a decode
@@ -827,7 +842,7 @@ static inline __attribute__((always_inline)) void attend_rows_in_place(
     const int group = H / KVH, heads = (kh1 - kh0) * group;
     int first[Q_TILE], base = INT32_MAX, top = 0;
     for (int t = 0; t < n; t++) {
-        first[t] = window > 0 && positions[t] - window + 1 > 0 ? positions[t] - window + 1 : 0;
+        first[t] = first_seen(positions[t], window);
         base = first[t] < base ? first[t] : base;
         top = positions[t] > top ? positions[t] : top;
     }
@@ -898,25 +913,14 @@ static inline __attribute__((always_inline)) void attend_rows_in_place(
                             const int h = (kh - kh0) * group + g + (i < nh ? i : 0);
                             ph[i] = p + t * row_scores + (size_t)h * max_keys + from, oh[i] = o + (size_t)h * D + c;
                         }
-                        const uint32_t *vs = slot + from;
-                        if (width == 64 && nh == 3) weighted_add_heads(ph, 3, v_cache, at, vs, token, keys, 8, oh, kind);
-                        else if (width == 64 && nh == 2) weighted_add_heads(ph, 2, v_cache, at, vs, token, keys, 8, oh, kind);
-                        else if (width == 32 && nh == 3) weighted_add_heads(ph, 3, v_cache, at, vs, token, keys, 4, oh, kind);
-                        else if (width == 32 && nh == 2) weighted_add_heads(ph, 2, v_cache, at, vs, token, keys, 4, oh, kind);
-                        else
-                            for (int i = 0; i < nh; i++) weighted_add(ph[i], v_cache, at, vs, token, keys, width, oh[i], kind);
+                        weigh_values(ph, nh, v_cache, at, slot + from, token, keys, width, oh, kind);
                     }
                 }
         }
     }
-    for (int t = 0; t < n; t++) {
-        float *o = out + (size_t)rows[t] * H * D + (size_t)kh0 * group * D;
-        for (int h = 0; h < heads; h++) {
-            const __m256 inv = _mm256_set1_ps(value_scale / totals[t * heads + h]);
-            for (int d = 0; d < D; d += 8)
-                _mm256_storeu_ps(o + (size_t)h * D + d, _mm256_mul_ps(_mm256_loadu_ps(o + (size_t)h * D + d), inv));
-        }
-    }
+    for (int t = 0; t < n; t++)
+        divide_by_totals(out + (size_t)rows[t] * H * D + (size_t)kh0 * group * D, heads, D, value_scale,
+                         totals + t * heads);
 }
 
 /* attend_rows_in_place for each kind (float16 of head_dim 64 its own too), each a function of its own: inlined into
