@@ -9,8 +9,8 @@ prefill's share of the plain run's time (the same prompts with max_tokens=1 agai
 cached as in the rounds of `banyan bench speculative`, so an estimate of what it would show: 1 / (share + (1 - share)
 / ratio)), and per configuration the
 decode's speed-up, the steps by drafts, and the mean accepted length; for a proposer that tells its evidence, also
-the best fixed k for each evidence bucket in hindsight (bucket:k), between the controller and best k. Same outputs and curve: the same numbers
-every run: the curve moves between runs on a shared machine (t(4) / t(1) 1.47-1.70 in three runs on a 2-vCPU
+the best fixed k for each evidence bucket in hindsight (bucket:k), between the controller and best k. Same outputs
+and curve: the same numbers every run: the curve moves between runs on a shared machine (t(4) / t(1) 1.47-1.70 in three runs on a 2-vCPU
 Zen 3), so judge a change to a proposer or the controller on one recording (--save, then --load).
 """
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from banyan.spec.config import SpeculativeConfig
-from banyan.spec.controller import evidence_bucket
+from banyan.spec.controller import EVIDENCE_BUCKETS, evidence_bucket
 from banyan.spec.proposer import Proposer
 from banyan.spec.speculator import Speculator
 from banyan.spec.verify import greedy_accepted
@@ -122,10 +122,6 @@ def replay_copy_oracle(traces: Sequence[Trace], max_k: int, step_seconds: StepSe
         return longest_found(history, truth[:room])
 
     return _walk(traces, step_seconds, _oracle_step(usable, max_k, step_seconds), lambda request_id, out: None)
-
-
-EVIDENCE_BUCKETS = range(1, 7)
-"""evidence_bucket's values for a proposal with evidence (0: none, which drafts nothing)."""
 
 
 def replay_evidence_k(traces: Sequence[Trace], make: Callable[[], Proposer], ks: dict[int, int],

@@ -198,10 +198,14 @@ def cut_to_budget(caps: Sequence[int], max_drafts: int | None) -> list[int]:
     return ks
 
 
+EVIDENCE_BUCKETS = range(1, 7)
+"""evidence_bucket's values for a proposal with evidence (0: none)."""
+
+
 def evidence_bucket(evidence: int) -> int:
     """The prior a proposal's evidence (the length of the match its drafts continue; 0: nothing to tell) selects:
     0 for none, then one per power of two (1, 2-3, 4-7, 8-15, 16-31, 32+)."""
-    return 0 if evidence <= 0 else min(evidence.bit_length(), 6)
+    return 0 if evidence <= 0 else min(evidence.bit_length(), EVIDENCE_BUCKETS[-1])
 
 
 class SpecController:

@@ -6,7 +6,6 @@ import random
 import pytest
 
 from banyan.bench.spec_replay import (
-    EVIDENCE_BUCKETS,
     Trace,
     best_step,
     longest_found,
@@ -18,6 +17,7 @@ from banyan.bench.spec_replay import (
 )
 from banyan.spec import make_proposer
 from banyan.spec.config import SpeculativeConfig
+from banyan.spec.controller import EVIDENCE_BUCKETS
 from banyan.spec.verify import greedy_accepted
 
 
