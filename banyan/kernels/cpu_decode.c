@@ -350,7 +350,7 @@ static inline __attribute__((always_inline)) void score3x8_run(const float *q, c
 
 /* p[h * stride + u] = scale * <q + h * D, key u> for the group's heads h and the 8 keys of a page's run from cache
  * element at on: score3x8_run for groups of 3, else score8_run a head. Also a function of its own for each kind
- * (score_run_*), called from the big loops of attend_tile_head, whose registers its pointers would not fit. */
+ * (score_run_*), called from the big loops of attend_tile_heads, whose registers its pointers would not fit. */
 static inline __attribute__((always_inline)) void score_run(const float *q, const void *k, size_t at, size_t token,
                                                             int group, const int D, float scale, float *p,
                                                             size_t stride, const int kind) {
@@ -557,9 +557,20 @@ static inline __attribute__((always_inline)) void gather_keys(const void *cache,
  * prompts measured share 64). */
 #define MIN_SHARED_PAGES 2
 
+/* The most floats a thread's scores may take to hold every query head of a full tile at once (16 MiB): a 9-head model
+ * up to 57k keys, a 32-head one up to 16k. Past it a thread holds one KV head's, and a tile's KV heads go in items of
+ * their own. */
+#define WIDE_SCRATCH_FLOATS (4 << 20)
+
+/* Score rows (query heads of tile rows, max_keys floats each) a thread's scratch holds; the slots follow them.
+ * banyan/kernels/cpu_decode.py's attention_scratch sizes the scratch by the same rule. */
+static inline int score_rows(int H, int KVH, int max_keys) {
+    return (size_t)(Q_TILE * H + 1) * max_keys <= WIDE_SCRATCH_FLOATS ? Q_TILE * H : Q_TILE * (H / KVH);
+}
+
 /* One (tile, KV head) of attend_pages. Key j of the tile's span is position base + j, in cache row slot[j] (page * P +
  * offset); the tile's row t is q row rows[t] at position positions[t], seeing keys [first[t] - base, positions[t] -
- * base] of the span; its scores for query head g of this KV head lie at p + (t * group + g) * max_keys. */
+ * base] of the span; its scores for query head g of this KV head lie at p + t * row_scores + g * max_keys. */
 typedef struct {
     const float *q;          /* q + this KV head's first query head: row r's at q + r * q_stride */
     float *out;              /* out + this KV head's first query head: row r's at out + r * out_stride */
@@ -567,6 +578,7 @@ typedef struct {
     const int32_t *rows, *positions;
     const int *first;
     int q_stride, out_stride, group, D, base, max_keys, P;
+    size_t row_scores;       /* floats from a row's scores to the next row's: the heads of its item times max_keys */
     size_t token, head_at, fetch_at, fetch_width;  /* elements a token's row, this head's within it, what to prefetch */
     float scale, *p;
     uint32_t *slot;
@@ -604,7 +616,7 @@ static inline __attribute__((always_inline)) void score_keys(const Tile *w, int 
         for (int t = t0; t < t1; t++) {
             const float *qr = w->q + (size_t)w->rows[t] * w->q_stride;
             if (run) {
-                float *pt = w->p + (size_t)t * group * w->max_keys + j;
+                float *pt = w->p + t * w->row_scores + j;
                 const size_t at = w->head_at + w->slot[j] * w->token;
                 if (kind == KV_F16 && D == 64) score_run_f16_64(qr, w->k_cache, at, w->token, group, D, w->scale, pt, w->max_keys);
                 else if (kind == KV_F16) score_run_f16(qr, w->k_cache, at, w->token, group, D, w->scale, pt, w->max_keys);
@@ -613,7 +625,7 @@ static inline __attribute__((always_inline)) void score_keys(const Tile *w, int 
                 continue;
             }
             for (int g = 0; g < group; g++) {
-                float *pg = w->p + ((size_t)t * group + g) * w->max_keys + j;
+                float *pg = w->p + t * w->row_scores + (size_t)g * w->max_keys + j;
                 const int nh = group - g < 3 ? group - g : 3;
                 if (!gather && kind == KV_FP8 && nh > 1) {  /* fp8 in place: each key widened once for 2-3 heads */
                     float *ph[3], *ph4[3];
@@ -675,7 +687,7 @@ static inline __attribute__((always_inline)) void add_values(const Tile *w, int 
                 const int from = j > lo ? j : lo, to = j_end < hi ? j_end : hi;
                 if (from >= to) continue;
                 float *o = w->out + (size_t)w->rows[t] * w->out_stride;
-                const float *pt = w->p + (size_t)t * group * w->max_keys;
+                const float *pt = w->p + t * w->row_scores;
                 if (group == 1) {
                     weighted_add(pt + from, values, value_at, gather ? in_order + (from - j) : w->slot + from,
                                  value_token, to - from, width, o + c, gather ? KV_F32 : kind);
@@ -763,110 +775,28 @@ static int plan_tiles(const int32_t *seq_of_row, const int32_t *positions, const
     return tiles;
 }
 
-/* One (tile, KV head) of attend_pages: its rows' scores, softmax and weighted V rows. Called with `kind` a literal
- * inside the OpenMP region: GCC outlines that region into a function of its own and passes what it captures through
- * memory, so a kind passed down from outside would be a load there, and every loop would keep all three kinds'
- * code, constants and registers (perf annotate showed two of weighted_add_heads' twelve sums spilled to the stack,
- * a store and a reload on every key). Float16 pages of head_dim 64 (the CPU default, the default model's heads) get a
- * copy with D a literal too. Measured side by side (benchmarks/paged_attention_ab.py, 2-vCPU Zen 3, 2 threads, the
- * same bits): float16 decode, verify and prefill cases 1.02-1.19x with the kind a literal, then 0.99-1.10x more with
- * D (about 4 s more to compile). */
-static inline __attribute__((always_inline)) void attend_tile_head(
-        const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *tables, int table_stride,
-        const int32_t *rows, const int32_t *seq_of_row, const int32_t *positions, int H, int KVH, int D, int P,
-        int window, float scale, float value_scale, float *out, float *scratch, int max_keys, const int *tile_start,
-        const int *tile_keys, int tile, int kh, const int kind) {
-    const int group = H / KVH;
-    const int i0 = tile_start[tile], rows_here = tile_start[tile + 1] - i0, alike = tile_keys[tile];
-    int first[Q_TILE], base = INT32_MAX, top = 0;
-    for (int t = 0; t < rows_here; t++) {
-        const int pos = positions[i0 + t];
-        first[t] = first_seen(pos, window);
-        base = first[t] < base ? first[t] : base;
-        top = pos > top ? pos : top;
-    }
-    const size_t token = (size_t)KVH * D, head_at = (size_t)kh * D;  /* this KV head's elements in a token's row */
-    float *p = scratch + (size_t)omp_get_thread_num() * (Q_TILE * group + 1) * max_keys;  /* [t][g][span] */
-    /* what a row reading in place fetches ahead of a key (FETCH_WHOLE_ROWS) */
-    const Tile w = {.q = q + head_at * group, .out = out + head_at * group, .k_cache = k_cache, .v_cache = v_cache,
-                    .rows = rows + i0, .positions = positions + i0, .first = first, .q_stride = q_stride,
-                    .out_stride = H * D, .group = group, .D = D, .base = base, .max_keys = max_keys, .P = P,
-                    .token = token, .head_at = head_at, .fetch_at = FETCH_WHOLE_ROWS && kh == 0 ? 0 : head_at,
-                    .fetch_width = FETCH_WHOLE_ROWS && kh == 0 ? token : (size_t)D, .scale = scale, .p = p,
-                    .slot = (uint32_t *)(p + (size_t)Q_TILE * group * max_keys)};
-    /* keys [0, common) of the span: every row's, from the first row's table; read once for the tile's rows,
-     * gathered (a decode row alone reads its keys in place: gathering would cost it more than it saves) */
-    const int span = top - base + 1, common = alike ? alike : span;
-    const int gather = rows_here > 1 && D <= MAX_GATHER_HEAD_DIM;
-    fill_slots(&w, tables + (size_t)seq_of_row[i0] * table_stride, 0, common, P);
-    /* with shared pages, every row's own K rows come between a span's K and V passes (more than L2 holds at long
-     * contexts): the V passes fetch their first rows themselves */
-    score_keys(&w, 0, rows_here, 0, common, gather, !alike, kind);
-    for (int t = 0; alike && t < rows_here; t++) {  /* each row's own keys after the pages it shares */
-        const int end = positions[i0 + t] - base + 1;
-        fill_slots(&w, tables + (size_t)seq_of_row[i0 + t] * table_stride, common, end, P);
-        score_keys(&w, t, t + 1, common, end, 0, 0, kind);
-    }
-    float totals[Q_TILE * group];  /* each row and head's sum of its exponentials */
-    for (int t = 0; t < rows_here; t++) {
-        const int lo = first[t] - base, keys = positions[i0 + t] - first[t] + 1;
-        for (int g = 0; g < group; g++) {
-            float *pg = p + ((size_t)t * group + g) * max_keys + lo;
-            totals[t * group + g] = exp_shifted_sum(pg, keys, max_of(pg, keys));
-        }
-        float *o = w.out + (size_t)rows[i0 + t] * w.out_stride;
-        for (int d = 0; d < group * D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
-    }
-    add_values(&w, 0, rows_here, 0, common, gather, alike, kind);
-    for (int t = 0; alike && t < rows_here; t++) {
-        const int end = positions[i0 + t] - base + 1;
-        fill_slots(&w, tables + (size_t)seq_of_row[i0 + t] * table_stride, common, end, P);
-        add_values(&w, t, t + 1, common, end, 0, 1, kind);
-    }
-    for (int t = 0; t < rows_here; t++)
-        divide_by_totals(w.out + (size_t)rows[i0 + t] * w.out_stride, group, D, value_scale, totals + t * group);
-}
-
-/* The rows of a tile that reads its keys in place (rows [0, n) of one sequence, its table, nothing shared: a decode
- * row alone, or a verify pass's few rows), KV heads [kh0, kh1) in one pass over the keys: with all of them (a step of
- * two tiles or more a thread), each token's row of all heads is fetched once, a run of memory, and read while the
- * heads compute, where one (tile, KV head) item at a time left memory idle while the second and third heads worked
- * from cache. Each row and head's numbers are attend_tile_head's: the same scores (score8's, or score_run's over a
- * page's run of 8 keys), exponentials, sums and weighted V rows in the same order, so the same bits whichever way a
- * step's rows are handed out. Scores [t][head - kh0 * group][span] in the thread's scratch (n * (kh1 - kh0) <=
- * Q_TILE). */
-static inline __attribute__((always_inline)) void attend_rows_in_place(
-        const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *table,
-        const int32_t *rows, const int32_t *positions, int n, int H, int KVH, int kh0, int kh1, const int D, int P,
-        int window, float scale, float value_scale, float *out, float *scratch, int max_keys, const int kind) {
-    const int group = H / KVH, heads = (kh1 - kh0) * group;
-    int first[Q_TILE], base = INT32_MAX, top = 0;
-    for (int t = 0; t < n; t++) {
-        first[t] = first_seen(positions[t], window);
-        base = first[t] < base ? first[t] : base;
-        top = positions[t] > top ? positions[t] : top;
-    }
-    const int span = top - base + 1;
-    const size_t token = (size_t)KVH * D, row_scores = (size_t)heads * max_keys;
-    /* what a key's prefetch covers: the whole row where kh 0 leads (FETCH_WHOLE_ROWS), else these heads' part */
-    const size_t fetch_at = FETCH_WHOLE_ROWS && kh0 == 0 ? 0 : (size_t)kh0 * D;
-    const int fetch_width = FETCH_WHOLE_ROWS && kh0 == 0 ? (int)token : (kh1 - kh0) * D;
-    float *p = scratch + (size_t)omp_get_thread_num() * (Q_TILE * group + 1) * max_keys;
-    uint32_t *slot = (uint32_t *)(p + (size_t)Q_TILE * group * max_keys);
-    for (int j = 0, page = base / P, at = base % P; j < span; j++) {
-        slot[j] = (uint32_t)table[page] * P + at;
-        if (++at == P) at = 0, page++;
-    }
-    for (int j = 0; j < span; j += 8) {  /* K rows PREFETCH_KEYS ahead; past the last, the first V rows */
-        for (int u = j == 0 ? 0 : j + PREFETCH_KEYS; u < j + PREFETCH_KEYS + 8 && u < 2 * span; u++)
-            prefetch_kv(u < span ? k_cache : v_cache, fetch_at + slot[u < span ? u : u - span] * token, fetch_width, kind);
-        const int m = span - j < 8 ? span - j : 8, run = m == 8 && (base + j) % P + 8 <= P;  /* 8 keys of one page */
+/* Scores of rows [0, n) for keys [jb, je) of a span beginning at position base, each key's row read in place at
+ * slot[j] for KV heads [kh0, kh1) in one pass: row t is q row rows[t] (its heads from kh0's first on), its scores of
+ * head h (counted from kh0's first) at p + t * row_scores + h * max_keys. Every score is score8's, or score_run's over
+ * a page's run of 8 keys: the numbers of score_keys. The K rows are fetched PREFETCH_KEYS ahead (fetch_at and
+ * fetch_width of a token's row) and, with then_values, past je the first V rows, whose pass comes next. A row's keys
+ * past its position are scored and never read. */
+static inline __attribute__((always_inline)) void score_rows_in_place(
+        const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *rows, int n,
+        const uint32_t *slot, int base, int jb, int je, int kh0, int kh1, int group, const int D, int P, size_t token,
+        size_t fetch_at, int fetch_width, float scale, float *p, size_t row_scores, int max_keys, int then_values,
+        const int kind) {
+    const int values = then_values ? je - jb : 0;
+    for (int j = jb; j < je; j += 8) {
+        for (int u = j == jb ? jb : j + PREFETCH_KEYS; u < j + PREFETCH_KEYS + 8 && u < je + values; u++)
+            prefetch_kv(u < je ? k_cache : v_cache, fetch_at + slot[u < je ? u : u - values] * token, fetch_width, kind);
+        const int m = je - j < 8 ? je - j : 8, run = m == 8 && (base + j) % P + 8 <= P;  /* 8 keys of one page */
         size_t kr[8];
         for (int kh = kh0; kh < kh1; kh++) {
             if (!run)
                 for (int u = 0; u < 8; u++) kr[u] = (size_t)kh * D + slot[j + (u < m ? u : 0)] * token;
             const int lh = (kh - kh0) * group;  /* this KV head's first query head here */
-            for (int t = 0; t < n; t++) {  /* a row's keys past its position are scored and never read */
+            for (int t = 0; t < n; t++) {
                 const float *qr = q + (size_t)rows[t] * q_stride + (size_t)kh0 * group * D;
                 float *pt = p + t * row_scores + j;
                 if (run) score_run(qr + (size_t)lh * D, k_cache, slot[j] * token + (size_t)kh * D, token, group, D,
@@ -877,28 +807,28 @@ static inline __attribute__((always_inline)) void attend_rows_in_place(
             }
         }
     }
-    float totals[Q_TILE * heads];
-    for (int t = 0; t < n; t++) {
-        const int lo = first[t] - base, keys = positions[t] - first[t] + 1;
-        for (int h = 0; h < heads; h++) {
-            float *ph = p + t * row_scores + (size_t)h * max_keys + lo;
-            totals[t * heads + h] = exp_shifted_sum(ph, keys, max_of(ph, keys));
-        }
-        float *o = out + (size_t)rows[t] * H * D + (size_t)kh0 * group * D;
-        for (int d = 0; d < heads * D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
-    }
+}
+
+/* Rows [0, n)'s outputs of KV heads [kh0, kh1) (out row rows[t], heads from kh0's first on) += their weights times the
+ * V rows of keys [jb, je), read in place at slot[j], each row's keys in position order: row t sees keys [lo[t], hi[t])
+ * of the span, its weights laid out as score_rows_in_place's. The V rows are fetched PREFETCH_KEYS ahead, from jb on
+ * where other passes came between (fetch_first), else from where score_rows_in_place's tail left off. The numbers of
+ * add_values: a column's sums take the same FMAs in the same order however the columns and keys are cut. */
+static inline __attribute__((always_inline)) void add_values_in_place(
+        const void *v_cache, const int32_t *rows, int n, const int *lo, const int *hi, const uint32_t *slot, int jb,
+        int je, int kh0, int kh1, int group, const int D, int H, size_t token, size_t fetch_at, int fetch_width,
+        const float *p, size_t row_scores, int max_keys, float *out, int fetch_first, const int kind) {
 #if defined(__AVX512F__)
     const int cw = 64;
 #else
     const int cw = group > 1 ? 32 : 64;
 #endif
-    for (int j = 0; j < span; j += V_BLOCK) {
-        for (int u = j + PREFETCH_KEYS; u < j + V_BLOCK + PREFETCH_KEYS && u < span; u++)
+    for (int j = jb; j < je; j += V_BLOCK) {
+        for (int u = fetch_first && j == jb ? jb : j + PREFETCH_KEYS; u < j + V_BLOCK + PREFETCH_KEYS && u < je; u++)
             prefetch_kv(v_cache, fetch_at + slot[u] * token, fetch_width, kind);
-        const int j_end = span - j < V_BLOCK ? span : j + V_BLOCK;
+        const int j_end = je - j < V_BLOCK ? je : j + V_BLOCK;
         for (int t = 0; t < n; t++) {  /* each row's keys of this block, in position order */
-            const int lo = first[t] - base, hi = positions[t] - base + 1;
-            const int from = j > lo ? j : lo, to = j_end < hi ? j_end : hi, keys = to - from;
+            const int from = j > lo[t] ? j : lo[t], to = j_end < hi[t] ? j_end : hi[t], keys = to - from;
             if (keys <= 0) continue;
             float *o = out + (size_t)rows[t] * H * D + (size_t)kh0 * group * D;
             for (int kh = kh0; kh < kh1; kh++)
@@ -918,6 +848,138 @@ static inline __attribute__((always_inline)) void attend_rows_in_place(
                 }
         }
     }
+}
+
+/* One (tile, KV heads [kh0, kh1)) item of attend_pages: its rows' scores, softmax and weighted V rows. Called with
+ * `kind` a literal inside the OpenMP region: GCC outlines that region into a function of its own and passes what it
+ * captures through memory, so a kind passed down from outside would be a load there, and every loop would keep all
+ * three kinds' code, constants and registers (perf annotate showed two of weighted_add_heads' twelve sums spilled to
+ * the stack, a store and a reload on every key). Float16 pages of head_dim 64 (the CPU default, the default model's
+ * heads) get a copy with D a literal too. Measured side by side (benchmarks/paged_attention_ab.py, 2-vCPU Zen 3, 2
+ * threads, the same bits): float16 decode, verify and prefill cases 1.02-1.19x with the kind a literal, then
+ * 0.99-1.10x more with D (about 4 s more to compile).
+ *
+ * A tile of rows sharing pages (a shared prompt's) reads those keys once for all its rows, gathered, a KV head at a
+ * time; each row's own keys after them it reads in place for all the item's KV heads in one pass, as a decode row
+ * alone does (attend_rows_in_place), so each token's row is fetched once, a run of memory, where a KV head an item
+ * fetched a third of it three times over. Scores [t][head - kh0 * group][span] (rows x heads <= score_rows). */
+static inline __attribute__((always_inline)) void attend_tile_heads(
+        const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *tables, int table_stride,
+        const int32_t *rows, const int32_t *seq_of_row, const int32_t *positions, int H, int KVH, int D, int P,
+        int window, float scale, float value_scale, float *out, float *scratch, int max_keys, const int *tile_start,
+        const int *tile_keys, int tile, int kh0, int kh1, const int kind) {
+    const int group = H / KVH, heads = (kh1 - kh0) * group;
+    const int i0 = tile_start[tile], rows_here = tile_start[tile + 1] - i0, alike = tile_keys[tile];
+    int first[Q_TILE], lo[Q_TILE], hi[Q_TILE], base = INT32_MAX, top = 0;
+    for (int t = 0; t < rows_here; t++) {
+        const int pos = positions[i0 + t];
+        first[t] = first_seen(pos, window);
+        base = first[t] < base ? first[t] : base;
+        top = pos > top ? pos : top;
+    }
+    const size_t token = (size_t)KVH * D, row_scores = (size_t)heads * max_keys, held = score_rows(H, KVH, max_keys);
+    float *p = scratch + (size_t)omp_get_thread_num() * (held + 1) * max_keys;
+    uint32_t *slot = (uint32_t *)(p + held * max_keys);
+    /* A KV head's view of the tile. A key's prefetch covers the whole token row where kh 0 leads (FETCH_WHOLE_ROWS),
+     * else this head's part. */
+#define HEAD_TILE(kh)                                                                                                  \
+    {.q = q + (size_t)(kh) * group * D, .out = out + (size_t)(kh) * group * D, .k_cache = k_cache,                  \
+     .v_cache = v_cache, .rows = rows + i0, .positions = positions + i0, .first = first, .q_stride = q_stride,      \
+     .out_stride = H * D, .group = group, .D = D, .base = base, .max_keys = max_keys, .P = P,                       \
+     .row_scores = row_scores, .token = token, .head_at = (size_t)(kh) * D,                                         \
+     .fetch_at = FETCH_WHOLE_ROWS && (kh) == 0 ? 0 : (size_t)(kh) * D,                                              \
+     .fetch_width = FETCH_WHOLE_ROWS && (kh) == 0 ? token : (size_t)D, .scale = scale,                              \
+     .p = p + (size_t)((kh) - kh0) * group * max_keys, .slot = slot}
+    /* keys [0, common) of the span: every row's, from the first row's table; read once for the tile's rows,
+     * gathered (a decode row alone reads its keys in place: gathering would cost it more than it saves) */
+    const int span = top - base + 1, common = alike ? alike : span;
+    const int gather = rows_here > 1 && D <= MAX_GATHER_HEAD_DIM;
+    const size_t fetch_at = FETCH_WHOLE_ROWS && kh0 == 0 ? 0 : (size_t)kh0 * D;  /* own keys: whole rows, or these heads' */
+    const int fetch_width = FETCH_WHOLE_ROWS && kh0 == 0 ? (int)token : (kh1 - kh0) * D;
+    const Tile lead = HEAD_TILE(kh0);
+    fill_slots(&lead, tables + (size_t)seq_of_row[i0] * table_stride, 0, common, P);
+    /* with shared pages, every row's own K rows come between a span's K and V passes (more than L2 holds at long
+     * contexts): the V passes fetch their first rows themselves */
+    for (int kh = kh0; kh < kh1; kh++) {
+        const Tile w = HEAD_TILE(kh);
+        score_keys(&w, 0, rows_here, 0, common, gather, !alike, kind);
+    }
+    for (int t = 0; alike && t < rows_here; t++) {  /* each row's own keys after the pages it shares */
+        const int end = positions[i0 + t] - base + 1;
+        fill_slots(&lead, tables + (size_t)seq_of_row[i0 + t] * table_stride, common, end, P);
+        score_rows_in_place(q, q_stride, k_cache, v_cache, rows + i0 + t, 1, slot, base, common, end, kh0, kh1, group,
+                            D, P, token, fetch_at, fetch_width, scale, p + t * row_scores, row_scores, max_keys, 0, kind);
+    }
+    float totals[Q_TILE * heads];  /* each row and head's sum of its exponentials */
+    for (int t = 0; t < rows_here; t++) {
+        lo[t] = first[t] - base, hi[t] = positions[i0 + t] - base + 1;
+        for (int h = 0; h < heads; h++) {
+            float *ph = p + t * row_scores + (size_t)h * max_keys + lo[t];
+            totals[t * heads + h] = exp_shifted_sum(ph, hi[t] - lo[t], max_of(ph, hi[t] - lo[t]));
+        }
+        float *o = out + (size_t)rows[i0 + t] * H * D + (size_t)kh0 * group * D;
+        for (int d = 0; d < heads * D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
+    }
+    for (int kh = kh0; kh < kh1; kh++) {
+        const Tile w = HEAD_TILE(kh);
+        add_values(&w, 0, rows_here, 0, common, gather, alike, kind);
+    }
+#undef HEAD_TILE
+    for (int t = 0; alike && t < rows_here; t++) {
+        fill_slots(&lead, tables + (size_t)seq_of_row[i0 + t] * table_stride, common, hi[t], P);
+        add_values_in_place(v_cache, rows + i0 + t, 1, lo + t, hi + t, slot, common, hi[t], kh0, kh1, group, D, H,
+                            token, fetch_at, fetch_width, p + t * row_scores, row_scores, max_keys, out, 1, kind);
+    }
+    for (int t = 0; t < rows_here; t++)
+        divide_by_totals(out + (size_t)rows[i0 + t] * H * D + (size_t)kh0 * group * D, heads, D, value_scale,
+                         totals + t * heads);
+}
+
+/* The rows of a tile that reads its keys in place (rows [0, n) of one sequence, its table, nothing shared: a decode
+ * row alone, or a verify pass's few rows), KV heads [kh0, kh1) in one pass over the keys: with all of them (a step of
+ * two tiles or more a thread), each token's row of all heads is fetched once, a run of memory, and read while the
+ * heads compute, where one (tile, KV head) item at a time left memory idle while the second and third heads worked
+ * from cache. Each row and head's numbers are attend_tile_heads': the same scores (score8's, or score_run's over a
+ * page's run of 8 keys), exponentials, sums and weighted V rows in the same order, so the same bits whichever way a
+ * step's rows are handed out. Scores [t][head - kh0 * group][span] in the thread's scratch (n x heads <=
+ * score_rows). */
+static inline __attribute__((always_inline)) void attend_rows_in_place(
+        const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *table,
+        const int32_t *rows, const int32_t *positions, int n, int H, int KVH, int kh0, int kh1, const int D, int P,
+        int window, float scale, float value_scale, float *out, float *scratch, int max_keys, const int kind) {
+    const int group = H / KVH, heads = (kh1 - kh0) * group;
+    int lo[Q_TILE], hi[Q_TILE], base = INT32_MAX, top = 0;
+    for (int t = 0; t < n; t++) {
+        lo[t] = first_seen(positions[t], window);
+        base = lo[t] < base ? lo[t] : base;
+        top = positions[t] > top ? positions[t] : top;
+    }
+    const int span = top - base + 1;
+    const size_t token = (size_t)KVH * D, row_scores = (size_t)heads * max_keys;
+    /* what a key's prefetch covers: the whole row where kh 0 leads (FETCH_WHOLE_ROWS), else these heads' part */
+    const size_t fetch_at = FETCH_WHOLE_ROWS && kh0 == 0 ? 0 : (size_t)kh0 * D;
+    const int fetch_width = FETCH_WHOLE_ROWS && kh0 == 0 ? (int)token : (kh1 - kh0) * D;
+    const size_t held = score_rows(H, KVH, max_keys);
+    float *p = scratch + (size_t)omp_get_thread_num() * (held + 1) * max_keys;
+    uint32_t *slot = (uint32_t *)(p + held * max_keys);
+    for (int j = 0, page = base / P, at = base % P; j < span; j++) {
+        slot[j] = (uint32_t)table[page] * P + at;
+        if (++at == P) at = 0, page++;
+    }
+    score_rows_in_place(q, q_stride, k_cache, v_cache, rows, n, slot, base, 0, span, kh0, kh1, group, D, P, token,
+                        fetch_at, fetch_width, scale, p, row_scores, max_keys, 1, kind);
+    float totals[Q_TILE * heads];
+    for (int t = 0; t < n; t++) {
+        lo[t] -= base, hi[t] = positions[t] - base + 1;
+        for (int h = 0; h < heads; h++) {
+            float *ph = p + t * row_scores + (size_t)h * max_keys + lo[t];
+            totals[t * heads + h] = exp_shifted_sum(ph, hi[t] - lo[t], max_of(ph, hi[t] - lo[t]));
+        }
+        float *o = out + (size_t)rows[t] * H * D + (size_t)kh0 * group * D;
+        for (int d = 0; d < heads * D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
+    }
+    add_values_in_place(v_cache, rows, n, lo, hi, slot, 0, span, kh0, kh1, group, D, H, token, fetch_at, fetch_width,
+                        p, row_scores, max_keys, out, 0, kind);
     for (int t = 0; t < n; t++)
         divide_by_totals(out + (size_t)rows[t] * H * D + (size_t)kh0 * group * D, heads, D, value_scale,
                          totals + t * heads);
@@ -941,6 +1003,24 @@ ROW_HEADS_FN(row_heads_fp8, D, KV_FP8)
 ROW_HEADS_FN(row_heads_f32, D, KV_F32)
 #undef ROW_HEADS_FN
 
+/* attend_tile_heads for each kind, the same way */
+#define TILE_HEADS_FN(NAME, D_, KIND)                                                                                  \
+    static __attribute__((noinline)) void NAME(                                                                        \
+            const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *tables,            \
+            int table_stride, const int32_t *rows, const int32_t *seq_of_row, const int32_t *positions, int H,         \
+            int KVH, int D, int P, int window, float scale, float value_scale, float *out, float *scratch,            \
+            int max_keys, const int *tile_start, const int *tile_keys, int tile, int kh0, int kh1) {                  \
+        (void)D;                                                                                                       \
+        attend_tile_heads(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, H, KVH,   \
+                          D_, P, window, scale, value_scale, out, scratch, max_keys, tile_start, tile_keys, tile,     \
+                          kh0, kh1, KIND);                                                                             \
+    }
+TILE_HEADS_FN(tile_heads_f16_64, 64, KV_F16)
+TILE_HEADS_FN(tile_heads_f16, D, KV_F16)
+TILE_HEADS_FN(tile_heads_fp8, D, KV_FP8)
+TILE_HEADS_FN(tile_heads_f32, D, KV_F32)
+#undef TILE_HEADS_FN
+
 /* Causal attention of n query rows over a paged cache [pages, P, KVH, D]. Query row i is q row rows[i] (rows
  * q_stride floats apart, heads D apart), at position positions[i] of the sequence whose pages are
  * tables[seq_of_row[i]] (table_stride entries apart); it sees the keys at positions (pos - window, pos]
@@ -957,7 +1037,7 @@ ROW_HEADS_FN(row_heads_f32, D, KV_F32)
  * or per row the leading pages its table has alike with the row before's (see plan_tiles). out [T, H, D]; scratch:
  * threads * (Q_TILE * H / KVH + 1) * max_keys floats (each row and head's scores, the slots), max_keys at least
  * the keys a tile spans (the largest position + 1). D a multiple of 8. The caches hold float32, float16 or fp8 (kind:
- * each its own compiled loop: attend_tile_head); fp8 values are K / kv_scale and V / kv_scale, so the scores take
+ * each its own compiled loop: attend_tile_heads); fp8 values are K / kv_scale and V / kv_scale, so the scores take
  * scale * kv_scale and the outputs kv_scale / sum p (1.0 for the others: the same bits as without it). */
 static inline __attribute__((always_inline)) void attend_pages(
         const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *tables, int table_stride,
@@ -974,10 +1054,10 @@ static inline __attribute__((always_inline)) void attend_pages(
     /* A tile of up to IN_PLACE_ROWS rows of one sequence goes through attend_rows_in_place: with two tiles or more a
      * thread and room in the scratch, all its KV heads in one pass; else each KV head an item of its own, so that
      * every thread has work (the same bits either way). */
-    const int whole_rows = tiles >= 2 * threads;
-#define TILE_HEAD(D_, KIND)                                                                                              \
-    attend_tile_head(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, H, KVH, D_, P,     \
-                     window, scale, value_scale, out, scratch, max_keys, tile_start, tile_keys, tile, kh, KIND)
+    const int whole_rows = tiles >= 2 * threads, held = score_rows(H, KVH, max_keys);
+#define TILE_HEADS(FN)                                                                                                   \
+    FN(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, H, KVH, D, P, window, scale,     \
+       value_scale, out, scratch, max_keys, tile_start, tile_keys, tile, kh, kh + heads < KVH ? kh + heads : KVH)
 #define ROW_HEADS(FN)                                                                                                    \
     FN(q, q_stride, k_cache, v_cache, tables + (size_t)seq_of_row[i0] * table_stride, rows + i0, positions + i0, n, H,    \
        KVH, whole ? 0 : kh, whole ? KVH : kh + 1, D, P, window, scale, value_scale, out, scratch, max_keys)
@@ -985,7 +1065,7 @@ static inline __attribute__((always_inline)) void attend_pages(
     for (int tile = 0; tile < tiles; tile++) {
         for (int kh = 0; kh < KVH; kh++) {
             const int i0 = tile_start[tile];
-            const int n = tile_start[tile + 1] - i0, whole = whole_rows && n * KVH <= Q_TILE;
+            const int n = tile_start[tile + 1] - i0, whole = whole_rows && n * H <= held;
             if (n <= IN_PLACE_ROWS && tile_keys[tile] == 0) {
                 if (whole && kh > 0) continue;  /* kh 0's item took them */
                 if (kind == KV_F16 && D == 64) ROW_HEADS(row_heads_f16_64);
@@ -994,13 +1074,17 @@ static inline __attribute__((always_inline)) void attend_pages(
                 else ROW_HEADS(row_heads_f32);
                 continue;
             }
-            if (kind == KV_F16 && D == 64) TILE_HEAD(64, KV_F16);
-            else if (kind == KV_F16) TILE_HEAD(D, KV_F16);
-            else if (kind == KV_FP8) TILE_HEAD(D, KV_FP8);
-            else TILE_HEAD(D, KV_F32);
+            /* a shared prompt's tile: as many KV heads an item as the scratch holds (its own keys read once for
+             * them: 1.16-1.22x in float16 decode steps sharing 1,024 tokens); else a KV head an item */
+            const int heads = tile_keys[tile] ? held / (n * (H / KVH)) : 1;
+            if (kh % heads) continue;  /* the item of kh - kh % heads took it */
+            if (kind == KV_F16 && D == 64) TILE_HEADS(tile_heads_f16_64);
+            else if (kind == KV_F16) TILE_HEADS(tile_heads_f16);
+            else if (kind == KV_FP8) TILE_HEADS(tile_heads_fp8);
+            else TILE_HEADS(tile_heads_f32);
         }
     }
-#undef TILE_HEAD
+#undef TILE_HEADS
 #undef ROW_HEADS
 }
 
@@ -1009,7 +1093,7 @@ void paged_attention(const float *q, int q_stride, const void *k_cache, const vo
                      const int32_t *positions, const int32_t *shared, int n, int H, int KVH, int D, int P, int window, float scale,
                      float *out, float *scratch, int max_keys, int kv_kind, float kv_scale, int threads) {
     const float s = scale * kv_scale;  /* kv_scale 1.0 (float32, float16): scale itself */
-    /* one region, whose loop body takes the kind as a literal (attend_tile_head) */
+    /* one region, whose loop body takes the kind as a literal (attend_tile_heads) */
     attend_pages(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, shared, n, H, KVH, D, P,
                  window, s, kv_scale, out, scratch, max_keys, threads, kv_kind);
 }

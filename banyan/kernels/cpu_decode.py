@@ -29,9 +29,17 @@ ATTENTION_TILE = 8
 """Query rows of one sequence paged_attention takes through the keys together (cpu_decode.c's Q_TILE)."""
 
 
-def attention_scratch(threads: int, group: int, max_keys: int) -> int:
-    """Floats of scratch paged_attention needs: per thread, each tile row and query head's scores and the slots."""
-    return threads * (ATTENTION_TILE * group + 1) * max_keys
+WIDE_SCRATCH_FLOATS = 4 << 20
+"""The most floats a thread's scores may take to hold every query head of a full tile at once (cpu_decode.c's)."""
+
+
+def attention_scratch(threads: int, heads: int, kv_heads: int, max_keys: int) -> int:
+    """Floats of scratch paged_attention needs: per thread, the scores of a tile's rows and query heads (every head
+    where WIDE_SCRATCH_FLOATS holds them, else one KV head's: cpu_decode.c's score_rows), and the slots."""
+    rows = ATTENTION_TILE * heads
+    if (rows + 1) * max_keys > WIDE_SCRATCH_FLOATS:
+        rows = ATTENTION_TILE * (heads // kv_heads)
+    return threads * (rows + 1) * max_keys
 
 
 class DecodeKernels:
@@ -92,7 +100,7 @@ class DecodeKernels:
         heads, dim = q.shape[1:]
         page_size, kv_heads = k_cache.shape[1:3]
         threads = torch.get_num_threads()
-        room = attention_scratch(threads, heads // kv_heads, rows.max_keys)
+        room = attention_scratch(threads, heads, kv_heads, rows.max_keys)
         if rows.scratch is None or rows.scratch.numel() < room:
             rows.scratch = torch.empty(room, dtype=torch.float32)
         tables = rows.tables

@@ -49,7 +49,6 @@ class CpuDecodeStep:
             intermediate=arch.intermediate_size, page_size=kv_caches[0][0].shape[1], max_pos=rotary.cos.shape[0],
             eps=model.model.layers[0].input_layernorm.eps, scale=attn.scale, cos=rotary.cos.data_ptr(),
             sin=rotary.sin.data_ptr(), kv_half=cpu_decode.kv_kind(kv_caches[0][0], cpu_decode.STORE_DTYPES))
-        self.group = attn.num_heads // attn.num_kv_heads
         linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, QuantizedLinear)]
         wide_copies, bf16_copies = (any(getattr(m, copy) is not None for m in linears) for copy in ("wide", "bf16"))
         self.max_rows = MAX_ROWS if wide_copies else BF16_ROWS - 1 if bf16_copies else WIDE_ROWS
@@ -78,7 +77,7 @@ class CpuDecodeStep:
         rows = paged_rows(fb, starts)  # every row
         self._grow_scratch(fb.num_tokens)
         threads = torch.get_num_threads()
-        room = cpu_decode.attention_scratch(threads, self.group, rows.max_keys)
+        room = cpu_decode.attention_scratch(threads, self.step.heads, self.step.kv_heads, rows.max_keys)
         if self.attn_scratch.numel() < room:
             self.attn_scratch = torch.empty(2 * room, dtype=torch.float32)
         s = self.step

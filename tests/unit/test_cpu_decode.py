@@ -252,8 +252,8 @@ def test_decode_and_verify_rows_read_in_place_keep_their_bits_however_the_thread
     """A step of decode rows and verify passes of 2 to 4 rows, each of its own sequence, read in place: with two tiles
     or more a thread, a tile reads all its KV heads in one pass where the scratch has room (eight keys of a page at
     once where they lie in one); else one KV head an item. Each row equals itself alone bit for bit at 1, 2, 3 and 7
-    threads, and SDPA closely: contexts of one key to several pages, ending on page edges and inside pages, windows
-    shorter and longer than a page, pages in a shuffled order."""
+    threads and with a scratch holding one KV head's scores at a time, and SDPA closely: contexts of one key to several
+    pages, ending on page edges and inside pages, windows shorter and longer than a page, pages in a shuffled order."""
     specs = [(n, 1) for n in (0, 7, 8, 15, 16, 17, 40, 63, 64, 100, 5, 33)] + [(30, 2), (14, 3), (61, 4)]
     q, k_cache, v_cache, table, seq_of_row, positions = paged_case(specs, page_size, kv_heads, kv_heads * group, 64, 5,
                                                                     kv_dtype)
@@ -268,6 +268,9 @@ def test_decode_and_verify_rows_read_in_place_keep_their_bits_however_the_thread
             KERNELS.paged_attention(q, k_cache, v_cache, outs[-1], every, 0.125, window)
     finally:
         torch.set_num_threads(threads)
+    outs.append(torch.full_like(q, float("nan")))
+    narrow = cpu_decode.PagedRows(list(range(len(positions))), seq_of_row, positions, table)
+    KERNELS.paged_attention(q, k_cache, v_cache, outs[-1], one_kv_head_at_a_time(narrow, q.shape[1]), 0.125, window)
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
     for r in range(len(positions)):
         alone = torch.full_like(q, float("nan"))
@@ -357,14 +360,23 @@ def test_gather_as_bf16_gives_the_bits_of_index_select_then_to_bf16(both_builds)
     assert torch.equal(through, attend_pages(q, cache, cache, pages, mask, 0.125)) and not through.isnan().any()
 
 
-def assert_rows_together_are_rows_alone(specs, case, window):
-    """Every row of one call (tiles of a sequence's rows) equals the row alone bit for bit, and SDPA closely."""
+def one_kv_head_at_a_time(rows: cpu_decode.PagedRows, heads: int) -> cpu_decode.PagedRows:
+    """rows, with max_keys past what a thread's scratch may take to hold every query head of a tile (cpu_decode.c's
+    score_rows): the kernel then holds one KV head's scores at a time, as at long contexts."""
+    rows.max_keys = max(rows.max_keys, cpu_decode.WIDE_SCRATCH_FLOATS // (cpu_decode.ATTENTION_TILE * heads + 1) + 1)
+    return rows
+
+
+def assert_rows_together_are_rows_alone(specs, case, window, narrow=False):
+    """Every row of one call (tiles of a sequence's rows) equals the row alone bit for bit, and SDPA closely; narrow:
+    the call's scratch holds one KV head's scores at a time (one_kv_head_at_a_time), the rows alone every head's."""
     q, k_cache, v_cache, table, seq_of_row, positions = case
     scale = q.shape[-1] ** -0.5
     together = torch.full_like(q, float("nan"))
-    every = list(range(len(positions)))
-    KERNELS.paged_attention(q, k_cache, v_cache, together, cpu_decode.PagedRows(every, seq_of_row, positions, table),
+    every = cpu_decode.PagedRows(list(range(len(positions))), seq_of_row, positions, table)
+    KERNELS.paged_attention(q, k_cache, v_cache, together, one_kv_head_at_a_time(every, q.shape[1]) if narrow else every,
                             scale, window)
+    every = list(range(len(positions)))
     for r in every:
         alone = torch.full_like(q, float("nan"))
         rows = cpu_decode.PagedRows([r], [seq_of_row[r]], [positions[r]], table)
@@ -427,16 +439,29 @@ def test_decode_rows_whose_tables_begin_alike_are_put_side_by_side():
 def test_decode_rows_read_shared_pages_together_with_the_bits_of_each_row_alone(page_size, kv_heads, group, window,
                                                                                 kv_dtype):
     """Decode rows over pages their tables share go through those pages together, then each through its own (a run
-    longer than a tile, cut in two and more by the thread count): each row equals itself alone bit for bit, and SDPA
+    longer than a tile, cut in two and more by the thread count), all the KV heads of a tile in one item, or as many
+    as a scratch holding one KV head's scores at a time allows: each row equals itself alone bit for bit, and SDPA
     closely; a sliding window turns the sharing off."""
     case, specs = shared_prompt_case(page_size, kv_heads, kv_heads * group, 64, page_size + group, kv_dtype)
     threads = torch.get_num_threads()
     try:
-        for n in (1, 2, 5):
+        for n, narrow in ((1, False), (2, False), (5, False), (2, True)):
             torch.set_num_threads(n)
-            assert_rows_together_are_rows_alone(specs, case, window)
+            assert_rows_together_are_rows_alone(specs, case, window, narrow)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_attention_scratch_holds_every_heads_scores_up_to_its_bound_then_one_kv_heads():
+    """Per thread, the scores of a full tile's rows for every query head, and the slots, while they fit
+    WIDE_SCRATCH_FLOATS; past it, one KV head's: a 32-head model at 32k keys takes 8 x 4 + 1 rows of keys a thread,
+    not 8 x 32 + 1."""
+    tile, bound = cpu_decode.ATTENTION_TILE, cpu_decode.WIDE_SCRATCH_FLOATS
+    assert cpu_decode.attention_scratch(2, 9, 3, 2048) == 2 * (tile * 9 + 1) * 2048
+    assert cpu_decode.attention_scratch(2, 32, 8, 32768) == 2 * (tile * 4 + 1) * 32768
+    edge = bound // (tile * 9 + 1)
+    assert cpu_decode.attention_scratch(1, 9, 3, edge) == (tile * 9 + 1) * edge <= bound
+    assert cpu_decode.attention_scratch(1, 9, 3, edge + 1) == (tile * 3 + 1) * (edge + 1)
 
 
 @needs_kernels
