@@ -568,6 +568,14 @@ static inline int score_rows(int H, int KVH, int max_keys) {
     return (size_t)(Q_TILE * H + 1) * max_keys <= WIDE_SCRATCH_FLOATS ? Q_TILE * H : Q_TILE * (H / KVH);
 }
 
+/* This thread's part of the scratch: its scores, and past them (*slot) the cache row of each key of a span */
+static inline float *thread_scratch(float *scratch, int H, int KVH, int max_keys, uint32_t **slot) {
+    const size_t held = score_rows(H, KVH, max_keys);
+    float *p = scratch + (size_t)omp_get_thread_num() * (held + 1) * max_keys;
+    *slot = (uint32_t *)(p + held * max_keys);
+    return p;
+}
+
 /* One (tile, KV head) of attend_pages. Key j of the tile's span is position base + j, in cache row slot[j] (page * P +
  * offset); the tile's row t is q row rows[t] at position positions[t], seeing keys [first[t] - base, positions[t] -
  * base] of the span; its scores for query head g of this KV head lie at p + t * row_scores + g * max_keys. */
@@ -583,6 +591,17 @@ typedef struct {
     float scale, *p;
     uint32_t *slot;
 } Tile;
+
+/* w (a tile's view of KV head 0, its scores those of the item's first KV head kh0) for KV head kh. Where kh 0 leads,
+ * a key's prefetch covers the whole token row (FETCH_WHOLE_ROWS), else this head's part. */
+static inline Tile head_view(Tile w, int kh, int kh0) {
+    const size_t at = (size_t)kh * w.D;
+    w.q += at * w.group, w.out += at * w.group, w.head_at = at;
+    const int whole = FETCH_WHOLE_ROWS && kh == 0;
+    w.fetch_at = whole ? 0 : at, w.fetch_width = whole ? w.token : (size_t)w.D;
+    w.p += (size_t)(kh - kh0) * w.group * w.max_keys;
+    return w;
+}
 
 /* slot[j] for keys [jb, je) of the span: the cache rows `table` gives their positions */
 static void fill_slots(const Tile *w, const int32_t *table, int jb, int je, int P) {
@@ -850,6 +869,22 @@ static inline __attribute__((always_inline)) void add_values_in_place(
     }
 }
 
+/* Rows [0, n)'s scores of heads [0, heads) (laid out as score_rows_in_place's) over their keys [lo[t], hi[t]) turned
+ * into exponentials against their max, each row and head's sum in totals[t * heads + h]; their output rows (out row
+ * rows[t], from element at on) zeroed for the V passes. */
+static inline void exponentiate_rows(float *p, size_t row_scores, int max_keys, int n, int heads, const int *lo,
+                                     const int *hi, const int32_t *rows, float *out, size_t at, int H, int D,
+                                     float *totals) {
+    for (int t = 0; t < n; t++) {
+        for (int h = 0; h < heads; h++) {
+            float *ph = p + t * row_scores + (size_t)h * max_keys + lo[t];
+            totals[t * heads + h] = exp_shifted_sum(ph, hi[t] - lo[t], max_of(ph, hi[t] - lo[t]));
+        }
+        float *o = out + (size_t)rows[t] * H * D + at;
+        for (int d = 0; d < heads * D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
+    }
+}
+
 /* One (tile, KV heads [kh0, kh1)) item of attend_pages: its rows' scores, softmax and weighted V rows. Called with
  * `kind` a literal inside the OpenMP region: GCC outlines that region into a function of its own and passes what it
  * captures through memory, so a kind passed down from outside would be a load there, and every loop would keep all
@@ -877,62 +912,46 @@ static inline __attribute__((always_inline)) void attend_tile_heads(
         base = first[t] < base ? first[t] : base;
         top = pos > top ? pos : top;
     }
-    const size_t token = (size_t)KVH * D, row_scores = (size_t)heads * max_keys, held = score_rows(H, KVH, max_keys);
-    float *p = scratch + (size_t)omp_get_thread_num() * (held + 1) * max_keys;
-    uint32_t *slot = (uint32_t *)(p + held * max_keys);
-    /* A KV head's view of the tile. A key's prefetch covers the whole token row where kh 0 leads (FETCH_WHOLE_ROWS),
-     * else this head's part. */
-#define HEAD_TILE(kh)                                                                                                  \
-    {.q = q + (size_t)(kh) * group * D, .out = out + (size_t)(kh) * group * D, .k_cache = k_cache,                  \
-     .v_cache = v_cache, .rows = rows + i0, .positions = positions + i0, .first = first, .q_stride = q_stride,      \
-     .out_stride = H * D, .group = group, .D = D, .base = base, .max_keys = max_keys, .P = P,                       \
-     .row_scores = row_scores, .token = token, .head_at = (size_t)(kh) * D,                                         \
-     .fetch_at = FETCH_WHOLE_ROWS && (kh) == 0 ? 0 : (size_t)(kh) * D,                                              \
-     .fetch_width = FETCH_WHOLE_ROWS && (kh) == 0 ? token : (size_t)D, .scale = scale,                              \
-     .p = p + (size_t)((kh) - kh0) * group * max_keys, .slot = slot}
+    const size_t token = (size_t)KVH * D, row_scores = (size_t)heads * max_keys, at = (size_t)kh0 * group * D;
+    uint32_t *slot;
+    float *p = thread_scratch(scratch, H, KVH, max_keys, &slot);
+    const Tile tile_view = {.q = q, .out = out, .k_cache = k_cache, .v_cache = v_cache, .rows = rows + i0,
+                            .positions = positions + i0, .first = first, .q_stride = q_stride, .out_stride = H * D,
+                            .group = group, .D = D, .base = base, .max_keys = max_keys, .P = P,
+                            .row_scores = row_scores, .token = token, .scale = scale, .p = p, .slot = slot};
     /* keys [0, common) of the span: every row's, from the first row's table; read once for the tile's rows,
      * gathered (a decode row alone reads its keys in place: gathering would cost it more than it saves) */
     const int span = top - base + 1, common = alike ? alike : span;
     const int gather = rows_here > 1 && D <= MAX_GATHER_HEAD_DIM;
     const size_t fetch_at = FETCH_WHOLE_ROWS && kh0 == 0 ? 0 : (size_t)kh0 * D;  /* own keys: whole rows, or these heads' */
     const int fetch_width = FETCH_WHOLE_ROWS && kh0 == 0 ? (int)token : (kh1 - kh0) * D;
-    const Tile lead = HEAD_TILE(kh0);
-    fill_slots(&lead, tables + (size_t)seq_of_row[i0] * table_stride, 0, common, P);
+    fill_slots(&tile_view, tables + (size_t)seq_of_row[i0] * table_stride, 0, common, P);
     /* with shared pages, every row's own K rows come between a span's K and V passes (more than L2 holds at long
      * contexts): the V passes fetch their first rows themselves */
     for (int kh = kh0; kh < kh1; kh++) {
-        const Tile w = HEAD_TILE(kh);
+        const Tile w = head_view(tile_view, kh, kh0);
         score_keys(&w, 0, rows_here, 0, common, gather, !alike, kind);
     }
     for (int t = 0; alike && t < rows_here; t++) {  /* each row's own keys after the pages it shares */
         const int end = positions[i0 + t] - base + 1;
-        fill_slots(&lead, tables + (size_t)seq_of_row[i0 + t] * table_stride, common, end, P);
+        fill_slots(&tile_view, tables + (size_t)seq_of_row[i0 + t] * table_stride, common, end, P);
         score_rows_in_place(q, q_stride, k_cache, v_cache, rows + i0 + t, 1, slot, base, common, end, kh0, kh1, group,
                             D, P, token, fetch_at, fetch_width, scale, p + t * row_scores, row_scores, max_keys, 0, kind);
     }
     float totals[Q_TILE * heads];  /* each row and head's sum of its exponentials */
-    for (int t = 0; t < rows_here; t++) {
-        lo[t] = first[t] - base, hi[t] = positions[i0 + t] - base + 1;
-        for (int h = 0; h < heads; h++) {
-            float *ph = p + t * row_scores + (size_t)h * max_keys + lo[t];
-            totals[t * heads + h] = exp_shifted_sum(ph, hi[t] - lo[t], max_of(ph, hi[t] - lo[t]));
-        }
-        float *o = out + (size_t)rows[i0 + t] * H * D + (size_t)kh0 * group * D;
-        for (int d = 0; d < heads * D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
-    }
+    for (int t = 0; t < rows_here; t++) lo[t] = first[t] - base, hi[t] = positions[i0 + t] - base + 1;
+    exponentiate_rows(p, row_scores, max_keys, rows_here, heads, lo, hi, rows + i0, out, at, H, D, totals);
     for (int kh = kh0; kh < kh1; kh++) {
-        const Tile w = HEAD_TILE(kh);
+        const Tile w = head_view(tile_view, kh, kh0);
         add_values(&w, 0, rows_here, 0, common, gather, alike, kind);
     }
-#undef HEAD_TILE
     for (int t = 0; alike && t < rows_here; t++) {
-        fill_slots(&lead, tables + (size_t)seq_of_row[i0 + t] * table_stride, common, hi[t], P);
+        fill_slots(&tile_view, tables + (size_t)seq_of_row[i0 + t] * table_stride, common, hi[t], P);
         add_values_in_place(v_cache, rows + i0 + t, 1, lo + t, hi + t, slot, common, hi[t], kh0, kh1, group, D, H,
                             token, fetch_at, fetch_width, p + t * row_scores, row_scores, max_keys, out, 1, kind);
     }
     for (int t = 0; t < rows_here; t++)
-        divide_by_totals(out + (size_t)rows[i0 + t] * H * D + (size_t)kh0 * group * D, heads, D, value_scale,
-                         totals + t * heads);
+        divide_by_totals(out + (size_t)rows[i0 + t] * H * D + at, heads, D, value_scale, totals + t * heads);
 }
 
 /* The rows of a tile that reads its keys in place (rows [0, n) of one sequence, its table, nothing shared: a decode
@@ -959,9 +978,8 @@ static inline __attribute__((always_inline)) void attend_rows_in_place(
     /* what a key's prefetch covers: the whole row where kh 0 leads (FETCH_WHOLE_ROWS), else these heads' part */
     const size_t fetch_at = FETCH_WHOLE_ROWS && kh0 == 0 ? 0 : (size_t)kh0 * D;
     const int fetch_width = FETCH_WHOLE_ROWS && kh0 == 0 ? (int)token : (kh1 - kh0) * D;
-    const size_t held = score_rows(H, KVH, max_keys);
-    float *p = scratch + (size_t)omp_get_thread_num() * (held + 1) * max_keys;
-    uint32_t *slot = (uint32_t *)(p + held * max_keys);
+    uint32_t *slot;
+    float *p = thread_scratch(scratch, H, KVH, max_keys, &slot);
     for (int j = 0, page = base / P, at = base % P; j < span; j++) {
         slot[j] = (uint32_t)table[page] * P + at;
         if (++at == P) at = 0, page++;
@@ -969,15 +987,8 @@ static inline __attribute__((always_inline)) void attend_rows_in_place(
     score_rows_in_place(q, q_stride, k_cache, v_cache, rows, n, slot, base, 0, span, kh0, kh1, group, D, P, token,
                         fetch_at, fetch_width, scale, p, row_scores, max_keys, 1, kind);
     float totals[Q_TILE * heads];
-    for (int t = 0; t < n; t++) {
-        lo[t] -= base, hi[t] = positions[t] - base + 1;
-        for (int h = 0; h < heads; h++) {
-            float *ph = p + t * row_scores + (size_t)h * max_keys + lo[t];
-            totals[t * heads + h] = exp_shifted_sum(ph, hi[t] - lo[t], max_of(ph, hi[t] - lo[t]));
-        }
-        float *o = out + (size_t)rows[t] * H * D + (size_t)kh0 * group * D;
-        for (int d = 0; d < heads * D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
-    }
+    for (int t = 0; t < n; t++) lo[t] -= base, hi[t] = positions[t] - base + 1;
+    exponentiate_rows(p, row_scores, max_keys, n, heads, lo, hi, rows, out, (size_t)kh0 * group * D, H, D, totals);
     add_values_in_place(v_cache, rows, n, lo, hi, slot, 0, span, kh0, kh1, group, D, H, token, fetch_at, fetch_width,
                         p, row_scores, max_keys, out, 0, kind);
     for (int t = 0; t < n; t++)
@@ -1035,10 +1046,10 @@ TILE_HEADS_FN(tile_heads_f32, D, KV_F32)
  * same as alone, since a score is one key's own dot product (score8 treats its eight keys apart), a row's
  * exponentials and sums cover exactly its own keys in position order, and only the loads are shared. shared: NULL,
  * or per row the leading pages its table has alike with the row before's (see plan_tiles). out [T, H, D]; scratch:
- * threads * (Q_TILE * H / KVH + 1) * max_keys floats (each row and head's scores, the slots), max_keys at least
- * the keys a tile spans (the largest position + 1). D a multiple of 8. The caches hold float32, float16 or fp8 (kind:
- * each its own compiled loop: attend_tile_heads); fp8 values are K / kv_scale and V / kv_scale, so the scores take
- * scale * kv_scale and the outputs kv_scale / sum p (1.0 for the others: the same bits as without it). */
+ * threads * (score_rows(H, KVH, max_keys) + 1) * max_keys floats (each row and head's scores, the slots), max_keys at
+ * least the keys a tile spans (the largest position + 1). D a multiple of 8. The caches hold float32, float16 or fp8
+ * (kind: each its own compiled loop: attend_tile_heads); fp8 values are K / kv_scale and V / kv_scale, so the scores
+ * take scale * kv_scale and the outputs kv_scale / sum p (1.0 for the others: the same bits as without it). */
 static inline __attribute__((always_inline)) void attend_pages(
         const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *tables, int table_stride,
         const int32_t *rows, const int32_t *seq_of_row, const int32_t *positions, const int32_t *shared, int n, int H,
