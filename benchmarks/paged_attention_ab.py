@@ -50,7 +50,9 @@ def build(source: str, out: Path) -> cpu_decode.DecodeKernels:
     AVX-512 flags where it has VNNI: 32 vector registers)."""
     flags = cpu_flags()
     isa = "amx" if "amx_int8" in flags else "avx512_vnni" if "avx512_vnni" in flags else "avx2"
-    subprocess.run(["cc", *cpu_gemv.FLAGS, *cpu_gemv.ISA_FLAGS[isa], source, "-o", str(out), "-lm"], check=True)
+    # cpu_gemv.c beside it: the AMX paths ask it whether Linux grants the tiles (amx_tiles_granted)
+    gemv = str(cpu_gemv.SOURCES[0])
+    subprocess.run(["cc", *cpu_gemv.FLAGS, *cpu_gemv.ISA_FLAGS[isa], source, gemv, "-o", str(out), "-lm"], check=True)
     return cpu_decode.DecodeKernels(ctypes.CDLL(str(out)))
 
 
