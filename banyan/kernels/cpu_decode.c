@@ -592,13 +592,20 @@ typedef struct {
     uint32_t *slot;
 } Tile;
 
+/* What a key's prefetch covers for KV heads [kh0, kh1): the whole token row where KV head 0 leads (FETCH_WHOLE_ROWS),
+ * else these heads' part. The width; *at the first element. */
+static inline int fetch_range(int kh0, int kh1, int D, size_t token, size_t *at) {
+    const int whole = FETCH_WHOLE_ROWS && kh0 == 0;
+    *at = whole ? 0 : (size_t)kh0 * D;
+    return whole ? (int)token : (kh1 - kh0) * D;
+}
+
 /* w (a tile's view of KV head 0, its scores those of the item's first KV head kh0) for KV head kh. Where kh 0 leads,
  * a key's prefetch covers the whole token row (FETCH_WHOLE_ROWS), else this head's part. */
 static inline Tile head_view(Tile w, int kh, int kh0) {
     const size_t at = (size_t)kh * w.D;
     w.q += at * w.group, w.out += at * w.group, w.head_at = at;
-    const int whole = FETCH_WHOLE_ROWS && kh == 0;
-    w.fetch_at = whole ? 0 : at, w.fetch_width = whole ? w.token : (size_t)w.D;
+    w.fetch_width = (size_t)fetch_range(kh, kh + 1, w.D, w.token, &w.fetch_at);
     w.p += (size_t)(kh - kh0) * w.group * w.max_keys;
     return w;
 }
@@ -923,8 +930,8 @@ static inline __attribute__((always_inline)) void attend_tile_heads(
      * gathered (a decode row alone reads its keys in place: gathering would cost it more than it saves) */
     const int span = top - base + 1, common = alike ? alike : span;
     const int gather = rows_here > 1 && D <= MAX_GATHER_HEAD_DIM;
-    const size_t fetch_at = FETCH_WHOLE_ROWS && kh0 == 0 ? 0 : (size_t)kh0 * D;  /* own keys: whole rows, or these heads' */
-    const int fetch_width = FETCH_WHOLE_ROWS && kh0 == 0 ? (int)token : (kh1 - kh0) * D;
+    size_t fetch_at;  /* own keys: whole rows, or these heads' */
+    const int fetch_width = fetch_range(kh0, kh1, D, token, &fetch_at);
     fill_slots(&tile_view, tables + (size_t)seq_of_row[i0] * table_stride, 0, common, P);
     /* with shared pages, every row's own K rows come between a span's K and V passes (more than L2 holds at long
      * contexts): the V passes fetch their first rows themselves */
@@ -975,9 +982,8 @@ static inline __attribute__((always_inline)) void attend_rows_in_place(
     }
     const int span = top - base + 1;
     const size_t token = (size_t)KVH * D, row_scores = (size_t)heads * max_keys;
-    /* what a key's prefetch covers: the whole row where kh 0 leads (FETCH_WHOLE_ROWS), else these heads' part */
-    const size_t fetch_at = FETCH_WHOLE_ROWS && kh0 == 0 ? 0 : (size_t)kh0 * D;
-    const int fetch_width = FETCH_WHOLE_ROWS && kh0 == 0 ? (int)token : (kh1 - kh0) * D;
+    size_t fetch_at;
+    const int fetch_width = fetch_range(kh0, kh1, D, token, &fetch_at);
     uint32_t *slot;
     float *p = thread_scratch(scratch, H, KVH, max_keys, &slot);
     for (int j = 0, page = base / P, at = base % P; j < span; j++) {

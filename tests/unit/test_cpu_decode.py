@@ -373,11 +373,10 @@ def assert_rows_together_are_rows_alone(specs, case, window, narrow=False):
     q, k_cache, v_cache, table, seq_of_row, positions = case
     scale = q.shape[-1] ** -0.5
     together = torch.full_like(q, float("nan"))
-    every = cpu_decode.PagedRows(list(range(len(positions))), seq_of_row, positions, table)
-    KERNELS.paged_attention(q, k_cache, v_cache, together, one_kv_head_at_a_time(every, q.shape[1]) if narrow else every,
-                            scale, window)
-    every = list(range(len(positions)))
-    for r in every:
+    all_rows = cpu_decode.PagedRows(list(range(len(positions))), seq_of_row, positions, table)
+    KERNELS.paged_attention(q, k_cache, v_cache, together,
+                            one_kv_head_at_a_time(all_rows, q.shape[1]) if narrow else all_rows, scale, window)
+    for r in range(len(positions)):
         alone = torch.full_like(q, float("nan"))
         rows = cpu_decode.PagedRows([r], [seq_of_row[r]], [positions[r]], table)
         KERNELS.paged_attention(q, k_cache, v_cache, alone, rows, scale, window)
