@@ -9,7 +9,8 @@
  * kernel, a path from this directory or an absolute one). A pass: 30 layers of int4 (groups of 32) q/k/v
  * (960 x 576), o (576 x 576), gate/up (3,072 x 576) and down (576 x 1,536), each its own random weights (80 MB with
  * their scales, so they come from memory, as a model's do), then the int8 lm_head (49,152 x 576). Prints the best of
- * 10 passes at each row count. */
+ * 10 passes at each row count. int4 scales and offsets are float16, as a model holds them where no AMX tiles serve it
+ * (-DFLOAT32_SCALES for float32 ones). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,20 +21,35 @@
 #endif
 #include KERNEL
 
+#ifdef FLOAT32_SCALES
+#define HALF 0
+#else
+#define HALF 1
+#endif
+
 typedef struct {
     int n, k;
     uint8_t *packed;
-    float *scale, *offset;  /* offset: int4's, NULL for int8 */
+    void *scale, *offset;  /* int4's: float16 (HALF) or float32; int8's scale: float32, offset NULL */
 } Weights;
+
+static void store_scale(void *p, size_t i, float v, int half) {
+    if (half) ((uint16_t *)p)[i] = _cvtss_sh(v, 0);
+    else ((float *)p)[i] = v;
+}
 
 static Weights random_weights(int n, int k, int bits) {
     const size_t bytes = (size_t)n / 8 * (k / 32) * (bits == 4 ? 128 : 256);
     const size_t scales = bits == 4 ? (size_t)n * (k / 32) : (size_t)n;
-    Weights w = {n, k, aligned_alloc(64, bytes), aligned_alloc(64, scales * 4),
-                 bits == 4 ? aligned_alloc(64, scales * 4) : NULL};
+    const int half = bits == 4 && HALF, size = half ? 2 : 4;
+    Weights w = {n, k, aligned_alloc(64, bytes), aligned_alloc(64, scales * size),
+                 bits == 4 ? aligned_alloc(64, scales * size) : NULL};
     for (size_t i = 0; i < bytes; i++) w.packed[i] = (uint8_t)rand();
-    for (size_t i = 0; i < scales; i++) w.scale[i] = 0.0002f * (rand() % 100);
-    for (size_t i = 0; w.offset != NULL && i < scales; i++) w.offset[i] = -8 * w.scale[i];  /* int4 only */
+    for (size_t i = 0; i < scales; i++) {
+        const float scale = 0.0002f * (rand() % 100);
+        store_scale(w.scale, i, scale, half);
+        if (w.offset != NULL) store_scale(w.offset, i, -8 * scale, half);  /* int4 only */
+    }
     return w;
 }
 
@@ -59,7 +75,7 @@ int main(int argc, char **argv) {
         for (int pass = 0; pass < 10; pass++) {
             const double start = seconds();
             for (int i = 0; i < 120; i++)
-                int4_gemv(x, scratch, layers[i].packed, layers[i].scale, layers[i].offset, y, m, layers[i].n,
+                int4_gemv(x, scratch, layers[i].packed, layers[i].scale, layers[i].offset, HALF, y, m, layers[i].n,
                           layers[i].k, 32, threads);
             const double middle = seconds();
             int8_gemv(x, scratch, head.packed, head.scale, y, m, head.n, head.k, threads);

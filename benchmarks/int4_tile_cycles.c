@@ -78,7 +78,7 @@ int main(void) {
             for (int g = 0; g < G; g++) {
                 const uint8_t *wg = w + (size_t)g * BLOCKS * 128;
                 const float *sg = s + g * BLOCKS * 8, *og = o + g * BLOCKS * 8;
-                TILE_CALL(int4_tile, wg, sg, og, xq, xs, xsum, y + g * 8, N, K, BLOCKS, 1);
+                TILE_CALL(int4_tile, wg, sg, og, 0, xq, xs, xsum, y + g * 8, N, K, BLOCKS, 1);
                 __asm__ volatile("" : : "r"(y) : "memory");
             }
         printf("  %d rows: %.2f\n", R, (now() - start) * hz / ((double)iters * G * BLOCKS * R));

@@ -15,8 +15,8 @@
 #include <stdint.h>
 
 /* the kernels of cpu_gemv.c and cpu_decode.c (one library) */
-void int4_gemv(const float *x, void *scratch, const uint8_t *packed, const float *scale, const float *offset, float *y,
-               int M, int N, int K, int group, int threads);
+void int4_gemv(const float *x, void *scratch, const uint8_t *packed, const void *scale, const void *offset, int half,
+               float *y, int M, int N, int K, int group, int threads);
 void int8_gemv(const float *x, void *scratch, const uint8_t *packed, const float *scale, float *y, int M, int N, int K,
                int threads);
 void float_gemv(const float *x, const void *w, int half, float *y, int M, int N, int K, int threads);
@@ -37,9 +37,10 @@ enum { LINEAR_INT4 = 0, LINEAR_INT8 = 1, LINEAR_FP16 = 2 };
 /* A weight as QuantizedLinear hands it to its narrow kernel (cpu_gemv.c has each layout). */
 typedef struct {
     int kind, out, in, group;  /* LINEAR_*; N, K; int4's group size */
+    int half;                  /* int4: scale and offset are float16 (else float32) */
     const void *q;             /* int4 | int8 8 rows interleaved (cpu_gemv.c) | float16 [N, K] */
-    const float *scale;        /* int4 [N8 / 8, K/group, 8] | int8 [N8] | unused */
-    const float *offset;       /* int4 [N8 / 8, K/group, 8] | unused */
+    const void *scale;         /* int4 [N8 / 8, K/group, 8] | int8 [N8] float32 | unused */
+    const void *offset;        /* int4 [N8 / 8, K/group, 8] | unused */
     const float *bias;         /* [N] or NULL */
 } Linear;
 
@@ -64,9 +65,9 @@ typedef struct {
 
 static void linear(const Linear *l, const float *x, float *y, int M, const Step *s) {
     if (l->kind == LINEAR_INT4)
-        int4_gemv(x, s->quant_scratch, l->q, l->scale, l->offset, y, M, l->out, l->in, l->group, s->threads);
+        int4_gemv(x, s->quant_scratch, l->q, l->scale, l->offset, l->half, y, M, l->out, l->in, l->group, s->threads);
     else if (l->kind == LINEAR_INT8)
-        int8_gemv(x, s->quant_scratch, l->q, l->scale, y, M, l->out, l->in, s->threads);
+        int8_gemv(x, s->quant_scratch, l->q, (const float *)l->scale, y, M, l->out, l->in, s->threads);
     else
         float_gemv(x, l->q, 1, y, M, l->out, l->in, s->threads);
     if (l->bias != NULL)

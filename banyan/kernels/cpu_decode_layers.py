@@ -19,8 +19,8 @@ KINDS = {"int4": 0, "int8": 1, "fp16": 2}  # cpu_decode_layers.c's LINEAR_*
 
 
 class Linear(ctypes.Structure):
-    _fields_ = [("kind", _i), ("out", _i), ("in_", _i), ("group", _i), ("q", _p), ("scale", _p), ("offset", _p),
-                ("bias", _p)]
+    _fields_ = [("kind", _i), ("out", _i), ("in_", _i), ("group", _i), ("half", _i), ("q", _p), ("scale", _p),
+                ("offset", _p), ("bias", _p)]
 
 
 class Layer(ctypes.Structure):
@@ -51,7 +51,8 @@ class LinearOperands(NamedTuple):
 
 def linear(op: LinearOperands) -> Linear:
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    return Linear(KINDS[op.kind], op.out_features, op.in_features, op.group_size, op.weight.data_ptr(),
+    half = op.kind == "int4" and op.scale.dtype == torch.float16  # int4's scales and offsets (InterleavedInt4.half)
+    return Linear(KINDS[op.kind], op.out_features, op.in_features, op.group_size, int(half), op.weight.data_ptr(),
                   ptr(op.scale), ptr(op.offset), ptr(op.bias))
 
 

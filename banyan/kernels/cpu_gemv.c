@@ -113,6 +113,15 @@ static inline __m512i dpbusd_x16(__m512i acc, __m512i w, const int32_t *x) {
 }
 #endif
 
+/* A row group's 8 scales (or offsets) from element i of p: float16 where the weight's scales and offsets are all
+ * exact in it (half; interleave_int4 decides), else float32. The same floats either way, so the same bits; float16
+ * takes a sixth off the bytes of a 4-bit weight (128 of nibbles and 64 of scales and offsets a block of 8 rows),
+ * which is what a call of a few rows waits on (docs/quantization.md, "Scales in float16"). */
+static inline __m256 load_scales8(const void *p, size_t i, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+                : _mm256_loadu_ps((const float *)p + i);
+}
+
 /* 4-bit weights interleaved by 8 rows, so that the 8 lanes of a vector are 8 weight rows and each lane ends a
  * block holding that row's whole dot product: no horizontal sums, and one convert + one multiply-add per block for
  * 8 weight rows where a row at a time took them per row (1.5-1.9x faster from 1 row of x to 256 on a 2-vCPU AVX2
@@ -130,15 +139,15 @@ static inline __m512i dpbusd_x16(__m512i acc, __m512i w, const int32_t *x) {
  * accumulator. The offsets' part, o[g] * xsum[r, g] (xsum summed per group: quantize_x), once per group. Every
  * (weight row, x row) pair takes the same instructions in the same order whatever tile slot or call it falls in:
  * a row's result does not depend on the call's other rows. */
-static inline __attribute__((always_inline)) void int4_tile(const int R, const uint8_t *wp, const float *s8, const float *o8,
-                                                            const int8_t *xq, const float *xscale, const float *xsum,
+static inline __attribute__((always_inline)) void int4_tile(const int R, const uint8_t *wp, const void *s8, const void *o8,
+                                                            const int half, const int8_t *xq, const float *xscale, const float *xsum,
                                                             float *y, int ldy, int K, int groups, int per_group) {
     const int blocks = K / 32;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256 acc[LAST_TILE_ROWS], off[LAST_TILE_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int g = 0, b = 0; g < groups; g++) {
-        const __m256 sg = _mm256_loadu_ps(s8 + 8 * g);
+        const __m256 sg = load_scales8(s8, 8 * (size_t)g, half);
         for (int j = 0; j < per_group; j++, b++) {
             const uint8_t *block = wp + (size_t)b * 128;
             _mm_prefetch((const char *)(block + PREFETCH_AHEAD), _MM_HINT_T0);
@@ -187,7 +196,7 @@ static inline __attribute__((always_inline)) void int4_tile(const int R, const u
      * R fewer vectors live in the loop above. */
     for (int r = 0; r < R; r++) off[r] = _mm256_setzero_ps();
     for (int g = 0; g < groups; g++) {
-        const __m256 og = _mm256_loadu_ps(o8 + 8 * g);
+        const __m256 og = load_scales8(o8, 8 * (size_t)g, half);
         for (int r = 0; r < R; r++) off[r] = _mm256_fmadd_ps(og, _mm256_broadcast_ss(xsum + (size_t)r * blocks + g), off[r]);
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (size_t)ldy * r, _mm256_add_ps(acc[r], off[r]));
@@ -208,17 +217,22 @@ static inline __m512 load_pair_ps(const float *a, const float *b) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(a))),
                                                _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
 }
-static inline __attribute__((always_inline)) void int4_tile16(const int R, const uint8_t *wp, const float *s8, const float *o8,
-                                                              const int8_t *xq, const float *xscale, const float *xsum,
+/* load_scales8 of elements i (lanes 0-7) and j (lanes 8-15) */
+static inline __m512 load_pair_scales(const void *p, size_t i, size_t j, int half) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(load_scales8(p, i, half))),
+                                               _mm256_castps_pd(load_scales8(p, j, half)), 1));
+}
+static inline __attribute__((always_inline)) void int4_tile16(const int R, const uint8_t *wp, const void *s8, const void *o8,
+                                                              const int half, const int8_t *xq, const float *xscale, const float *xsum,
                                                               float *y, int ldy, int K, int groups, int per_group) {
     const int blocks = K / 32;
     const uint8_t *wp1 = wp + (size_t)blocks * 128;  /* group G + 1's blocks, scales and offsets follow G's */
-    const float *s1 = s8 + (size_t)groups * 8, *o1 = o8 + (size_t)groups * 8;
+    const size_t next = (size_t)groups * 8;  /* group G + 1's scales and offsets follow G's */
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512 acc[LAST_TILE_ROWS], off[LAST_TILE_ROWS];
     for (int r = 0; r < R; r++) acc[r] = off[r] = _mm512_setzero_ps();
     for (int g = 0, b = 0; g < groups; g++) {
-        const __m512 sg = load_pair_ps(s8 + 8 * g, s1 + 8 * g);
+        const __m512 sg = load_pair_scales(s8, 8 * (size_t)g, next + 8 * g, half);
         for (int j = 0; j < per_group; j++, b++) {
             const uint8_t *b0 = wp + (size_t)b * 128, *b1 = wp1 + (size_t)b * 128;
             _mm_prefetch((const char *)(b0 + PREFETCH_AHEAD), _MM_HINT_T0);
@@ -243,7 +257,7 @@ static inline __attribute__((always_inline)) void int4_tile16(const int R, const
                 acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sg, xs), acc[r]);
             }
         }
-        const __m512 og = load_pair_ps(o8 + 8 * g, o1 + 8 * g);
+        const __m512 og = load_pair_scales(o8, 8 * (size_t)g, next + 8 * g, half);
         for (int r = 0; r < R; r++) off[r] = _mm512_fmadd_ps(og, _mm512_set1_ps(xsum[(size_t)r * blocks + g]), off[r]);
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (size_t)ldy * r, _mm512_add_ps(acc[r], off[r]));
@@ -582,22 +596,24 @@ static void prepare_x(const int bits, const float *x, int8_t *xq, float *xscale,
 }
 
 /* y [M, N] = x [M, K] W^T, W 4-bit (bits 4) or 8-bit (bits 8, group 32, offset NULL) in its layout above, K a
- * multiple of the group (a multiple of 32). scratch: M * K bytes + 2 * M * K / 32 floats, for x as int8 blocks
+ * multiple of the group (a multiple of 32); half: int4's scales and offsets are float16 (load_scales8), else float32
+ * (int8's always; AMX tiles take float32 only, so half weights keep to the vector path). scratch: M * K bytes + 2 * M * K / 32 floats, for x as int8 blocks
  * (quantize_rows). Each thread takes its own range of row groups through every pass over x: one fork and join a
  * call, no barrier a pass; from PAIR_ROWS rows of x, two row groups a vector where built for AVX-512. A tile stores a
  * row group's columns straight into y's rows (ldy: y's row stride); only a group cut short by N's end goes through a
  * buffer, whose copy was a scalar load and store per output. */
 static inline __attribute__((always_inline)) void interleaved_gemv(const int bits, const float *x, void *scratch,
-                                                                   const uint8_t *packed, const float *scale,
-                                                                   const float *offset, float *y, int M, int N, int K,
-                                                                   int group, int threads) {
+                                                                   const uint8_t *packed, const void *scale,
+                                                                   const void *offset, const int half, float *y, int M,
+                                                                   int N, int K, int group, int threads) {
     const int per_group = group / 32, groups = K / group, blocks = K / 32, row_groups = (N + 7) / 8;
     const size_t group_bytes = (size_t)blocks * (bits == 4 ? 128 : 256), group_scales = bits == 4 ? groups * 8 : 8;
     float *xscale = (float *)scratch, *xsum = xscale + (size_t)M * blocks;
     int8_t *xq = (int8_t *)(xsum + (size_t)M * blocks);
     const int parallel_quantize = M >= PARALLEL_QUANTIZE_ROWS;
     if (!parallel_quantize) prepare_x(bits, x, xq, xscale, xsum, 0, M, K, groups, per_group);
-    const int tiles = AMX && use_tiles && M >= AMX_ROWS, step = tiles ? AMX_ROWS : TILE_ROWS;
+    const size_t scale_bytes = half ? 2 : 4;
+    const int tiles = AMX && use_tiles && M >= AMX_ROWS && !half, step = tiles ? AMX_ROWS : TILE_ROWS;
     int pass = PASS_BYTES / K / step * step;
     if (pass < step) pass = step;
 #pragma omp parallel num_threads(threads)
@@ -623,12 +639,14 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
             for (int G = g_begin; G < g_end; G++) {
                 const int pair = PAIRS && M >= PAIR_ROWS && G + 1 < g_end, width = pair ? 16 : 8;
                 const uint8_t *wp = packed + (size_t)G * group_bytes;
-                const float *s8 = scale + (size_t)G * group_scales, *o8 = bits == 4 ? offset + (size_t)G * group_scales : NULL;
+                const void *s8 = (const char *)scale + (size_t)G * group_scales * scale_bytes;
+                const void *o8 = bits == 4 ? (const char *)offset + (size_t)G * group_scales * scale_bytes : NULL;
                 const int lanes = N - 8 * G < width ? N - 8 * G : width;
                 int m = m0;
 #if AMX
                 if (tiles && pair && lanes == 16 && m_end - m0 >= AMX_ROWS)
-                    m = (bits == 4 ? amx_rows_int4 : amx_rows_int8)(wp, wp + group_bytes, wb, s8, o8, xa, m0, xscale,
+                    m = (bits == 4 ? amx_rows_int4 : amx_rows_int8)(wp, wp + group_bytes, wb, (const float *)s8,
+                                                                    (const float *)o8, xa, m0, xscale,
                                                                     xsum, y + 8 * G, m, m_end, N, K, groups, per_group);
 #endif
                 for (int R; m < m_end; m += R) {
@@ -640,15 +658,15 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
                     const int ldy = direct ? N : width;
                     if (bits == 4) {
 #if PAIRS
-                        if (pair) TILE_CALL(int4_tile16, wp, s8, o8, xm, xs, xt, out, ldy, K, groups, per_group) else
+                        if (pair) TILE_CALL(int4_tile16, wp, s8, o8, half, xm, xs, xt, out, ldy, K, groups, per_group) else
 #endif
-                        TILE_CALL(int4_tile, wp, s8, o8, xm, xs, xt, out, ldy, K, groups, per_group)
+                        TILE_CALL(int4_tile, wp, s8, o8, half, xm, xs, xt, out, ldy, K, groups, per_group)
                     } else {
                         const int32_t *xc = (const int32_t *)xt;
 #if PAIRS
-                        if (pair) TILE_CALL(int8_tile16, wp, s8, xm, xs, xc, out, ldy, K) else
+                        if (pair) TILE_CALL(int8_tile16, wp, (const float *)s8, xm, xs, xc, out, ldy, K) else
 #endif
-                        TILE_CALL(int8_tile, wp, s8, xm, xs, xc, out, ldy, K)
+                        TILE_CALL(int8_tile, wp, (const float *)s8, xm, xs, xc, out, ldy, K)
                     }
                     if (!direct)
                         for (int r = 0; r < R; r++)
@@ -667,14 +685,14 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
     }
 }
 
-void int4_gemv(const float *x, void *scratch, const uint8_t *packed, const float *scale, const float *offset,
+void int4_gemv(const float *x, void *scratch, const uint8_t *packed, const void *scale, const void *offset, int half,
                float *y, int M, int N, int K, int group, int threads) {
-    interleaved_gemv(4, x, scratch, packed, scale, offset, y, M, N, K, group, threads);
+    interleaved_gemv(4, x, scratch, packed, scale, offset, half, y, M, N, K, group, threads);
 }
 
 void int8_gemv(const float *x, void *scratch, const uint8_t *packed, const float *scale, float *y, int M, int N, int K,
                int threads) {
-    interleaved_gemv(8, x, scratch, packed, scale, NULL, y, M, N, K, 32, threads);
+    interleaved_gemv(8, x, scratch, packed, scale, NULL, 0, y, M, N, K, 32, threads);
 }
 
 /* Float weights, float32 or float16 (widened in registers, F16C), for batch-invariant mode, where every row of

@@ -53,7 +53,7 @@ class CpuKernels:
         p, i = ctypes.c_void_p, ctypes.c_int
         self.isa = isa  # the ISA the library was built for: a key of ISA_FLAGS
         self.vnni = isa in ("avx512_vnni", "amx")  # vpdpbusd for the integer dot products
-        lib.int4_gemv.argtypes = [p, p, p, p, p, p, i, i, i, i, i]
+        lib.int4_gemv.argtypes = [p, p, p, p, p, i, p, i, i, i, i, i]
         lib.int8_gemv.argtypes = [p, p, p, p, p, i, i, i, i]
         lib.float_gemv.argtypes = [p, p, i, p, i, i, i, i]
         lib.attend_rows.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float, i]
@@ -63,6 +63,12 @@ class CpuKernels:
         lib.cpu_gemv_tiles.argtypes = [i]
         # AMX tiles for calls of 16 rows and more, unless turned off (the vector path's bits either way)
         self.tiles = bool(lib.cpu_gemv_tiles(int(self.amx_allowed)))
+
+    @property
+    def half_scales(self) -> bool:
+        """Whether int4 weights for this library keep float16 scales and offsets where exact (interleave_int4): not
+        where AMX tiles may serve them, which read float32 ones."""
+        return not self.amx_allowed
 
     @property
     def amx_allowed(self) -> bool:
@@ -80,7 +86,8 @@ class CpuKernels:
         m = x.shape[0]
         y, scratch = torch.empty(m, w.out_features, dtype=torch.float32), _scratch(m, w.in_features)  # held through the call
         self._lib.int4_gemv(x.data_ptr(), scratch.data_ptr(), w.packed.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(),
-                            y.data_ptr(), m, w.out_features, w.in_features, w.group_size, torch.get_num_threads())
+                            int(w.half), y.data_ptr(), m, w.out_features, w.in_features, w.group_size,
+                            torch.get_num_threads())
         return y
 
     def int8(self, x: torch.Tensor, w: InterleavedInt8) -> torch.Tensor:
@@ -117,19 +124,27 @@ class InterleavedInt4(NamedTuple):
     (cpu_gemv.c): 8 rows interleaved a block of 32 at a time, padded to a multiple of 8 rows with zeros."""
 
     packed: torch.Tensor  # [ceil(N / 8), K / 32 * 128] uint8
-    scale: torch.Tensor  # [ceil(N / 8), groups, 8] float32
-    offset: torch.Tensor  # [ceil(N / 8), groups, 8] float32
+    scale: torch.Tensor  # [ceil(N / 8), groups, 8] float16 where it and offset are exact in it, else float32
+    offset: torch.Tensor  # [ceil(N / 8), groups, 8], scale's dtype
     out_features: int
     in_features: int
     group_size: int
+
+    @property
+    def half(self) -> bool:
+        """Scales and offsets held as float16 (the same values in a sixth fewer bytes of weight to read)."""
+        return self.scale.dtype == torch.float16
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.offset))
 
 
-def interleave_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int) -> InterleavedInt4:
+def interleave_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int,
+                    half_scales: bool = True) -> InterleavedInt4:
     """The kernel's layout of a weight packed in blocks of 32 (bytes 16b .. 16b + 15 of row n hold q[n, 32b + j] in the
-    low nibble and q[n, 32b + 16 + j] in the high one, QuantizedLinear's layout), scale and offset [N, groups]."""
+    low nibble and q[n, 32b + 16 + j] in the high one, QuantizedLinear's layout), scale and offset [N, groups].
+    half_scales: hold scale and offset as float16 where every value of both is exact in it (GGUF's and AWQ/GPTQ's
+    scales are float16 to begin with), so that the kernel reads the same floats from fewer bytes."""
     n, half_k = packed.shape
     blocks, rows8 = half_k // 16, -(-n // 8)
     nibbles = packed.view(n, blocks, 16)
@@ -139,12 +154,19 @@ def interleave_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Ten
     q = q.view(rows8, 8, blocks, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)  # [G, b, t, r, low/high, j]
     interleaved = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(rows8, blocks * 128).contiguous()
 
+    dtype = torch.float16 if half_scales and exact_in_half(scale) and exact_in_half(offset) else torch.float32
+
     def by_row_group(t: torch.Tensor) -> torch.Tensor:
-        padded = torch.zeros(rows8 * 8, t.shape[1], dtype=torch.float32)
+        padded = torch.zeros(rows8 * 8, t.shape[1], dtype=dtype)
         padded[:n] = t
         return padded.view(rows8, 8, -1).transpose(1, 2).contiguous()  # [G, groups, 8]
 
     return InterleavedInt4(interleaved, by_row_group(scale), by_row_group(offset), n, half_k * 2, group_size)
+
+
+def exact_in_half(t: torch.Tensor) -> bool:
+    """Every value of t the same after a round trip through float16 (so finite, and no rounding)."""
+    return bool(torch.equal(t.to(torch.float16).to(t.dtype), t))
 
 
 class InterleavedInt8(NamedTuple):

@@ -36,13 +36,16 @@ def round_x(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inv) * d).view_as(x)
 
 
-def int4_weight(n: int, k: int, group: int, seed: int = 0):
+def int4_weight(n: int, k: int, group: int, seed: int = 0, half: bool = False):
     """Random 4-bit values q in [0, 15] with a scale and an offset per group; packed in blocks of 32 (see
-    cpu_gemv.c): byte j of block b holds q[32b + j] and q[32b + 16 + j]."""
+    cpu_gemv.c): byte j of block b holds q[32b + j] and q[32b + 16 + j]. half: scales and offsets exact in float16,
+    as GGUF's and AWQ/GPTQ's are (the layout then holds them as float16)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
     scale = torch.rand(n, k // group, generator=g) * 0.02 + 0.001
     offset = torch.randn(n, k // group, generator=g) * 0.05
+    if half:
+        scale, offset = scale.half().float(), offset.half().float()
     halves = q.view(n, -1, 2, 16)
     packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, -1).contiguous()
     return q, scale, offset, packed
@@ -73,13 +76,46 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor)
 
 @pytest.mark.parametrize("m, n, k", SHAPES)
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_int4_kernel_is_the_rounded_product(m, n, k, group):
+@pytest.mark.parametrize("half", [False, True], ids=["float32-scales", "float16-scales"])
+def test_int4_kernel_is_the_rounded_product(m, n, k, group, half):
     if k % group:
         pytest.skip("K is not a multiple of the group")
-    q, scale, offset, packed = int4_weight(n, k, group)
+    q, scale, offset, packed = int4_weight(n, k, group, half=half)
     x = torch.randn(m, k) * 3
     weight = interleaved((q, scale, offset, packed), group)
+    assert weight.half == half
     assert_close(cpu_gemv.load().int4(x, weight), *int4_reference(x, q, scale, offset, group))
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_scales_exact_in_float16_are_held_as_float16_with_the_same_bits(group):
+    """Scales and offsets that float16 holds exactly are kept in it (a sixth fewer bytes of weight to read); the
+    kernel widens them to the same floats, so every row count (one tile, tails, paired row groups, several passes)
+    and thread count gives the bits of the same weight held in float32."""
+    kernels, threads = cpu_gemv.load(), torch.get_num_threads()
+    _, scale, offset, packed = int4_weight(41, 1536, group, half=True)
+    half = cpu_gemv.interleave_int4(packed, scale, offset, group)
+    full = cpu_gemv.interleave_int4(packed, scale, offset, group, half_scales=False)
+    assert half.half and half.scale.dtype == half.offset.dtype == torch.float16 and not full.half
+    assert half.nbytes() < full.nbytes()
+    try:
+        for num_threads, rows in itertools.product((1, 2, 3), (1, 2, 5, 6, 8, 16, 37, 150)):
+            torch.set_num_threads(num_threads)
+            x = torch.randn(rows, 1536)
+            assert torch.equal(kernels.int4(x, half), kernels.int4(x, full)), (num_threads, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_scales_float16_cannot_hold_stay_float32():
+    """One scale that float16 would round, or an offset past its range, keeps the whole weight's in float32."""
+    _, scale, offset, packed = int4_weight(16, 64, 32, half=True)
+    rounded, huge = scale.clone(), offset.clone()
+    rounded[3, 1] += 1e-7
+    huge[0, 0] = 1e5
+    assert not cpu_gemv.interleave_int4(packed, rounded, offset, 32).half
+    assert not cpu_gemv.interleave_int4(packed, scale, huge, 32).half
+    assert cpu_gemv.interleave_int4(packed, scale, offset, 32).half
 
 
 def int8_weight(n: int, k: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, cpu_gemv.InterleavedInt8]:
@@ -167,7 +203,7 @@ def test_the_avx512_vnni_build_compiles_and_agrees(monkeypatch, tmp_path):
         return  # compiled only: its code cannot run here
     vnni = cpu_gemv.CpuKernels(ctypes.CDLL(str(library)), "avx512_vnni")
     avx2 = cpu_gemv.CpuKernels(ctypes.CDLL(str(cpu_gemv.build(compiler, "avx2"))), "avx2")
-    weight = interleaved(int4_weight(33, 576, 32), 32)
+    weight, weight16 = interleaved(int4_weight(33, 576, 32), 32), interleaved(int4_weight(33, 576, 32, half=True), 32)
     weight8 = int8_weight(33, 576)[2]
     threads = torch.get_num_threads()
     try:
@@ -175,6 +211,7 @@ def test_the_avx512_vnni_build_compiles_and_agrees(monkeypatch, tmp_path):
             torch.set_num_threads(num_threads)
             x = torch.randn(rows, 576)
             assert torch.equal(vnni.int4(x, weight), avx2.int4(x, weight)), (num_threads, rows)
+            assert torch.equal(vnni.int4(x, weight16), avx2.int4(x, weight16)), (num_threads, rows)
             assert torch.equal(vnni.int8(x, weight8), avx2.int8(x, weight8)), (num_threads, rows)
     finally:
         torch.set_num_threads(threads)
