@@ -8,7 +8,8 @@ Each file is compiled (with this tree's cpu_attention.c; cc, the flags banyan bu
 own library and bound with `cpu_gemv.CpuKernels`, so both must have this tree's int4_gemv/int8_gemv signatures. A
 pass is the default model's 121 matmuls of one forward at that many rows of x: 30 layers of int4 (group 32) q/k/v
 (960 x 576), o (576 x 576), gate/up (3,072 x 576) and down (576 x 1,536), then the int8 lm_head (49,152 x 576), each
-its own random weights (so they come from memory, as a model's do). A then B, alternating, `--rounds` times; prints
+its own random weights (so they come from memory, as a model's do; int4 scales exact in float16 and held as the model
+holds them here, CpuKernels.half_scales). A then B, alternating, `--rounds` times; prints
 the medians, A/B (above 1: B faster) and the largest difference of their outputs (0 where B keeps A's bits).
 """
 
@@ -42,8 +43,13 @@ def build(source: str, out: Path) -> cpu_gemv.CpuKernels:
 
 def random_int4(n: int, k: int, gen: torch.Generator) -> cpu_gemv.InterleavedInt4:
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
-    scale = torch.rand(n, k // GROUP, generator=gen) * 0.02
-    return cpu_gemv.interleave_int4(packed, scale, -8 * scale, GROUP)
+    scale = (torch.rand(n, k // GROUP, generator=gen) * 0.02).half().float()  # exact in float16, as a GGUF file's
+    return cpu_gemv.interleave_int4(packed, scale, -8 * scale, GROUP, half_scales=lib_half_scales())
+
+
+def lib_half_scales() -> bool:
+    """Whether this tree's kernels keep int4 scales in float16 (CpuKernels.half_scales): as a model's weights."""
+    return cpu_gemv.load().half_scales
 
 
 def model_weights() -> tuple[list[cpu_gemv.InterleavedInt4], cpu_gemv.InterleavedInt8]:
