@@ -32,9 +32,12 @@ HIDDEN, INTERMEDIATE, KV, VOCAB, LAYERS, GROUP = 576, 1536, 192, 49152, 30, 32
 SHAPES = ((HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE))
 
 
-def build(source: str, out: Path) -> cpu_gemv.CpuKernels:
+def best_isa() -> str:
     flags = cpu_flags()
-    isa = "amx" if "amx_int8" in flags else "avx512_vnni" if "avx512_vnni" in flags else "avx2"
+    return "amx" if "amx_int8" in flags else "avx512_vnni" if "avx512_vnni" in flags else "avx2"
+
+
+def build(source: str, out: Path, isa: str) -> cpu_gemv.CpuKernels:
     attention = str(Path(cpu_gemv.__file__).with_name("cpu_attention.c"))  # CpuKernels binds its attend_rows too
     subprocess.run(["cc", *cpu_gemv.FLAGS, *cpu_gemv.ISA_FLAGS[isa], source, attention, "-o", str(out), "-lm"],
                    check=True)
@@ -72,11 +75,13 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,6,8,16,32,64")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--isa", choices=tuple(cpu_gemv.ISA_FLAGS), default=best_isa(),
+                        help="the build to compare (default: this CPU's best; avx2 measures the fallback)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     layers, lm_head = model_weights()
     with tempfile.TemporaryDirectory() as tmp:
-        libs = [build(args.a, Path(tmp) / "a.so"), build(args.b, Path(tmp) / "b.so")]
+        libs = [build(args.a, Path(tmp) / "a.so", args.isa), build(args.b, Path(tmp) / "b.so", args.isa)]
         print(f"{args.threads} threads, {args.rounds} rounds, {len(layers) + 1} matmuls a pass, isa {libs[0].isa} "
               f"(tiles {libs[0].tiles}); A = {args.a}, B = {args.b}")
         for rows in map(int, args.rows.split(",")):

@@ -90,6 +90,11 @@ static void quantize_rows(const float *x, int8_t *q, float *scale, float *sum, i
 #define PREFETCH_AHEAD 512
 #define INT8_PREFETCH 0
 #endif
+#if defined(__AVX512VNNI__) && !defined(__AMX_INT8__)
+#define PREFETCH_NEXT_GROUP 1
+#else
+#define PREFETCH_NEXT_GROUP 0
+#endif
 /* The widest tile: TILE_ROWS, or where tiles are 4 rows, 6: a last tile of 1 or 2 rows unpacks every block again,
  * and the 5th row in a tile of its own added about a fifth to the matmuls of 4 rows. So 5 or 6 rows left take one
  * tile: the default model's matmuls at 5 rows (a verify of 4 drafts) 1.07-1.13x faster on a 2-vCPU Zen 3
@@ -97,6 +102,26 @@ static void quantize_rows(const float *x, int8_t *q, float *scale, float *sum, i
  * 4 + 3; every row's bits the same. */
 #define LAST_TILE_ROWS (TILE_ROWS == 4 ? 6 : TILE_ROWS)
 #define PASS_BYTES (96 * 1024)
+
+/* The weights' prefetch a tile makes a block (p: the block's place in its row group's weights, bytes: the block's).
+ * to_next: where the call has several tiles a row group (more rows of x than one tile takes), the bytes from this row
+ * group's (or pair's) weights to the next one's, which it fetches into L2 while it multiplies its own from L1: the
+ * first tile would otherwise wait on memory for each block while the others wait on nothing, and the matmuls of 8-32
+ * rows (a decode batch of that many) took 1.12-1.41x longer on a 2-vCPU Zen 4 (docs/quantization.md, "Prefetching
+ * the next row group"). VNNI builds without AMX only (PREFETCH_NEXT_GROUP): the AVX2 build's tiles, slower, measured
+ * 0.94-0.98x with it on the same CPU, and AMX's were not measured. to_next 0 (one tile a row group, or a build without
+ * it): `ahead` bytes on within its own weights, where ahead is
+ * nonzero (PREFETCH_AHEAD; int8's tiles only where INT8_PREFETCH). Prefetches change no result. always_inline: GCC 12
+ * takes a function whose only effect is a prefetch for one without effects, and drops its calls. */
+static inline __attribute__((always_inline)) void prefetch_weights(const uint8_t *p, const int bytes, const size_t to_next,
+                                                                   const size_t ahead) {
+    for (int line = 0; line < bytes; line += 64) {
+        if (to_next)
+            _mm_prefetch((const char *)(p + to_next + line), _MM_HINT_T1);
+        else if (ahead)
+            _mm_prefetch((const char *)(p + ahead + line), _MM_HINT_T0);
+    }
+}
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 /* acc += w . x by one vpdpbusd that broadcasts x's four bytes itself ({1to8}, {1to16} on its memory operand). Compilers
@@ -139,8 +164,8 @@ static inline __m256 load_scales8(const void *p, size_t i, int half) {
  * accumulator. The offsets' part, o[g] * xsum[r, g] (xsum summed per group: quantize_x), once per group. Every
  * (weight row, x row) pair takes the same instructions in the same order whatever tile slot or call it falls in:
  * a row's result does not depend on the call's other rows. */
-static inline __attribute__((always_inline)) void int4_tile(const int R, const uint8_t *wp, const void *s8, const void *o8,
-                                                            const int half, const int8_t *xq, const float *xscale, const float *xsum,
+static inline __attribute__((always_inline)) void int4_tile(const int R, const size_t to_next, const uint8_t *wp, const void *s8,
+                                                            const void *o8, const int half, const int8_t *xq, const float *xscale, const float *xsum,
                                                             float *y, int ldy, int K, int groups, int per_group) {
     const int blocks = K / 32;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -150,8 +175,7 @@ static inline __attribute__((always_inline)) void int4_tile(const int R, const u
         const __m256 sg = load_scales8(s8, 8 * (size_t)g, half);
         for (int j = 0; j < per_group; j++, b++) {
             const uint8_t *block = wp + (size_t)b * 128;
-            _mm_prefetch((const char *)(block + PREFETCH_AHEAD), _MM_HINT_T0);
-            _mm_prefetch((const char *)(block + PREFETCH_AHEAD + 64), _MM_HINT_T0);
+            prefetch_weights(block, 128, to_next, PREFETCH_AHEAD);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
             __m256i w[8];
             for (int t = 0; t < 4; t++) {
@@ -222,8 +246,8 @@ static inline __m512 load_pair_scales(const void *p, size_t i, size_t j, int hal
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(load_scales8(p, i, half))),
                                                _mm256_castps_pd(load_scales8(p, j, half)), 1));
 }
-static inline __attribute__((always_inline)) void int4_tile16(const int R, const uint8_t *wp, const void *s8, const void *o8,
-                                                              const int half, const int8_t *xq, const float *xscale, const float *xsum,
+static inline __attribute__((always_inline)) void int4_tile16(const int R, const size_t to_next, const uint8_t *wp, const void *s8,
+                                                              const void *o8, const int half, const int8_t *xq, const float *xscale, const float *xsum,
                                                               float *y, int ldy, int K, int groups, int per_group) {
     const int blocks = K / 32;
     const uint8_t *wp1 = wp + (size_t)blocks * 128;  /* group G + 1's blocks, scales and offsets follow G's */
@@ -235,10 +259,8 @@ static inline __attribute__((always_inline)) void int4_tile16(const int R, const
         const __m512 sg = load_pair_scales(s8, 8 * (size_t)g, next + 8 * g, half);
         for (int j = 0; j < per_group; j++, b++) {
             const uint8_t *b0 = wp + (size_t)b * 128, *b1 = wp1 + (size_t)b * 128;
-            _mm_prefetch((const char *)(b0 + PREFETCH_AHEAD), _MM_HINT_T0);
-            _mm_prefetch((const char *)(b0 + PREFETCH_AHEAD + 64), _MM_HINT_T0);
-            _mm_prefetch((const char *)(b1 + PREFETCH_AHEAD), _MM_HINT_T0);
-            _mm_prefetch((const char *)(b1 + PREFETCH_AHEAD + 64), _MM_HINT_T0);
+            prefetch_weights(b0, 128, to_next, PREFETCH_AHEAD);
+            prefetch_weights(b1, 128, to_next, PREFETCH_AHEAD);
             __m512i w[8];
             for (int t = 0; t < 4; t++) {
                 const __m512i bytes = load_pair_si(b0 + 32 * t, b1 + 32 * t);
@@ -363,7 +385,7 @@ static inline __attribute__((always_inline)) void int8_tile(const int R, const u
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 /* int8_tile for two row groups at once (G in lanes 0-7, G + 1 in lanes 8-15), as int4_tile16: the same instructions
  * a lane in the same order, so the same bits. */
-static inline __attribute__((always_inline)) void int8_tile16(const int R, const uint8_t *wp, const float *s8, const int8_t *xq,
+static inline __attribute__((always_inline)) void int8_tile16(const int R, const size_t to_next, const uint8_t *wp, const float *s8, const int8_t *xq,
                                                               const float *xscale, const int32_t *xcorr, float *y, int ldy, int K) {
     const int blocks = K / 32;
     const uint8_t *wp1 = wp + (size_t)blocks * 256;  /* group G + 1's blocks follow G's */
@@ -372,12 +394,8 @@ static inline __attribute__((always_inline)) void int8_tile16(const int R, const
     for (int b = 0; b < blocks; b++) {
         const uint8_t *b0 = wp + (size_t)b * 256, *b1 = wp1 + (size_t)b * 256;
         __m512i w[8];
-#if INT8_PREFETCH
-        for (int line = 0; line < 256; line += 64) {
-            _mm_prefetch((const char *)(b0 + PREFETCH_AHEAD + line), _MM_HINT_T0);
-            _mm_prefetch((const char *)(b1 + PREFETCH_AHEAD + line), _MM_HINT_T0);
-        }
-#endif
+        prefetch_weights(b0, 256, to_next, INT8_PREFETCH ? PREFETCH_AHEAD : 0);
+        prefetch_weights(b1, 256, to_next, INT8_PREFETCH ? PREFETCH_AHEAD : 0);
         for (int c = 0; c < 8; c++) w[c] = load_pair_si(b0 + 32 * c, b1 + 32 * c);
         for (int r = 0; r < R; r++) {
             const int32_t *x4 = (const int32_t *)(xq + (size_t)r * K + 32 * b);
@@ -642,6 +660,8 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
                 const void *s8 = (const char *)scale + (size_t)G * group_scales * scale_bytes;
                 const void *o8 = bits == 4 ? (const char *)offset + (size_t)G * group_scales * scale_bytes : NULL;
                 const int lanes = N - 8 * G < width ? N - 8 * G : width;
+                const int several = PREFETCH_NEXT_GROUP && m_end - m0 > LAST_TILE_ROWS;  /* tiles a row group */
+                const size_t to_next = several ? (size_t)(width / 8) * group_bytes : 0;
                 int m = m0;
 #if AMX
                 if (tiles && pair && lanes == 16 && m_end - m0 >= AMX_ROWS)
@@ -658,13 +678,13 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
                     const int ldy = direct ? N : width;
                     if (bits == 4) {
 #if PAIRS
-                        if (pair) TILE_CALL(int4_tile16, wp, s8, o8, half, xm, xs, xt, out, ldy, K, groups, per_group) else
+                        if (pair) TILE_CALL(int4_tile16, to_next, wp, s8, o8, half, xm, xs, xt, out, ldy, K, groups, per_group) else
 #endif
-                        TILE_CALL(int4_tile, wp, s8, o8, half, xm, xs, xt, out, ldy, K, groups, per_group)
+                        TILE_CALL(int4_tile, to_next, wp, s8, o8, half, xm, xs, xt, out, ldy, K, groups, per_group)
                     } else {
                         const int32_t *xc = (const int32_t *)xt;
 #if PAIRS
-                        if (pair) TILE_CALL(int8_tile16, wp, (const float *)s8, xm, xs, xc, out, ldy, K) else
+                        if (pair) TILE_CALL(int8_tile16, to_next, wp, (const float *)s8, xm, xs, xc, out, ldy, K) else
 #endif
                         TILE_CALL(int8_tile, wp, (const float *)s8, xm, xs, xc, out, ldy, K)
                     }
