@@ -78,21 +78,27 @@ static void quantize_rows(const float *x, int8_t *q, float *scale, float *sum, i
  * cores with AMX run 512-bit dot products at full rate and read the weights from a large L3 with a long latency: 8
  * rows a tile (32 vector registers hold them), pairs from 2 rows and prefetches 4 KiB ahead took the default model's
  * matmuls for 6 rows (a verify pass) 1.4-1.6x and for 1 row 1.05-1.2x faster there. On the Zen 4 two row groups a
- * vector were 6-11% slower than one for 1-4 rows (30 layers' weights, 2 threads); AVX2 has 16 vector registers. */
+ * vector were 6-11% slower than one for 1-4 rows (30 layers' weights, 2 threads), and 0.88-0.90x at 5-6 rows (one
+ * tile), but 1.19-1.29x faster at 7 (two tiles, which prefetch the next group: PREFETCH_NEXT_GROUP); there a prefetch
+ * 2 KiB ahead in place of 512 bytes measured 1.00-1.10x at 3-6 rows (a verify pass's; median of three runs about 1.04x,
+ * one 0.94x at 5 rows), 4 KiB the same as 2. AVX2 has 16 vector registers. */
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__) && defined(__AVX512F__)
 #define TILE_ROWS 8
 #define PAIR_ROWS 2
 #define PREFETCH_AHEAD 4096
 #define INT8_PREFETCH 1
+#define PREFETCH_NEXT_GROUP 0
+#elif defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define TILE_ROWS 4
+#define PAIR_ROWS 7
+#define PREFETCH_AHEAD 2048
+#define INT8_PREFETCH 0
+#define PREFETCH_NEXT_GROUP 1
 #else
 #define TILE_ROWS 4
 #define PAIR_ROWS 8
 #define PREFETCH_AHEAD 512
 #define INT8_PREFETCH 0
-#endif
-#if defined(__AVX512VNNI__) && !defined(__AMX_INT8__)
-#define PREFETCH_NEXT_GROUP 1
-#else
 #define PREFETCH_NEXT_GROUP 0
 #endif
 /* The widest tile: TILE_ROWS, or where tiles are 4 rows, 6: a last tile of 1 or 2 rows unpacks every block again,
