@@ -78,8 +78,9 @@ static void quantize_rows(const float *x, int8_t *q, float *scale, float *sum, i
  * cores with AMX run 512-bit dot products at full rate and read the weights from a large L3 with a long latency: 8
  * rows a tile (32 vector registers hold them), pairs from 2 rows and prefetches 4 KiB ahead took the default model's
  * matmuls for 6 rows (a verify pass) 1.4-1.6x and for 1 row 1.05-1.2x faster there. On the Zen 4 two row groups a
- * vector were 6-11% slower than one for 1-4 rows (30 layers' weights, 2 threads), and 0.88-0.90x at 5-6 rows (one
- * tile), but 1.19-1.29x faster at 7 (two tiles, which prefetch the next group: PREFETCH_NEXT_GROUP); there a prefetch
+ * vector were 6-11% slower than one for 1-4 rows (30 layers' weights, 2 threads), and 0.88-0.90x at 5-6 rows in one
+ * tile, but 1.19-1.29x faster at 7 (two tiles, which prefetch the next group: PREFETCH_NEXT_GROUP) and, as two tiles
+ * of 3 + 2 or 3 + 3, 1.07x at 5 rows and 1.13x at 6 (medians of four runs against one unpaired tile); there a prefetch
  * 2 KiB ahead in place of 512 bytes measured 1.00-1.10x at 3-6 rows (a verify pass's; median of three runs about 1.04x,
  * one 0.94x at 5 rows), 4 KiB the same as 2. AVX2 has 16 vector registers. */
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__) && defined(__AVX512F__)
@@ -90,7 +91,7 @@ static void quantize_rows(const float *x, int8_t *q, float *scale, float *sum, i
 #define PREFETCH_NEXT_GROUP 0
 #elif defined(__AVX512VNNI__) && defined(__AVX512F__)
 #define TILE_ROWS 4
-#define PAIR_ROWS 7
+#define PAIR_ROWS 5
 #define PREFETCH_AHEAD 2048
 #define INT8_PREFETCH 0
 #define PREFETCH_NEXT_GROUP 1
@@ -666,7 +667,9 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
                 const void *s8 = (const char *)scale + (size_t)G * group_scales * scale_bytes;
                 const void *o8 = bits == 4 ? (const char *)offset + (size_t)G * group_scales * scale_bytes : NULL;
                 const int lanes = N - 8 * G < width ? N - 8 * G : width;
-                const int several = PREFETCH_NEXT_GROUP && m_end - m0 > LAST_TILE_ROWS;  /* tiles a row group */
+                /* 5-6 rows in pairs: two tiles (3 + 2, 3 + 3), so that they prefetch the next pair (to_next) */
+                const int split = pair && m_end - m0 > TILE_ROWS && m_end - m0 <= LAST_TILE_ROWS;
+                const int several = PREFETCH_NEXT_GROUP && (m_end - m0 > LAST_TILE_ROWS || split);  /* tiles a group */
                 const size_t to_next = several ? (size_t)(width / 8) * group_bytes : 0;
                 int m = m0;
 #if AMX
@@ -678,7 +681,10 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
                 for (int R; m < m_end; m += R) {
                     const int8_t *xm = xq + (size_t)m * K;
                     const float *xs = xscale + (size_t)m * blocks, *xt = xsum + (size_t)m * blocks;
-                    R = m_end - m <= LAST_TILE_ROWS ? m_end - m : TILE_ROWS;  /* 5 or 6 rows left: one tile */
+                    if (split)
+                        R = m_end - m > 3 ? 3 : m_end - m;
+                    else
+                        R = m_end - m <= LAST_TILE_ROWS ? m_end - m : TILE_ROWS;  /* 5 or 6 rows left: one tile */
                     const int direct = lanes == width;  /* a whole group's columns go straight into y's rows */
                     float *out = direct ? y + (size_t)m * N + 8 * G : tile;
                     const int ldy = direct ? N : width;
