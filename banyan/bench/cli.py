@@ -67,7 +67,8 @@ def add_bench_parser(commands) -> None:
     spec.add_argument("--suffix-options", default=None,
                       help="suffix: speculative_config JSON its configurations add, e.g. "
                            "'{\"suffix_decoding_max_cached_requests\": 0}' (no memory of earlier requests' outputs)")
-    spec.add_argument("--num-speculative-tokens", type=int, default=5)
+    spec.add_argument("--num-speculative-tokens", type=int, default=None,
+                      help="drafts per step at most (default: each configuration's own, as speculative_config's)")
     spec.add_argument("--request-rate", type=float, default=float("inf"),
                       help="Poisson arrivals per second, seeded by --workload-seed (inf: every prompt at once); "
                            "adds TTFT / TPOT / E2E latency per configuration")

@@ -74,18 +74,20 @@ def copy_prompts(llm: LLM, num_prompts: int, output_len: int, *, sentences: int 
     return prompts
 
 
-def spec_configs(methods: list[str], policies: list[str], num_speculative_tokens: int,
+def spec_configs(methods: list[str], policies: list[str], num_speculative_tokens: int | None,
                  draft_model: str | None = None, draft_quantization: str | None = None,
                  suffix_options: dict | None = None) -> dict[str, SpeculativeConfig | None]:
-    """Label -> speculative config: `off` first, then every method with every policy."""
+    """Label -> speculative config: `off` first, then every method with every policy (num_speculative_tokens None:
+    each config's own default, SpeculativeConfig's)."""
     configs: dict[str, SpeculativeConfig | None] = {"off": None}
     for method in methods:
         extra = {"model": draft_model, "quantization": draft_quantization} if method == "draft_model" else {}
         if method == "suffix":
             extra = dict(suffix_options or {})
         for policy in policies:
-            configs[f"{method}-{policy}"] = SpeculativeConfig.from_dict(
-                {"method": method, "num_speculative_tokens": num_speculative_tokens, "policy": policy, **extra})
+            cap = {} if num_speculative_tokens is None else {"num_speculative_tokens": num_speculative_tokens}
+            configs[f"{method}-{policy}"] = SpeculativeConfig.from_dict({"method": method, "policy": policy, **cap,
+                                                                         **extra})
     return configs
 
 

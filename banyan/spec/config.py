@@ -27,6 +27,14 @@ they do not. On the default model (Zen 4, 1 thread) ngram-adaptive with 1 agains
 off at batch-1 copy, 1.28x against 1.19x tokens per CPU-second (E2E 0.78x against 0.85x) on the mixed workload with
 arrivals, and 0.99x against 1.00x on 16 random streams (benchmarks/README.md)."""
 _LOOKUP_METHODS = ("ngram",)
+DEFAULT_SPECULATIVE_TOKENS = 5
+ADAPTIVE_MODEL_FREE_MAX_K = 8
+"""num_speculative_tokens when not given: ngram and suffix under the adaptive policy may draft up to 8 (the controller
+picks each step's k from measured acceptance and step time, and their drafts cost no forward), everything else 5 (a
+fixed k drafts that many whether they pay or not; a draft model pays a forward a draft). Batch-1 code edits on the
+default model (2-vCPU Zen 4, `banyan bench speculative --rounds 3`, runs minutes apart): cap 5 ngram-adaptive
+1.62-1.78x of off over three runs, cap 7 1.81-1.89x, cap 8 1.82x; suffix-adaptive 1.62-1.78x, 1.81-1.90x, 1.93x
+(benchmarks/README.md): a verify of 8 tokens costs about what one of 6 does there (pairs of row groups)."""
 SUFFIX_OPTIONS = {"max_tree_depth": "max_depth", "max_cached_requests": "max_cached_requests",
                   "max_spec_factor": "max_spec_factor", "min_token_prob": "min_token_prob"}
 """vLLM's suffix_decoding_<field> settings -> SuffixProposer's arguments."""
@@ -37,8 +45,9 @@ class SpeculativeConfig:
     method: str
     """How drafts are made: ngram (prompt lookup), suffix (suffix tree over this and recent requests), draft_model
     (a smaller model with the same tokenizer) or layer_skip (the target's first num_layers layers)."""
-    num_speculative_tokens: int = 5
-    """Most draft tokens per request per step (the controller's max_k)."""
+    num_speculative_tokens: int | None = None
+    """Most draft tokens per request per step (the controller's max_k). Default: 8 for ngram and suffix under the
+    adaptive policy, else 5 (ADAPTIVE_MODEL_FREE_MAX_K)."""
     prompt_lookup_min: int | None = None
     """ngram: shortest suffix of the text looked up earlier in it (default: prompt_lookup_max, else 1)."""
     prompt_lookup_max: int | None = None
@@ -71,13 +80,16 @@ class SpeculativeConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise UnknownChoiceError("method", self.method, METHODS)
+        self._resolve_policy()
+        if self.num_speculative_tokens is None:
+            model_free = self.method in ("ngram", "suffix") and self.policy == "adaptive"
+            self._set("num_speculative_tokens", ADAPTIVE_MODEL_FREE_MAX_K if model_free else DEFAULT_SPECULATIVE_TOKENS)
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         self._resolve_prompt_lookup()
         self._check_method_fields()
         table = self.num_speculative_tokens_per_batch_size
         if table is not None:
             self._set("num_speculative_tokens_per_batch_size", _check_table(table, self.num_speculative_tokens))
-        self._resolve_policy()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SpeculativeConfig:

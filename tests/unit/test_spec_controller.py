@@ -500,7 +500,7 @@ def test_step_time_needs_two_token_counts():
 
 def test_config_defaults_and_vllm_lookup_filling():
     c = SpeculativeConfig(method="ngram")
-    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max, c.policy) == (5, 1, 5, "adaptive")
+    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max, c.policy) == (8, 1, 5, "adaptive")
     assert SpeculativeConfig(method="ngram", prompt_lookup_max=3).prompt_lookup_min == 3
     assert SpeculativeConfig(method="ngram", prompt_lookup_min=4).prompt_lookup_max == 4
     assert SpeculativeConfig(method="suffix").prompt_lookup_min is None
@@ -511,6 +511,20 @@ def test_config_defaults_and_vllm_lookup_filling():
     assert SpeculativeConfig(method="layer_skip", num_layers=4).num_layers == 4
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.method = "suffix"
+
+
+def test_the_draft_cap_defaults_to_8_where_the_controller_picks_free_drafts_else_5():
+    """ngram and suffix under the adaptive policy may draft up to 8 (the controller decides each step; their drafts
+    cost no forward); a fixed k, a table, or a draft model's forwards keep vLLM's usual 5; a given cap stays."""
+    def cap(**fields) -> int:
+        return SpeculativeConfig(**fields).num_speculative_tokens
+
+    assert cap(method="ngram") == cap(method="suffix") == cap(method="suffix", policy="adaptive") == 8
+    assert cap(method="ngram", policy="fixed") == cap(method="suffix", policy="fixed") == 5
+    assert cap(method="ngram", num_speculative_tokens_per_batch_size=[[1, 4, 5]]) == 5
+    assert cap(method="draft_model", model="/m") == cap(method="layer_skip") == 5
+    assert cap(method="ngram", num_speculative_tokens=3) == cap(method="draft_model", model="/m",
+                                                                num_speculative_tokens=3) == 3
 
 
 TABLE = "num_speculative_tokens_per_batch_size"
