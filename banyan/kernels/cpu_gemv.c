@@ -117,9 +117,9 @@ static void quantize_rows(const float *x, int8_t *q, float *scale, float *sum, i
  * rows (a decode batch of that many) took 1.12-1.41x longer on a 2-vCPU Zen 4 (docs/quantization.md, "Prefetching
  * the next row group"). VNNI builds without AMX only (PREFETCH_NEXT_GROUP): the AVX2 build's tiles, slower, measured
  * 0.94-0.98x with it on the same CPU, and AMX's were not measured. to_next 0 (one tile a row group, or a build without
- * it): `ahead` bytes on within its own weights, where ahead is
- * nonzero (PREFETCH_AHEAD; int8's tiles only where INT8_PREFETCH). Prefetches change no result. always_inline: GCC 12
- * takes a function whose only effect is a prefetch for one without effects, and drops its calls. */
+ * it): `ahead` bytes on within its own weights, where ahead is nonzero (PREFETCH_AHEAD; int8's tiles only where
+ * INT8_PREFETCH). Prefetches change no result. always_inline: GCC 12 takes a function whose only effect is a prefetch
+ * for one without effects, and drops its calls. */
 static inline __attribute__((always_inline)) void prefetch_weights(const uint8_t *p, const int bytes, const size_t to_next,
                                                                    const size_t ahead) {
     for (int line = 0; line < bytes; line += 64) {
