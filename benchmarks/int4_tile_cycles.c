@@ -7,7 +7,11 @@
  * independent chains each), then int4_tile's cycles per block and row of x (a block: 32 inputs x 8 weight rows, 8
  * vpmaddubsw) for tiles of 1, 2, 4 and 6 rows over a 64 x 576 matrix that stays in L1/L2. A tile can do no better
  * than 8 vpmaddubsw at the measured rate; the rest of a block (the int16 sums, the widening, the scaling, the
- * broadcasts of x and the unpacking of the nibbles) is what it costs above that. */
+ * broadcasts of x and the unpacking of the nibbles) is what it costs above that.
+ *
+ * Built with -mavx512f -mavx512bf16 as well, it also prints the 512-bit vfmadd231ps and vdpbf16ps rates: the ceiling a
+ * bf16 attention would have over banyan's float32 one (vdpbf16ps: 32 products summed into 16 float32 lanes, 64 flops;
+ * vfmadd231ps: 16 multiply-adds, 32 flops). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,8 +47,8 @@ static double clock_hz(void) {
         const long n = 50000000;                                                                                    \
         const double start = now();                                                                                 \
         for (long i = 0; i < n; i++)                                                                                \
-            __asm__ volatile(TWELVE(OP) : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6),      \
-                             "+x"(a7), "+x"(a8), "+x"(a9), "+x"(a10), "+x"(a11) : "x"(b));                          \
+            __asm__ volatile(TWELVE(OP) : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6),      \
+                             "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11) : "v"(b));                          \
         rate = n * 12.0 / (now() - start);                                                                          \
     } while (0)
 
@@ -57,6 +61,12 @@ int main(void) {
     printf("vpmaddubsw %.2f a cycle\n", maddubs_per_cycle);
     RATE("vfmadd231ps", __m256, _mm256_set1_ps(1.0f));
     printf("vfmadd231ps %.2f a cycle\n", rate / hz);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    RATE("vfmadd231ps", __m512, _mm512_set1_ps(1.0f));
+    printf("vfmadd231ps zmm %.2f a cycle, %.1f GFLOP/s a core\n", rate / hz, rate * 32 / 1e9);
+    RATE("vdpbf16ps", __m512, _mm512_set1_ps(1.0f));  /* bf16 pairs (1, 0): no denormals */
+    printf("vdpbf16ps zmm %.2f a cycle, %.1f GFLOP/s a core\n", rate / hz, rate * 64 / 1e9);
+#endif
 
     enum { K = 576, N = 64, G = N / 8, BLOCKS = K / 32 };
     uint8_t *w = aligned_alloc(64, (size_t)G * BLOCKS * 128);
@@ -78,7 +88,7 @@ int main(void) {
             for (int g = 0; g < G; g++) {
                 const uint8_t *wg = w + (size_t)g * BLOCKS * 128;
                 const float *sg = s + g * BLOCKS * 8, *og = o + g * BLOCKS * 8;
-                TILE_CALL(int4_tile, wg, sg, og, 0, xq, xs, xsum, y + g * 8, N, K, BLOCKS, 1);
+                TILE_CALL(int4_tile, 0, wg, sg, og, 0, xq, xs, xsum, y + g * 8, N, K, BLOCKS, 1);
                 __asm__ volatile("" : : "r"(y) : "memory");
             }
         printf("  %d rows: %.2f\n", R, (now() - start) * hz / ((double)iters * G * BLOCKS * R));

@@ -269,11 +269,12 @@ def test_the_amx_build_compiles_wherever_the_compiler_knows_the_flags(monkeypatc
         assert kernels.isa == "amx" and kernels.vnni
 
 
-def test_the_c_benchmark_of_the_matmuls_builds_against_the_kernel(tmp_path):
-    """benchmarks/gemv_pass.c includes the kernel's source and calls int4_gemv and int8_gemv: a change of their
-    signatures that it misses fails here, not the next time someone measures."""
-    source = Path(__file__).parents[2] / "benchmarks" / "gemv_pass.c"
+@pytest.mark.parametrize("program", ["gemv_pass", "int4_tile_cycles"])
+def test_the_c_benchmarks_of_the_matmuls_build_against_the_kernel(tmp_path, program):
+    """benchmarks/gemv_pass.c and int4_tile_cycles.c include the kernel's source and call int4_gemv and int8_gemv, and
+    int4_tile: a change of their signatures that they miss fails here, not the next time someone measures."""
+    source = Path(__file__).parents[2] / "benchmarks" / f"{program}.c"
     flags = [f for f in cpu_gemv.FLAGS if f not in ("-shared", "-fPIC")]
-    built = subprocess.run([shutil.which("cc"), *flags, "-Wall", "-Werror", str(source), "-o", str(tmp_path / "gemv_pass"), "-lm"],
+    built = subprocess.run([shutil.which("cc"), *flags, "-Wall", "-Werror", str(source), "-o", str(tmp_path / program), "-lm"],
                            capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-2000:]
