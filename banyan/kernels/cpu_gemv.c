@@ -620,11 +620,78 @@ static void prepare_x(const int bits, const float *x, int8_t *xq, float *xscale,
     if (bits == 8) int8_corrections(xq, (int32_t *)xsum, begin, end, K);
 }
 
+/* Work that a thread taken off its core does not hold up (not in AMX builds, whose threads pack x a pass each).
+ * Each thread owns a range of row groups, as before, cut into items of STEAL_GROUPS groups a pass of x; it claims its
+ * items in order from its range's counter, and then the other ranges' leftovers from theirs. On two vCPUs shared
+ * with the API process, the benchmark client and their I/O threads, a thread preempted for a time slice used to
+ * hold up the whole call (its partner waiting at the join); now the other thread finishes it (docs/quantization.md,
+ * "A thread off its core holds up no call"). Which thread computes a group changes no bits (a tile's arithmetic is
+ * its own); items begin at even offsets of a range, so row groups pair as before. The rows of x are rounded in items
+ * too, and the threads wait for all of them (a counter, not a barrier: a preempted thread holding no item delays
+ * nothing). */
+#ifndef STEAL_WORK
+#define STEAL_WORK (!AMX)
+#endif
+#define STEAL_GROUPS 8        /* even: pairs of row groups stay whole */
+#define QUANTIZE_ITEM_ROWS 4
+#define MAX_STEAL_THREADS 256
+typedef struct {
+    int next __attribute__((aligned(64)));  /* a line each: the threads' claims do not contend */
+} Counter;
+
+/* Row groups [G, G_end) of one thread's range over rows [m0, m_end) of x: the tiles of interleaved_gemv. */
+static inline __attribute__((always_inline)) void multiply_groups(
+    const int bits, const int8_t *xq, const float *xscale, const float *xsum, const uint8_t *packed,
+    const void *scale, const void *offset, const int half, float *y, float *tile, int M, int N, int K, int groups,
+    int per_group, int G, const int G_end, const int m0, const int m_end) {
+    const int blocks = K / 32;
+    const size_t group_bytes = (size_t)blocks * (bits == 4 ? 128 : 256), group_scales = bits == 4 ? groups * 8 : 8;
+    const size_t scale_bytes = half ? 2 : 4;
+    for (; G < G_end; G++) {
+        const int pair = PAIRS && M >= PAIR_ROWS && G + 1 < G_end, width = pair ? 16 : 8;
+        const uint8_t *wp = packed + (size_t)G * group_bytes;
+        const void *s8 = (const char *)scale + (size_t)G * group_scales * scale_bytes;
+        const void *o8 = bits == 4 ? (const char *)offset + (size_t)G * group_scales * scale_bytes : NULL;
+        const int lanes = N - 8 * G < width ? N - 8 * G : width;
+        /* 5-6 rows in pairs: two tiles (3 + 2, 3 + 3), so that they prefetch the next pair (to_next) */
+        const int split = pair && m_end - m0 > TILE_ROWS && m_end - m0 <= LAST_TILE_ROWS;
+        const int several = PREFETCH_NEXT_GROUP && (m_end - m0 > LAST_TILE_ROWS || split);  /* tiles a group */
+        const size_t to_next = several ? (size_t)(width / 8) * group_bytes : 0;
+        for (int m = m0, R; m < m_end; m += R) {
+            const int8_t *xm = xq + (size_t)m * K;
+            const float *xs = xscale + (size_t)m * blocks, *xt = xsum + (size_t)m * blocks;
+            if (split)
+                R = m_end - m > 3 ? 3 : m_end - m;
+            else
+                R = m_end - m <= LAST_TILE_ROWS ? m_end - m : TILE_ROWS;  /* 5 or 6 rows left: one tile */
+            const int direct = lanes == width;  /* a whole group's columns go straight into y's rows */
+            float *out = direct ? y + (size_t)m * N + 8 * G : tile;
+            const int ldy = direct ? N : width;
+            if (bits == 4) {
+#if PAIRS
+                if (pair) TILE_CALL(int4_tile16, to_next, wp, s8, o8, half, xm, xs, xt, out, ldy, K, groups, per_group) else
+#endif
+                TILE_CALL(int4_tile, to_next, wp, s8, o8, half, xm, xs, xt, out, ldy, K, groups, per_group)
+            } else {
+                const int32_t *xc = (const int32_t *)xt;
+#if PAIRS
+                if (pair) TILE_CALL(int8_tile16, to_next, wp, (const float *)s8, xm, xs, xc, out, ldy, K) else
+#endif
+                TILE_CALL(int8_tile, wp, (const float *)s8, xm, xs, xc, out, ldy, K)
+            }
+            if (!direct)
+                for (int r = 0; r < R; r++)
+                    for (int i = 0; i < lanes; i++) y[(size_t)(m + r) * N + 8 * G + i] = tile[width * r + i];
+        }
+        G += pair;
+    }
+}
+
 /* y [M, N] = x [M, K] W^T, W 4-bit (bits 4) or 8-bit (bits 8, group 32, offset NULL) in its layout above, K a
  * multiple of the group (a multiple of 32); half: int4's scales and offsets are float16 (load_scales8), else float32
  * (int8's always; AMX tiles take float32 only, so half weights keep to the vector path). scratch: M * K bytes + 2 * M * K / 32 floats, for x as int8 blocks
- * (quantize_rows). Each thread takes its own range of row groups through every pass over x: one fork and join a
- * call, no barrier a pass; from PAIR_ROWS rows of x, two row groups a vector where built for AVX-512. A tile stores a
+ * (quantize_rows). Each thread takes its own range of row groups through every pass over x (and, STEAL_WORK, what
+ * is left of the others'); from PAIR_ROWS rows of x, two row groups a vector where built for AVX-512. A tile stores a
  * row group's columns straight into y's rows (ldy: y's row stride); only a group cut short by N's end goes through a
  * buffer, whose copy was a scalar load and store per output. */
 static inline __attribute__((always_inline)) void interleaved_gemv(const int bits, const float *x, void *scratch,
@@ -632,15 +699,45 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
                                                                    const void *offset, const int half, float *y, int M,
                                                                    int N, int K, int group, int threads) {
     const int per_group = group / 32, groups = K / group, blocks = K / 32, row_groups = (N + 7) / 8;
-    const size_t group_bytes = (size_t)blocks * (bits == 4 ? 128 : 256), group_scales = bits == 4 ? groups * 8 : 8;
     float *xscale = (float *)scratch, *xsum = xscale + (size_t)M * blocks;
     int8_t *xq = (int8_t *)(xsum + (size_t)M * blocks);
     const int parallel_quantize = M >= PARALLEL_QUANTIZE_ROWS;
     if (!parallel_quantize) prepare_x(bits, x, xq, xscale, xsum, 0, M, K, groups, per_group);
-    const size_t scale_bytes = half ? 2 : 4;
     const int tiles = AMX && use_tiles && M >= AMX_ROWS && !half, step = tiles ? AMX_ROWS : TILE_ROWS;
     int pass = PASS_BYTES / K / step * step;
     if (pass < step) pass = step;
+#if STEAL_WORK
+    if (threads > MAX_STEAL_THREADS) threads = MAX_STEAL_THREADS;
+    Counter claims[threads], rounding, rounded;  /* items taken of each range; rows of x taken, and rounded */
+    for (int i = 0; i < threads; i++) claims[i].next = 0;
+    rounding.next = rounded.next = 0;
+    const int passes = (M + pass - 1) / pass;
+#pragma omp parallel num_threads(threads)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        float tile[LAST_TILE_ROWS * 16];
+        if (parallel_quantize) {  /* a row's bits do not depend on which thread rounds it */
+            for (int r; (r = __atomic_fetch_add(&rounding.next, QUANTIZE_ITEM_ROWS, __ATOMIC_RELAXED)) < M;) {
+                const int r_end = r + QUANTIZE_ITEM_ROWS < M ? r + QUANTIZE_ITEM_ROWS : M;
+                prepare_x(bits, x, xq, xscale, xsum, r, r_end, K, groups, per_group);
+                __atomic_fetch_add(&rounded.next, r_end - r, __ATOMIC_RELEASE);
+            }
+            while (__atomic_load_n(&rounded.next, __ATOMIC_ACQUIRE) < M) _mm_pause();
+        }
+        for (int k = 0; k < nt; k++) {  /* its own range first, then the others' leftovers */
+            const int u = (t + k) % nt;
+            const int g_begin = (int)((long)row_groups * u / nt), g_end = (int)((long)row_groups * (u + 1) / nt);
+            const int items = (g_end - g_begin + STEAL_GROUPS - 1) / STEAL_GROUPS;
+            for (int i; (i = __atomic_fetch_add(&claims[u].next, 1, __ATOMIC_RELAXED)) < items * passes;) {
+                const int m0 = i / items * pass, G = g_begin + i % items * STEAL_GROUPS;
+                multiply_groups(bits, xq, xscale, xsum, packed, scale, offset, half, y, tile, M, N, K, groups,
+                                per_group, G, G + STEAL_GROUPS < g_end ? G + STEAL_GROUPS : g_end, m0,
+                                m0 + pass < M ? m0 + pass : M);
+            }
+        }
+    }
+#else
+    const size_t group_bytes = (size_t)blocks * (bits == 4 ? 128 : 256), group_scales = bits == 4 ? groups * 8 : 8;
 #pragma omp parallel num_threads(threads)
     {
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
@@ -662,49 +759,25 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
             if (tiles) amx_pack_x(xq, xa, m0, m_end, K);
 #endif
             for (int G = g_begin; G < g_end; G++) {
-                const int pair = PAIRS && M >= PAIR_ROWS && G + 1 < g_end, width = pair ? 16 : 8;
-                const uint8_t *wp = packed + (size_t)G * group_bytes;
-                const void *s8 = (const char *)scale + (size_t)G * group_scales * scale_bytes;
-                const void *o8 = bits == 4 ? (const char *)offset + (size_t)G * group_scales * scale_bytes : NULL;
-                const int lanes = N - 8 * G < width ? N - 8 * G : width;
-                /* 5-6 rows in pairs: two tiles (3 + 2, 3 + 3), so that they prefetch the next pair (to_next) */
-                const int split = pair && m_end - m0 > TILE_ROWS && m_end - m0 <= LAST_TILE_ROWS;
-                const int several = PREFETCH_NEXT_GROUP && (m_end - m0 > LAST_TILE_ROWS || split);  /* tiles a group */
-                const size_t to_next = several ? (size_t)(width / 8) * group_bytes : 0;
                 int m = m0;
 #if AMX
-                if (tiles && pair && lanes == 16 && m_end - m0 >= AMX_ROWS)
+                const int pair = PAIRS && M >= PAIR_ROWS && G + 1 < g_end, lanes = N - 8 * G < 16 ? N - 8 * G : 16;
+                if (tiles && pair && lanes == 16 && m_end - m0 >= AMX_ROWS) {
+                    const uint8_t *wp = packed + (size_t)G * group_bytes;
+                    const size_t scale_bytes = half ? 2 : 4;
+                    const void *s8 = (const char *)scale + (size_t)G * group_scales * scale_bytes;
+                    const void *o8 = bits == 4 ? (const char *)offset + (size_t)G * group_scales * scale_bytes : NULL;
                     m = (bits == 4 ? amx_rows_int4 : amx_rows_int8)(wp, wp + group_bytes, wb, (const float *)s8,
                                                                     (const float *)o8, xa, m0, xscale,
                                                                     xsum, y + 8 * G, m, m_end, N, K, groups, per_group);
-#endif
-                for (int R; m < m_end; m += R) {
-                    const int8_t *xm = xq + (size_t)m * K;
-                    const float *xs = xscale + (size_t)m * blocks, *xt = xsum + (size_t)m * blocks;
-                    if (split)
-                        R = m_end - m > 3 ? 3 : m_end - m;
-                    else
-                        R = m_end - m <= LAST_TILE_ROWS ? m_end - m : TILE_ROWS;  /* 5 or 6 rows left: one tile */
-                    const int direct = lanes == width;  /* a whole group's columns go straight into y's rows */
-                    float *out = direct ? y + (size_t)m * N + 8 * G : tile;
-                    const int ldy = direct ? N : width;
-                    if (bits == 4) {
-#if PAIRS
-                        if (pair) TILE_CALL(int4_tile16, to_next, wp, s8, o8, half, xm, xs, xt, out, ldy, K, groups, per_group) else
-#endif
-                        TILE_CALL(int4_tile, to_next, wp, s8, o8, half, xm, xs, xt, out, ldy, K, groups, per_group)
-                    } else {
-                        const int32_t *xc = (const int32_t *)xt;
-#if PAIRS
-                        if (pair) TILE_CALL(int8_tile16, to_next, wp, (const float *)s8, xm, xs, xc, out, ldy, K) else
-#endif
-                        TILE_CALL(int8_tile, wp, (const float *)s8, xm, xs, xc, out, ldy, K)
-                    }
-                    if (!direct)
-                        for (int r = 0; r < R; r++)
-                            for (int i = 0; i < lanes; i++) y[(size_t)(m + r) * N + 8 * G + i] = tile[width * r + i];
                 }
-                G += pair;
+#endif
+                /* the rows AMX left (or all): this group, or its pair where it starts one */
+                const int last = PAIRS && M >= PAIR_ROWS && G + 1 < g_end ? G + 2 : G + 1;
+                if (m < m_end)
+                    multiply_groups(bits, xq, xscale, xsum, packed, scale, offset, half, y, tile, M, N, K, groups,
+                                    per_group, G, last, m, m_end);
+                G = last - 1;
             }
         }
 #if AMX
@@ -715,6 +788,7 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
         }
 #endif
     }
+#endif
 }
 
 void int4_gemv(const float *x, void *scratch, const uint8_t *packed, const void *scale, const void *offset, int half,

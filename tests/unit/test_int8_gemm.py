@@ -107,6 +107,27 @@ def test_scales_exact_in_float16_are_held_as_float16_with_the_same_bits(group):
         torch.set_num_threads(threads)
 
 
+def test_a_thread_taken_off_its_core_leaves_no_mark_on_the_bits():
+    """Each thread multiplies its own weight rows first, then what the others have not begun, so a thread the OS
+    takes off its core no longer holds up the call. With more threads than cores, where that happens all the time,
+    every row count (one row, a split pair, several tiles, two passes over x) gives one thread's bits, call after
+    call, for int4 and int8 weights alike."""
+    kernels, before = cpu_gemv.load(), torch.get_num_threads()
+    _, scale, offset, packed = int4_weight(1000, 576, 32, half=True)
+    weight, weight8 = cpu_gemv.interleave_int4(packed, scale, offset, 32), int8_weight(1000, 576)[2]
+    try:
+        for rows in (1, 6, 16, 200):
+            x = torch.randn(rows, 576)
+            torch.set_num_threads(1)
+            want = kernels.int4(x, weight), kernels.int8(x, weight8)
+            torch.set_num_threads(7)
+            for _ in range(10):
+                got = kernels.int4(x, weight), kernels.int8(x, weight8)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), rows
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_scales_float16_cannot_hold_stay_float32():
     """One scale that float16 would round, or an offset past its range, keeps the whole weight's in float32."""
     _, scale, offset, packed = int4_weight(16, 64, 32, half=True)
