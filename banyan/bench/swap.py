@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from banyan.bench.launcher import banyan_serve_cmd, free_port, launched
 from banyan.bench.metrics import RequestTiming, percentile
-from banyan.bench.serve import send_completion
+from banyan.bench.serve import send_completion, stream_session
 from banyan.bench.workloads import BenchPrompt
 from banyan.config import EngineConfig
 
@@ -64,11 +64,12 @@ async def _measure(base_url: str, args) -> dict:
     import httpx
 
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    async with httpx.AsyncClient(base_url=base_url, timeout=900, limits=httpx.Limits(max_keepalive_connections=0)) as http:
+    async with (httpx.AsyncClient(base_url=base_url, timeout=900, limits=httpx.Limits(max_keepalive_connections=0)) as http,
+                stream_session(base_url, timeout=900) as streams):
         ids = (await http.post("/tokenize", json={"model": NAME, "prompt": TEXT * 64})).json()["tokens"]
         prompt = BenchPrompt(ids[: args.input_len], args.output_len)
         load = Load()
-        clients = [asyncio.create_task(_client(http, prompt, load)) for _ in range(args.concurrency)]
+        clients = [asyncio.create_task(_client(streams, prompt, load)) for _ in range(args.concurrency)]
         await asyncio.sleep(args.warmup_seconds)
         t_before = time.perf_counter()
         await asyncio.sleep(args.before_seconds)
@@ -98,10 +99,10 @@ async def _measure(base_url: str, args) -> dict:
             "requests": len(load.streams), "load_average_1m": load_average}
 
 
-async def _client(http, prompt: BenchPrompt, load: Load) -> None:
+async def _client(streams, prompt: BenchPrompt, load: Load) -> None:
     while not load.stop:
         start = time.perf_counter()
-        load.streams.append(Stream(start, await send_completion(http, NAME, prompt)))
+        load.streams.append(Stream(start, await send_completion(streams, NAME, prompt)))
 
 
 async def _entries(http, admin: dict) -> dict[str, dict]:
