@@ -26,15 +26,9 @@ from pathlib import Path
 import torch
 
 from banyan.kernels import cpu_gemv
-from banyan.kernels.cpu_features import cpu_flags
 
 HIDDEN, INTERMEDIATE, KV, VOCAB, LAYERS, GROUP = 576, 1536, 192, 49152, 30, 32
 SHAPES = ((HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE))
-
-
-def best_isa() -> str:
-    flags = cpu_flags()
-    return "amx" if "amx_int8" in flags else "avx512_vnni" if "avx512_vnni" in flags else "avx2"
 
 
 def build(source: str, out: Path, isa: str) -> cpu_gemv.CpuKernels:
@@ -75,7 +69,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,6,8,16,32,64")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--isa", choices=tuple(cpu_gemv.ISA_FLAGS), default=best_isa(),
+    parser.add_argument("--isa", choices=tuple(cpu_gemv.ISA_FLAGS), default=cpu_gemv.builds_for_this_cpu()[0],
                         help="the build to compare (default: this CPU's best; avx2 measures the fallback)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

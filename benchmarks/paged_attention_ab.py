@@ -40,7 +40,6 @@ from pathlib import Path
 import torch
 
 from banyan.kernels import cpu_decode, cpu_gemv
-from banyan.kernels.cpu_features import cpu_flags
 
 PAGE, KV_HEADS, HEAD_DIM, HEADS, LAYERS = 16, 3, 64, 9, 30
 
@@ -48,8 +47,7 @@ PAGE, KV_HEADS, HEAD_DIM, HEADS, LAYERS = 16, 3, 64, 9, 30
 def build(source: str, out: Path) -> cpu_decode.DecodeKernels:
     """Compiled as banyan compiles it on this CPU (cpu_gemv.load's choice: the AMX build where the CPU has AMX, the
     AVX-512 flags where it has VNNI: 32 vector registers)."""
-    flags = cpu_flags()
-    isa = "amx" if "amx_int8" in flags else "avx512_vnni" if "avx512_vnni" in flags else "avx2"
+    isa = cpu_gemv.builds_for_this_cpu()[0]
     # cpu_gemv.c beside it: the AMX paths ask it whether Linux grants the tiles (amx_tiles_granted)
     gemv = str(cpu_gemv.SOURCES[0])
     subprocess.run(["cc", *cpu_gemv.FLAGS, *cpu_gemv.ISA_FLAGS[isa], source, gemv, "-o", str(out), "-lm"], check=True)

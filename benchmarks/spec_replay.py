@@ -27,7 +27,7 @@ from banyan import LLM, SamplingParams
 from banyan.bench.code_edits import code_edit_prompts
 from banyan.bench.spec_replay import Trace, replay, replay_best_k, replay_copy_oracle, replay_hindsight_evidence_k
 from banyan.bench.speculative import copy_prompts
-from banyan.kernels.cpu_features import cpu_flags
+from banyan.kernels import cpu_gemv
 from banyan.spec.config import SpeculativeConfig
 from banyan.spec.proposer import make_proposer
 
@@ -100,7 +100,7 @@ def main() -> None:
         context = round(statistics.mean(len(t.prompt) + len(t.output) / 2 for t in traces))
         curve = step_curve(llm, list(range(1, max_k + 2)) + [2 * max_k + 2], context)
         share = prefill / full
-        isa = "amx" if "amx_int8" in cpu_flags() else "avx512_vnni" if "avx512_vnni" in cpu_flags() else "avx2"
+        isa = cpu_gemv.builds_for_this_cpu()[0]
         setting = f"{args.workload} (seed {args.seed}), {args.num_threads} threads, {isa}"
         if args.save:
             Path(args.save).write_text(json.dumps({"traces": [dataclasses.asdict(t) for t in traces], "curve": curve,

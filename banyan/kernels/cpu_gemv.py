@@ -225,9 +225,7 @@ def load() -> CpuKernels | None:
     if compiler is None:
         logger.warning("no C compiler (cc) found: 4/8-bit weights are dequantized per matmul, which is slower")
         return None
-    flags = cpu_flags()
-    wanted = ("amx",) * ("amx_int8" in flags) + ("avx512_vnni",) * ("avx512_vnni" in flags) + ("avx2",)
-    for isa in wanted:
+    for isa in builds_for_this_cpu():
         try:
             return CpuKernels(ctypes.CDLL(str(build(compiler, isa))), isa)
         except (OSError, subprocess.CalledProcessError) as e:  # an older compiler may not know the AVX-512 flags
@@ -235,6 +233,12 @@ def load() -> CpuKernels | None:
             logger.warning("could not build the CPU kernels for %s (%s)", isa, detail.strip()[-500:])
     logger.warning("no CPU kernels: 4/8-bit weights are dequantized per matmul")
     return None
+
+
+def builds_for_this_cpu() -> tuple[str, ...]:
+    """The builds (keys of ISA_FLAGS) this CPU can run, best first: load() tries them in this order."""
+    flags = cpu_flags()
+    return ("amx",) * ("amx_int8" in flags) + ("avx512_vnni",) * ("avx512_vnni" in flags) + ("avx2",)
 
 
 def build(compiler: str, isa: str) -> Path:
