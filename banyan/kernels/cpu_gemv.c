@@ -629,12 +629,9 @@ static void prepare_x(const int bits, const float *x, int8_t *xq, float *xscale,
  * its own); items begin at even offsets of a range, so row groups pair as before. The rows of x are rounded in items
  * too, and the threads wait for all of them (a counter, not a barrier: a preempted thread holding no item delays
  * nothing). */
-#ifndef STEAL_WORK
 #define STEAL_WORK (!AMX)
-#endif
 #define STEAL_GROUPS 8        /* even: pairs of row groups stay whole */
 #define QUANTIZE_ITEM_ROWS 4
-#define MAX_STEAL_THREADS 256
 typedef struct {
     int next __attribute__((aligned(64)));  /* a line each: the threads' claims do not contend */
 } Counter;
@@ -707,7 +704,6 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
     int pass = PASS_BYTES / K / step * step;
     if (pass < step) pass = step;
 #if STEAL_WORK
-    if (threads > MAX_STEAL_THREADS) threads = MAX_STEAL_THREADS;
     Counter claims[threads], rounding, rounded;  /* items taken of each range; rows of x taken, and rounded */
     for (int i = 0; i < threads; i++) claims[i].next = 0;
     rounding.next = rounded.next = 0;
