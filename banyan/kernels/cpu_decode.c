@@ -783,7 +783,7 @@ static inline __attribute__((always_inline)) void add_values(const Tile *w, int 
 }
 
 /* The end of the run of decode rows sharing pages that begins at row i (i + 1: none), and of the rows of one
- * sequence that begin there (Q_TILE at most) */
+ * sequence that begin there */
 static inline int run_end(const int32_t *shared, int window, int n, int i) {
     int end = i + 1;
     if (shared != NULL && window == 0)
@@ -792,51 +792,58 @@ static inline int run_end(const int32_t *shared, int window, int n, int i) {
 }
 static inline int sequence_end(const int32_t *seq_of_row, int n, int i) {
     int end = i + 1;
-    while (end < n && seq_of_row[end] == seq_of_row[i] && end - i < Q_TILE) end++;
+    while (end < n && seq_of_row[end] == seq_of_row[i]) end++;
     return end;
 }
 
-/* The tiles of n rows: tile i is rows [start[i], start[i + 1]), and keys[i] how many keys from position 0 on all its
- * rows' tables give alike (0: one sequence's rows, one table for all its keys). A run of decode rows whose tables
- * begin with the same MIN_SHARED_PAGES pages or more (shared[i]: the leading pages row i's table has alike with row
- * i - 1's; cpu_decode.py's PagedRows puts such rows side by side) is cut into tiles of at most Q_TILE rows, and into
- * more while the threads would have fewer than two (tile, KV head) items each. A tile's shared keys: the fewest any
- * two neighbours in it share, and no more than any of its rows sees. Returns the number of tiles. */
+/* The tiles of n rows: tile i is rows [start[i], start[i + 1]), keys[i] how many keys from position 0 on all its
+ * rows' tables give alike (0: one sequence's rows, one table for all its keys), in_place[i] whether its rows read
+ * their keys in place (attend_rows_in_place) rather than gathered. Rows come in segments: a run of decode rows whose
+ * tables begin with the same MIN_SHARED_PAGES pages or more (shared[i]: the leading pages row i's table has alike
+ * with row i - 1's; cpu_decode.py's PagedRows puts such rows side by side), or the rows of one sequence (a prefill
+ * chunk's, a verify pass's, a decode row alone). Each segment is cut evenly into tiles of at most Q_TILE rows, and
+ * into more while the threads would have fewer than two (tile, KV head) items each: a run down to 2 rows a tile, a
+ * sequence's rows (more than IN_PLACE_ROWS of them, whose tiles stay gathered) down to 2. So the 6-9 rows of a batch-1
+ * verify pass make two tiles, six items for two threads, where 8 + 1 rows made three items of one tile and three of
+ * a row, and one thread waited on the other. A run's tile's shared keys: the fewest any two neighbours in it share,
+ * and no more than any of its rows sees. Which tile a row lands in changes none of its bits. Returns the number of
+ * tiles. */
 static int plan_tiles(const int32_t *seq_of_row, const int32_t *positions, const int32_t *shared, int n, int P,
-                      int window, int KVH, int threads, int *start, int *keys) {
-    int *run_rows = (int *)__builtin_alloca(sizeof(int) * n), *parts = (int *)__builtin_alloca(sizeof(int) * n);
-    int runs = 0, tiles = 0;
-    for (int i = 0; i < n;) {
+                      int window, int KVH, int threads, int *start, int *keys, int *in_place) {
+    int *seg_end = (int *)__builtin_alloca(sizeof(int) * n), *parts = (int *)__builtin_alloca(sizeof(int) * n);
+    char *is_run = (char *)__builtin_alloca(n);
+    int segs = 0, tiles = 0;
+    for (int i = 0; i < n; i = seg_end[segs++]) {
         const int end = run_end(shared, window, n, i);
-        if (end - i > 1) run_rows[runs] = end - i, parts[runs] = (end - i + Q_TILE - 1) / Q_TILE, tiles += parts[runs++], i = end;
-        else tiles++, i = sequence_end(seq_of_row, n, i);
+        is_run[segs] = end - i > 1;
+        seg_end[segs] = is_run[segs] ? end : sequence_end(seq_of_row, n, i);
+        parts[segs] = (seg_end[segs] - i + Q_TILE - 1) / Q_TILE;
+        tiles += parts[segs];
     }
-    while (tiles * KVH < 2 * threads) {  /* cut the run of the widest tiles once more, down to 2 rows a tile */
-        int widest = -1;
-        for (int r = 0; r < runs; r++)
-            if (run_rows[r] / (parts[r] + 1) >= 2 && (widest < 0 || run_rows[r] * parts[widest] > run_rows[widest] * parts[r]))
-                widest = r;
+    while (tiles * KVH < 2 * threads) {  /* cut the segment of the widest tiles once more */
+        int widest = -1, widest_rows = 0;
+        for (int g = 0, i = 0; g < segs; i = seg_end[g++]) {
+            const int rows = seg_end[g] - i;
+            if (rows / (parts[g] + 1) < 2 || (!is_run[g] && rows <= IN_PLACE_ROWS)) continue;
+            if (widest < 0 || rows * parts[widest] > widest_rows * parts[g]) widest = g, widest_rows = rows;
+        }
         if (widest < 0) break;
         parts[widest]++, tiles++;
     }
     tiles = 0;
-    for (int i = 0, r = 0; i < n;) {
-        const int end = run_end(shared, window, n, i);
-        if (end - i == 1) {
-            const int rows_end = sequence_end(seq_of_row, n, i);
-            start[tiles] = i, keys[tiles++] = 0, i = rows_end;
-            continue;
-        }
-        for (int k = 0; k < parts[r]; k++) {
-            const int a = i + (end - i) * k / parts[r], b = i + (end - i) * (k + 1) / parts[r];
+    for (int g = 0, i = 0; g < segs; i = seg_end[g++]) {
+        const int end = seg_end[g];
+        for (int k = 0; k < parts[g]; k++) {
+            const int a = i + (end - i) * k / parts[g], b = i + (end - i) * (k + 1) / parts[g];
             int common = INT32_MAX;
-            for (int row = a; row < b; row++) {
+            for (int row = a; is_run[g] && row < b; row++) {
                 if (row > a && shared[row] * P < common) common = shared[row] * P;
                 if (positions[row] + 1 < common) common = positions[row] + 1;
             }
-            start[tiles] = a, keys[tiles++] = b - a > 1 ? common : 0;
+            start[tiles] = a, keys[tiles] = is_run[g] && b - a > 1 ? common : 0;
+            in_place[tiles] = keys[tiles] == 0 && (is_run[g] || end - i <= IN_PLACE_ROWS);
+            tiles++;
         }
-        r++, i = end;
     }
     start[tiles] = n;
     return tiles;
@@ -1103,7 +1110,9 @@ static inline __attribute__((always_inline)) void attend_pages(
         int KVH, int D, int P, int window, float scale, float value_scale, float *out, float *scratch, int max_keys,
         int threads, const int kind) {
     int *tile_start = (int *)__builtin_alloca(sizeof(int) * (n + 1)), *tile_keys = (int *)__builtin_alloca(sizeof(int) * n);
-    const int tiles = plan_tiles(seq_of_row, positions, shared, n, P, window, KVH, threads, tile_start, tile_keys);
+    int *tile_in_place = (int *)__builtin_alloca(sizeof(int) * n);
+    const int tiles = plan_tiles(seq_of_row, positions, shared, n, P, window, KVH, threads, tile_start, tile_keys,
+                                 tile_in_place);
     /* Taken a few at a time as threads come free (a prefill tile costs many decode rows), a tile's KV heads
      * together where there are enough to go round: one thread then walks whole token rows, which its prefetcher
      * follows, where two threads reading different heads of the same rows ran 20% slower in a decode step. */
@@ -1124,7 +1133,7 @@ static inline __attribute__((always_inline)) void attend_pages(
         for (int kh = 0; kh < KVH; kh++) {
             const int i0 = tile_start[tile];
             const int n = tile_start[tile + 1] - i0, whole = whole_rows && n * H <= held;
-            if (n <= IN_PLACE_ROWS && tile_keys[tile] == 0) {
+            if (tile_in_place[tile]) {
                 if (whole && kh > 0) continue;  /* kh 0's item took them */
                 if (kind == KV_F16 && D == 64) ROW_HEADS(row_heads_f16_64);
                 else if (kind == KV_F16) ROW_HEADS(row_heads_f16);

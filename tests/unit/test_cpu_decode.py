@@ -222,10 +222,11 @@ def test_a_rows_attention_does_not_depend_on_the_rows_beside_it():
 @needs_kernels
 @READ_DTYPES
 @pytest.mark.parametrize("kv_heads,group", [(3, 3), (1, 4), (2, 2), (1, 1)])
-@pytest.mark.parametrize("new_rows", [1, 4])
+@pytest.mark.parametrize("new_rows", [1, 4, 6, 9])
 def test_a_lone_row_or_tile_has_its_bits_at_any_thread_count(kv_heads, group, new_rows, kv_dtype):
-    """A batch-1 decode row, or a verify pass's tile of rows, over fewer (tile, KV head) items than threads or more:
-    the same output bit for bit at 1, 2, 3 and 5 threads, and SDPA's closely."""
+    """A batch-1 decode row, or a verify pass's rows, over fewer (tile, KV head) items than threads or more (6 and 9
+    rows are cut into more tiles as the threads grow): the same output bit for bit at 1, 2, 3 and 5 threads, and
+    SDPA's closely."""
     specs = [(37, new_rows)]
     q, k_cache, v_cache, table, seq_of_row, positions = paged_case(specs, 4, kv_heads, kv_heads * group, 64, 3,
                                                                     kv_dtype)
