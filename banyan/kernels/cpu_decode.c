@@ -803,9 +803,9 @@ static inline int sequence_end(const int32_t *seq_of_row, int n, int i) {
  * with row i - 1's; cpu_decode.py's PagedRows puts such rows side by side), or the rows of one sequence (a prefill
  * chunk's, a verify pass's, a decode row alone). Each segment is cut evenly into tiles of at most Q_TILE rows, and
  * into more while the threads would have fewer than two (tile, KV head) items each: a run down to 2 rows a tile, a
- * sequence's rows (more than IN_PLACE_ROWS of them, whose tiles stay gathered) down to 2. So the 6-9 rows of a batch-1
- * verify pass make two tiles, six items for two threads, where 8 + 1 rows made three items of one tile and three of
- * a row, and one thread waited on the other. A run's tile's shared keys: the fewest any two neighbours in it share,
+ * sequence's rows (more than IN_PLACE_ROWS of them, whose tiles stay gathered) down to 2. So the 5-9 rows of a batch-1
+ * verify pass make two tiles, six items for two threads, where 5-8 rows had made one tile (three items: one thread
+ * did two while the other waited) and 9 rows 8 + 1. A run's tile's shared keys: the fewest any two neighbours in it share,
  * and no more than any of its rows sees. Which tile a row lands in changes none of its bits. Returns the number of
  * tiles. */
 static int plan_tiles(const int32_t *seq_of_row, const int32_t *positions, const int32_t *shared, int n, int P,
