@@ -226,8 +226,8 @@ static inline __m256 hsum8x8(const __m256 a[8]) {
 }
 
 /* p[u] = scale * (the lanes of acc[u] added up) for u < n */
-static inline __attribute__((always_inline)) void store_scores(const __m256 acc[8], int n, float scale, float *p) {
-    const __m256 scores = _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale));
+/* p[u] = scores' lane u for u < n */
+static inline __attribute__((always_inline)) void store_first(__m256 scores, int n, float *p) {
     if (n == 8) {  /* the usual case: one store (a scalar copy through memory stalled on the store it reads) */
         _mm256_storeu_ps(p, scores);
         return;
@@ -235,6 +235,10 @@ static inline __attribute__((always_inline)) void store_scores(const __m256 acc[
     float sums[8];
     _mm256_storeu_ps(sums, scores);
     for (int u = 0; u < n; u++) p[u] = sums[u];
+}
+
+static inline __attribute__((always_inline)) void store_scores(const __m256 acc[8], int n, float scale, float *p) {
+    store_first(_mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)), n, p);
 }
 
 /* p[j] = scale * <q, k[keys[j], + D)> for j < n (n <= 8; keys[n..7] valid rows, their products dropped): eight
@@ -265,14 +269,7 @@ static inline __attribute__((always_inline)) void store_scores_pairs(const __m51
     const __m512 c = hadd16(hadd16(pair[0], pair[1]), hadd16(pair[2], pair[3]));
     const __m512 sums = _mm512_add_ps(c, _mm512_shuffle_f32x4(c, c, 0xB1));  /* lanes 0-3 + 4-7 of each key */
     const __m512 order = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0), sums);
-    const __m256 scores = _mm256_mul_ps(_mm512_castps512_ps256(order), _mm256_set1_ps(scale));
-    if (n == 8) {
-        _mm256_storeu_ps(p, scores);
-        return;
-    }
-    float kept[8];
-    _mm256_storeu_ps(kept, scores);
-    for (int u = 0; u < n; u++) p[u] = kept[u];
+    store_first(_mm256_mul_ps(_mm512_castps512_ps256(order), _mm256_set1_ps(scale)), n, p);
 }
 #endif
 
@@ -1118,9 +1115,10 @@ static inline __attribute__((always_inline)) void attend_pages(
      * follows, where two threads reading different heads of the same rows ran 20% slower in a decode step. */
     int chunk = KVH;
     while (chunk > 1 && tiles * KVH < chunk * threads * 4) chunk--;
-    /* A tile of up to IN_PLACE_ROWS rows of one sequence goes through attend_rows_in_place: with two tiles or more a
-     * thread and room in the scratch, all its KV heads in one pass; else each KV head an item of its own, so that
-     * every thread has work (the same bits either way). */
+    /* A tile plan_tiles reads in place (a sequence of up to IN_PLACE_ROWS rows: a decode row alone, a short verify
+     * pass) goes through attend_rows_in_place: with two tiles or more a thread and room in the scratch, all its KV
+     * heads in one pass; else each KV head an item of its own, so that every thread has work (the same bits either
+     * way). */
     const int whole_rows = tiles >= 2 * threads, held = score_rows(H, KVH, max_keys);
 #define TILE_HEADS(FN)                                                                                                   \
     FN(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, H, KVH, D, P, window, scale,     \
