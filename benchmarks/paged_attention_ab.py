@@ -13,11 +13,12 @@ from memory, not cache), with the default model's shape (9 query heads, 3 KV hea
     decode      8 sequences at 1,400 tokens, one new row each (float32, float16 and fp8 pages), 1 sequence, and
                 64 sequences at 192 tokens (offline 64 x 128/128 halfway through its decode), 16 at 330 (16
                 streams late in a 128/128 request's decode and beyond); 8 at 1,400 and 32 at 1,200 whose
-                tables begin with the same 64 pages (a 1,024-token system prompt the prefix cache shares)
+                tables begin with the same 64 pages (a 1,024-token system prompt the prefix cache shares), and 8 at
+                1,040 that are almost all that prompt (its tile alone)
     prefill     8 sequences, 128 new rows each after a 1,272-token prefix (a multi-turn conversation's next turn)
     mixed       prefill chunks of 64 rows beside decode rows, contexts of 467-1,400 tokens
-    verify      a speculative verify pass's rows: 1, 2 and 4 rows of one sequence at 800 tokens (batch 1), and 16
-                sequences x 4 rows at 330
+    verify      a speculative verify pass's rows: 1, 2, 4 and 9 rows of one sequence at 800 tokens and 9 at 192
+                (batch 1), and 16 sequences x 4 rows at 330
 Each sequence's pages are consecutive, except in the cases marked scattered, whose pages lie in a random order
 through the pool, as a server's are.
 
@@ -92,6 +93,8 @@ CASES = {  # case()'s arguments
                                                                shared=1024),
     "decode 32 x 1,200 sharing 1,024, float16, scattered": dict(seqs=32, context=1200, new_rows=1, **F16_SCATTERED,
                                                                 shared=1024),
+    "decode 8 x 1,040 sharing 1,024, float16, scattered": dict(seqs=8, context=1040, new_rows=1, **F16_SCATTERED,
+                                                               shared=1024),
     "prefill 8 x 128 at 1,400, float32": dict(seqs=8, context=1400, new_rows=128, dtype=torch.float32),
     "prefill 8 x 128 at 1,400, float16": dict(seqs=8, context=1400, new_rows=128, dtype=torch.float16),
     "prefill 8 x 128 at 1,400, fp8": dict(seqs=8, context=1400, new_rows=128, dtype=torch.float8_e4m3fn),
@@ -100,6 +103,8 @@ CASES = {  # case()'s arguments
     "verify 1 x 1 at 800, float16": dict(seqs=1, context=800, new_rows=1, dtype=torch.float16),
     "verify 1 x 2 at 800, float16": dict(seqs=1, context=800, new_rows=2, dtype=torch.float16),
     "verify 1 x 4 at 800, float16": dict(seqs=1, context=800, new_rows=4, dtype=torch.float16),
+    "verify 1 x 9 at 192, float16": dict(seqs=1, context=192, new_rows=9, dtype=torch.float16),
+    "verify 1 x 9 at 800, float16": dict(seqs=1, context=800, new_rows=9, dtype=torch.float16),
     "verify 16 x 4 at 330, float16, scattered": dict(seqs=16, context=330, new_rows=4, **F16_SCATTERED),
 }
 
