@@ -299,3 +299,12 @@ def test_the_c_benchmarks_of_the_matmuls_build_against_the_kernel(tmp_path, prog
     built = subprocess.run([shutil.which("cc"), *flags, "-Wall", "-Werror", str(source), "-o", str(tmp_path / program), "-lm"],
                            capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-2000:]
+
+
+def test_the_port_mix_benchmark_builds(tmp_path):
+    """benchmarks/vnni_row_mix.c (the int4 tile's float steps beside its products, in cycles) stands alone: it builds
+    with the AVX-512 VNNI flags on any x86 compiler, whatever CPU runs the tests."""
+    source = Path(__file__).parents[2] / "benchmarks" / "vnni_row_mix.c"
+    built = subprocess.run([shutil.which("cc"), "-O2", *cpu_gemv.ISA_FLAGS["avx512_vnni"], "-Wall", "-Werror", str(source),
+                            "-o", str(tmp_path / "vnni_row_mix")], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-2000:]
