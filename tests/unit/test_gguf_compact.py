@@ -8,7 +8,7 @@ import torch
 
 from banyan import LLM, SamplingParams
 from banyan.config import EngineConfig, ModelConfig
-from banyan.kernels import cpu_gemv
+from banyan.kernels import cpu_argmax, cpu_decode, cpu_gemv
 from banyan.quantization.formats import INT8, Int4Weight, Int8Weight, WeightFormat
 from banyan.runner.weights import open_model
 from tests.unit.test_quantization import needs_gemv
@@ -64,11 +64,19 @@ def greedy_tokens(path, quantization, prompts):
 
 @pytest.fixture
 def without_cpu_kernels(monkeypatch):
-    """Layers dequantize per matmul: banyan's AVX2 kernel (which rounds x to int8) is switched off."""
+    """Layers dequantize per matmul: banyan's AVX2 kernel (which rounds x to int8) is switched off. Every binding
+    over its library forgets it before and after (else the attention, SiLU and argmax kernels stayed off for the
+    tests that followed in the same process, and a bf16 MLP test failed after this one)."""
     monkeypatch.setenv("BANYAN_DISABLE_CPU_KERNELS", "1")
-    cpu_gemv.load.cache_clear()
+    _forget_kernels()
     yield
-    cpu_gemv.load.cache_clear()
+    monkeypatch.delenv("BANYAN_DISABLE_CPU_KERNELS")
+    _forget_kernels()
+
+
+def _forget_kernels() -> None:
+    for binding in (cpu_gemv.load, cpu_decode._load, cpu_argmax._load):
+        binding.cache_clear()
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
