@@ -26,7 +26,8 @@ from banyan.quantization.linear import BF16_ROWS
 from banyan.quantization import (FILE_METHODS, default_method, finish_loading, model_weight_bytes, plan_formats,
                                  quantize_linears, use_fixed_order, why_not_invariant_by_default)
 from banyan.runner.cpu_step import CpuDecodeStep
-from banyan.runner.device import attention_backend, cpu_has_bf16_matmul, default_dtype, resolve_device, resolve_dtype
+from banyan.runner.device import (attention_backend, cpu_has_bf16_matmul, default_dtype, resolve_device, resolve_dtype,
+                                  without_random_init)
 from banyan.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from banyan.runner.drafter import NetworkDrafter
 from banyan.runner.host_malloc import keep_freed_heap
@@ -107,7 +108,7 @@ class ModelRunner:
         method = choice.method
         amx = self.device.type == "cpu" and cpu_has_bf16_matmul()  # bf16 copies for prefill, unless batch-invariant
         started = time.perf_counter()
-        with default_dtype(self.dtype), torch.device(self.device):
+        with default_dtype(self.dtype), torch.device(self.device), without_random_init():
             model = model_cls(self.shard, self.attn)
             plan = {} if method is None else plan_formats(model, method, model_config.quantization_group_size,
                                                           source.compact_formats(), fill=FP16 if choice.mix_fp16 else None)

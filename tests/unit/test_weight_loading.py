@@ -1,5 +1,6 @@
 """Weights load straight into their final dtype: a bf16 checkpoint loaded as bf16 never passes through a float32
-copy of any weight (on a GPU: read by safetensors onto the device, docs/gpu.md), and lands bit for bit."""
+copy of any weight (on a GPU: read by safetensors onto the device, docs/gpu.md), and lands bit for bit. Nothing is
+drawn at random on the way: the checkpoint fills every parameter."""
 
 from __future__ import annotations
 
@@ -13,6 +14,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from banyan.config import CacheConfig, EngineConfig, ModelConfig
 from banyan.engine.engine import Engine
 from tests.factories import write_model_dir
+
+
+class RandomFills(TorchDispatchMode):
+    """The random fills (aten uniform_ / normal_) any torch op makes while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.uniform_, torch.ops.aten.normal_):
+            self.calls.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 class Float32Outputs(TorchDispatchMode):
@@ -54,3 +68,18 @@ def test_a_bf16_checkpoint_loads_as_bf16_without_a_float32_copy(bf16_dir, caplog
     q, k, v = (stored[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
     assert torch.equal(params["model.layers.0.self_attn.qkv_proj.weight"], torch.cat([q, k, v]))
     assert runner.load_seconds > 0 and "loaded in" in caplog.text
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_loading_draws_no_random_weights_the_checkpoint_then_overwrites(bf16_dir, quantization):
+    """torch.nn's layers fill their weights at random when built (nn.Linear's kaiming_uniform_, nn.Embedding's
+    normal_); the runner builds its model without those fills (runner/device.py's without_random_init): the default
+    model's had cost 0.5-0.7 s of its start-up. Every parameter still comes from the checkpoint, bit for bit."""
+    config = EngineConfig(model=ModelConfig(model=str(bf16_dir), device="cpu", dtype="bfloat16", quantization=quantization),
+                          cache=CacheConfig(num_pages=16, block_size=16))
+    with RandomFills() as fills:
+        runner = Engine(config).runner
+    assert fills.calls == []
+    stored = load_file(str(bf16_dir / "model.safetensors"))
+    assert torch.equal(dict(runner.model.named_parameters())["model.norm.weight"], stored["model.norm.weight"])
+    assert torch.nn.Linear(4, 4).weight.abs().sum() > 0  # torch's own init is back outside the runner
