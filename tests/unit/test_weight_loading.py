@@ -74,7 +74,8 @@ def test_a_bf16_checkpoint_loads_as_bf16_without_a_float32_copy(bf16_dir, caplog
 def test_loading_draws_no_random_weights_the_checkpoint_then_overwrites(bf16_dir, quantization):
     """torch.nn's layers fill their weights at random when built (nn.Linear's kaiming_uniform_, nn.Embedding's
     normal_); the runner builds its model without those fills (runner/device.py's without_random_init): the default
-    model's had cost 0.5-0.7 s of its start-up. Every parameter still comes from the checkpoint, bit for bit."""
+    model's had cost 0.5-0.7 s of its start-up. The checkpoint still fills every parameter (load_weights refuses one
+    it lacks; a norm weight checked bit for bit here)."""
     config = EngineConfig(model=ModelConfig(model=str(bf16_dir), device="cpu", dtype="bfloat16", quantization=quantization),
                           cache=CacheConfig(num_pages=16, block_size=16))
     with RandomFills() as fills:
