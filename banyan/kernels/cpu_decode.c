@@ -225,7 +225,6 @@ static inline __m256 hsum8x8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* p[u] = scale * (the lanes of acc[u] added up) for u < n */
 /* p[u] = scores' lane u for u < n */
 static inline __attribute__((always_inline)) void store_first(__m256 scores, int n, float *p) {
     if (n == 8) {  /* the usual case: one store (a scalar copy through memory stalled on the store it reads) */
@@ -237,6 +236,7 @@ static inline __attribute__((always_inline)) void store_first(__m256 scores, int
     for (int u = 0; u < n; u++) p[u] = sums[u];
 }
 
+/* p[u] = scale * (the lanes of acc[u] added up) for u < n */
 static inline __attribute__((always_inline)) void store_scores(const __m256 acc[8], int n, float scale, float *p) {
     store_first(_mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)), n, p);
 }
