@@ -8,8 +8,9 @@ Each file is compiled (with this tree's cpu_attention.c; cc, the flags banyan bu
 own library and bound with `cpu_gemv.CpuKernels`, so both must have this tree's int4_gemv/int8_gemv signatures. A
 pass is the default model's 121 matmuls of one forward at that many rows of x: 30 layers of int4 (group 32) q/k/v
 (960 x 576), o (576 x 576), gate/up (3,072 x 576) and down (576 x 1,536), then the int8 lm_head (49,152 x 576), each
-its own random weights (so they come from memory, as a model's do; int4 scales exact in float16 and held as the model
-holds them here, CpuKernels.half_scales). A then B, alternating, `--rounds` times; prints
+its own random weights (so they come from memory, as a model's do; int4 scales exact in float16 and held in float16 as
+a model holds them, unless --scales says float32 for A or B: a kernel from before 2026-12-07 on an AMX CPU read them
+so). A then B, alternating, `--rounds` times; prints
 the medians, A/B (above 1: B faster) and the largest difference of their outputs (0 where B keeps A's bits).
 """
 
@@ -38,20 +39,15 @@ def build(source: str, out: Path, isa: str) -> cpu_gemv.CpuKernels:
     return cpu_gemv.CpuKernels(ctypes.CDLL(str(out)), isa)
 
 
-def random_int4(n: int, k: int, gen: torch.Generator) -> cpu_gemv.InterleavedInt4:
+def random_int4(n: int, k: int, gen: torch.Generator, half_scales: bool) -> cpu_gemv.InterleavedInt4:
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
     scale = (torch.rand(n, k // GROUP, generator=gen) * 0.02).half().float()  # exact in float16, as a GGUF file's
-    return cpu_gemv.interleave_int4(packed, scale, -8 * scale, GROUP, half_scales=lib_half_scales())
+    return cpu_gemv.interleave_int4(packed, scale, -8 * scale, GROUP, half_scales=half_scales)
 
 
-def lib_half_scales() -> bool:
-    """Whether this tree's kernels keep int4 scales in float16 (CpuKernels.half_scales): as a model's weights."""
-    return cpu_gemv.load().half_scales
-
-
-def model_weights() -> tuple[list[cpu_gemv.InterleavedInt4], cpu_gemv.InterleavedInt8]:
+def model_weights(half_scales: bool) -> tuple[list[cpu_gemv.InterleavedInt4], cpu_gemv.InterleavedInt8]:
     gen = torch.Generator().manual_seed(0)
-    layers = [random_int4(n, k, gen) for _ in range(LAYERS) for n, k in SHAPES]
+    layers = [random_int4(n, k, gen, half_scales) for _ in range(LAYERS) for n, k in SHAPES]
     q = torch.randint(-127, 128, (VOCAB, HIDDEN), dtype=torch.int8, generator=gen)
     return layers, cpu_gemv.interleave_int8(q, torch.rand(VOCAB, generator=gen) * 0.01)
 
@@ -69,22 +65,24 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,6,8,16,32,64")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--scales", default="half,half",
+                        help="A's and B's int4 scales: half (float16, as a model holds them) or float32")
     parser.add_argument("--isa", choices=tuple(cpu_gemv.ISA_FLAGS), default=cpu_gemv.builds_for_this_cpu()[0],
                         help="the build to compare (default: this CPU's best; avx2 measures the fallback)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    layers, lm_head = model_weights()
+    weights = [model_weights({"half": True, "float32": False}[kind]) for kind in args.scales.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         libs = [build(args.a, Path(tmp) / "a.so", args.isa), build(args.b, Path(tmp) / "b.so", args.isa)]
-        print(f"{args.threads} threads, {args.rounds} rounds, {len(layers) + 1} matmuls a pass, isa {libs[0].isa} "
-              f"(tiles {libs[0].tiles}); A = {args.a}, B = {args.b}")
+        print(f"{args.threads} threads, {args.rounds} rounds, {len(weights[0][0]) + 1} matmuls a pass, isa {libs[0].isa} "
+              f"(tiles {libs[0].tiles}); A = {args.a}, B = {args.b}, int4 scales {args.scales}")
         for rows in map(int, args.rows.split(",")):
             xs = {k: torch.randn(rows, k) for k in (HIDDEN, INTERMEDIATE)}
             times, outputs = [[], []], []
             for round_ in range(args.rounds):
                 for i, lib in enumerate(libs):
                     start = time.perf_counter()
-                    out = one_pass(lib, layers, lm_head, xs, keep=round_ == 0)
+                    out = one_pass(lib, *weights[i], xs, keep=round_ == 0)
                     times[i].append(time.perf_counter() - start)
                     if round_ == 0:
                         outputs.append(out)

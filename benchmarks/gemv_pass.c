@@ -9,8 +9,8 @@
  * kernel, a path from this directory or an absolute one). A pass: 30 layers of int4 (groups of 32) q/k/v
  * (960 x 576), o (576 x 576), gate/up (3,072 x 576) and down (576 x 1,536), each its own random weights (80 MB with
  * their scales, so they come from memory, as a model's do), then the int8 lm_head (49,152 x 576). Prints the best of
- * 10 passes at each row count. int4 scales and offsets are float16, as a model holds them where no AMX tiles serve it
- * (-DFLOAT32_SCALES for float32 ones). */
+ * 10 passes at each row count. int4 scales and offsets are float16, as a model holds them (-DFLOAT32_SCALES for
+ * float32 ones). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -244,10 +244,6 @@ static inline __m512i load_pair_si(const uint8_t *a, const uint8_t *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
                               _mm256_loadu_si256((const __m256i *)b), 1);
 }
-static inline __m512 load_pair_ps(const float *a, const float *b) {
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(a))),
-                                               _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
-}
 /* load_scales8 of elements i (lanes 0-7) and j (lanes 8-15) */
 static inline __m512 load_pair_scales(const void *p, size_t i, size_t j, int half) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(load_scales8(p, i, half))),
@@ -513,20 +509,20 @@ static void amx_pack_x(const int8_t *xq, int8_t *xa, int m0, int m_end, int K) {
 /* Block b's 16 x 16 integers (dots) into the accumulators, with the float steps of int4_tile16 (bits 4: acc += dot *
  * (s * xs) a block, off += o * xsum a group) or int8_tile16 (bits 8: dot + x's correction, acc += dot * xs). */
 static inline __attribute__((always_inline)) void amx_scale_block(const int bits, const int b, const int32_t *dots,
-                                                                  __m512 *acc, __m512 *off, const float *s8,
-                                                                  const float *s1, const float *o8, const float *o1,
+                                                                  __m512 *acc, __m512 *off, const void *s8,
+                                                                  const void *o8, const int half, const size_t next,
                                                                   const float *xscale, const float *xsum, int blocks,
                                                                   int per_group) {
     if (bits == 4) {
         const int g = b / per_group;
-        const __m512 sg = load_pair_ps(s8 + 8 * g, s1 + 8 * g);
+        const __m512 sg = load_pair_scales(s8, 8 * (size_t)g, next + 8 * g, half);
 #pragma GCC unroll 16
         for (int r = 0; r < AMX_ROWS; r++) {
             const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots + 16 * r));
             acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sg, _mm512_set1_ps(xscale[(size_t)r * blocks + b])), acc[r]);
         }
         if ((b + 1) % per_group == 0) {
-            const __m512 og = load_pair_ps(o8 + 8 * g, o1 + 8 * g);
+            const __m512 og = load_pair_scales(o8, 8 * (size_t)g, next + 8 * g, half);
 #pragma GCC unroll 16
             for (int r = 0; r < AMX_ROWS; r++)
                 off[r] = _mm512_fmadd_ps(og, _mm512_set1_ps(xsum[(size_t)r * blocks + g]), off[r]);
@@ -545,12 +541,12 @@ static inline __attribute__((always_inline)) void amx_scale_block(const int bits
 /* 16 rows of x against the pair in wb (amx_unpack) into y. Three blocks in flight: while block b - 1's integers are
  * scaled, block b's leave their tile for memory and block b + 1's are multiplied (a tile's store reaches the vector
  * loads only through the cache, so its integers are read one block later). */
-static inline __attribute__((always_inline)) void amx_tile16(const int bits, const uint8_t *wb, const float *s8,
-                                                             const float *o8, const int8_t *xa, const float *xscale,
-                                                             const float *xsum, float *y, int ldy, int K, int groups,
-                                                             int per_group) {
+static inline __attribute__((always_inline)) void amx_tile16(const int bits, const uint8_t *wb, const void *s8,
+                                                             const void *o8, const int half, const int8_t *xa,
+                                                             const float *xscale, const float *xsum, float *y, int ldy,
+                                                             int K, int groups, int per_group) {
     const int blocks = K / 32;
-    const float *s1 = bits == 4 ? s8 + (size_t)groups * 8 : NULL, *o1 = bits == 4 ? o8 + (size_t)groups * 8 : NULL;
+    const size_t next = (size_t)groups * 8;  /* group G + 1's scales and offsets follow G's (int4) */
     int32_t dots[2][256] __attribute__((aligned(64)));
     __m512 acc[AMX_ROWS], off[AMX_ROWS];
     for (int r = 0; r < AMX_ROWS; r++) acc[r] = off[r] = _mm512_setzero_ps();
@@ -564,10 +560,11 @@ static inline __attribute__((always_inline)) void amx_tile16(const int bits, con
             if (b + 1 < blocks) AMX_ISSUE(1, 3, 5, b + 1);
         }
         if (b > 0)
-            amx_scale_block(bits, b - 1, dots[(b - 1) & 1], acc, off, s8, s1, o8, o1, xscale, xsum, blocks, per_group);
+            amx_scale_block(bits, b - 1, dots[(b - 1) & 1], acc, off, s8, o8, half, next, xscale, xsum, blocks, per_group);
     }
-    amx_scale_block(bits, blocks - 1, dots[(blocks - 1) & 1], acc, off, s8, s1, o8, o1, xscale, xsum, blocks, per_group);
-    const __m512 scale = _mm512_loadu_ps(s8);
+    amx_scale_block(bits, blocks - 1, dots[(blocks - 1) & 1], acc, off, s8, o8, half, next, xscale, xsum, blocks,
+                    per_group);
+    const __m512 scale = _mm512_loadu_ps((const float *)s8);  /* int8's row scales: float32 */
     for (int r = 0; r < AMX_ROWS; r++)
         _mm512_storeu_ps(y + (size_t)ldy * r, bits == 4 ? _mm512_add_ps(acc[r], off[r]) : _mm512_mul_ps(acc[r], scale));
 }
@@ -580,17 +577,17 @@ static inline __attribute__((always_inline)) void amx_tile16(const int bits, con
         const int blocks = K / 32;                                                                                 \
         amx_unpack(BITS, wp, wp1, wb, blocks);                                                                     \
         for (; m + AMX_ROWS <= m_end; m += AMX_ROWS)                                                               \
-            amx_tile16(BITS, wb, s8, o8, xa + (size_t)(m - m0) * K, xscale + (size_t)m * blocks,                     \
+            amx_tile16(BITS, wb, s8, o8, half, xa + (size_t)(m - m0) * K, xscale + (size_t)m * blocks,               \
                        xsum + (size_t)m * blocks,                                                                  \
                        y + (size_t)m * N, N, K, groups, per_group);                                                \
         return m;                                                                                                  \
     }
-static __attribute__((noinline)) int amx_rows_int4(const uint8_t *wp, const uint8_t *wp1, uint8_t *wb, const float *s8,
-                                                   const float *o8, const int8_t *xa, int m0, const float *xscale,
+static __attribute__((noinline)) int amx_rows_int4(const uint8_t *wp, const uint8_t *wp1, uint8_t *wb, const void *s8,
+                                                   const void *o8, const int half, const int8_t *xa, int m0, const float *xscale,
                                                    const float *xsum, float *y, int m, int m_end, int N, int K,
                                                    int groups, int per_group) AMX_ROWS_LOOP(4)
-static __attribute__((noinline)) int amx_rows_int8(const uint8_t *wp, const uint8_t *wp1, uint8_t *wb, const float *s8,
-                                                   const float *o8, const int8_t *xa, int m0, const float *xscale,
+static __attribute__((noinline)) int amx_rows_int8(const uint8_t *wp, const uint8_t *wp1, uint8_t *wb, const void *s8,
+                                                   const void *o8, const int half, const int8_t *xa, int m0, const float *xscale,
                                                    const float *xsum, float *y, int m, int m_end, int N, int K,
                                                    int groups, int per_group) AMX_ROWS_LOOP(8)
 #else
@@ -686,7 +683,7 @@ static inline __attribute__((always_inline)) void multiply_groups(
 
 /* y [M, N] = x [M, K] W^T, W 4-bit (bits 4) or 8-bit (bits 8, group 32, offset NULL) in its layout above, K a
  * multiple of the group (a multiple of 32); half: int4's scales and offsets are float16 (load_scales8), else float32
- * (int8's always; AMX tiles take float32 only, so half weights keep to the vector path). scratch: M * K bytes + 2 * M * K / 32 floats, for x as int8 blocks
+ * (int8's always). scratch: M * K bytes + 2 * M * K / 32 floats, for x as int8 blocks
  * (quantize_rows). Each thread takes its own range of row groups through every pass over x (and, STEAL_WORK, what
  * is left of the others'); from PAIR_ROWS rows of x, two row groups a vector where built for AVX-512. A tile stores a
  * row group's columns straight into y's rows (ldy: y's row stride); only a group cut short by N's end goes through a
@@ -700,7 +697,7 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
     int8_t *xq = (int8_t *)(xsum + (size_t)M * blocks);
     const int parallel_quantize = M >= PARALLEL_QUANTIZE_ROWS;
     if (!parallel_quantize) prepare_x(bits, x, xq, xscale, xsum, 0, M, K, groups, per_group);
-    const int tiles = AMX && use_tiles && M >= AMX_ROWS && !half, step = tiles ? AMX_ROWS : TILE_ROWS;
+    const int tiles = AMX && use_tiles && M >= AMX_ROWS, step = tiles ? AMX_ROWS : TILE_ROWS;
     int pass = PASS_BYTES / K / step * step;
     if (pass < step) pass = step;
 #if STEAL_WORK
@@ -763,8 +760,7 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
                     const size_t scale_bytes = half ? 2 : 4;
                     const void *s8 = (const char *)scale + (size_t)G * group_scales * scale_bytes;
                     const void *o8 = bits == 4 ? (const char *)offset + (size_t)G * group_scales * scale_bytes : NULL;
-                    m = (bits == 4 ? amx_rows_int4 : amx_rows_int8)(wp, wp + group_bytes, wb, (const float *)s8,
-                                                                    (const float *)o8, xa, m0, xscale,
+                    m = (bits == 4 ? amx_rows_int4 : amx_rows_int8)(wp, wp + group_bytes, wb, s8, o8, half, xa, m0, xscale,
                                                                     xsum, y + 8 * G, m, m_end, N, K, groups, per_group);
                 }
 #endif

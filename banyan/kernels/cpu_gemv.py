@@ -65,12 +65,6 @@ class CpuKernels:
         self.tiles = bool(lib.cpu_gemv_tiles(int(self.amx_allowed)))
 
     @property
-    def half_scales(self) -> bool:
-        """Whether int4 weights for this library keep float16 scales and offsets where exact (interleave_int4): not
-        where AMX tiles may serve them, which read float32 ones."""
-        return not self.amx_allowed
-
-    @property
     def amx_allowed(self) -> bool:
         """This library was built for AMX and BANYAN_DISABLE_AMX is not 1: what every AMX path here asks first."""
         return self.isa == "amx" and os.environ.get("BANYAN_DISABLE_AMX") != "1"

@@ -247,8 +247,7 @@ class QuantizedLinear(nn.Module):
         w.q = w.zero = None  # the unpacked values take twice the packed size
         self._matmul = self._int4_dequant
         if gemv is not None:  # it serves every row count: only its layout is kept, and no path reads the blocks
-            self.interleaved = cpu_gemv.interleave_int4(self.packed, w.scale, self.offset, self.fmt.group_size,
-                                                        half_scales=gemv.half_scales)
+            self.interleaved = cpu_gemv.interleave_int4(self.packed, w.scale, self.offset, self.fmt.group_size)
             self.packed = self.offset = w.scale = None
             self._matmul = self._int4_gemv
 
