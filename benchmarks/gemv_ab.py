@@ -74,8 +74,8 @@ def main() -> None:
     weights = [model_weights({"half": True, "float32": False}[kind]) for kind in args.scales.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         libs = [build(args.a, Path(tmp) / "a.so", args.isa), build(args.b, Path(tmp) / "b.so", args.isa)]
-        print(f"{args.threads} threads, {args.rounds} rounds, {len(weights[0][0]) + 1} matmuls a pass, isa {libs[0].isa} "
-              f"(tiles {libs[0].tiles}); A = {args.a}, B = {args.b}, int4 scales {args.scales}")
+        print(f"{args.threads} threads, {args.rounds} rounds, {len(weights[0][0]) + 1} matmuls a pass, "
+              f"isa {libs[0].isa} (tiles {libs[0].tiles}); A = {args.a}, B = {args.b}, int4 scales {args.scales}")
         for rows in map(int, args.rows.split(",")):
             xs = {k: torch.randn(rows, k) for k in (HIDDEN, INTERMEDIATE)}
             times, outputs = [[], []], []

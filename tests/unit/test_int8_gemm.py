@@ -310,3 +310,17 @@ def test_the_port_mix_benchmark_builds(tmp_path):
     built = subprocess.run([shutil.which("cc"), "-O2", *cpu_gemv.ISA_FLAGS["avx512_vnni"], "-Wall", "-Werror", str(source),
                             "-o", str(tmp_path / "vnni_row_mix")], capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-2000:]
+
+
+def test_the_amx_overlap_benchmark_builds(tmp_path):
+    """benchmarks/amx_overlap.c (whether tile instructions run beside AVX-512 work, in cycles) stands alone: it builds
+    with -Wall -Werror wherever the compiler knows the AMX flags, whatever CPU runs the tests."""
+    source = Path(__file__).parents[2] / "benchmarks" / "amx_overlap.c"
+    flags = ["-O2", "-mavx512f", "-mamx-tile", "-mamx-int8"]
+    probe = subprocess.run([shutil.which("cc"), *flags, "-x", "c", "-c", "-", "-o", str(tmp_path / "probe.o")],
+                           input="int main(void) { return 0; }", capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"the compiler does not know the AMX flags: {probe.stderr[-200:]}")
+    built = subprocess.run([shutil.which("cc"), *flags, "-Wall", "-Werror", str(source), "-o",
+                            str(tmp_path / "amx_overlap")], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-2000:]
