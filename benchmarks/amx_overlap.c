@@ -17,6 +17,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_clock.h"
+
 #define N 10000000L
 #define FMA4(a, b, c, d)                                                                                            \
     "vfmadd231ps %%zmm20, %%zmm21, %%zmm" #a "\n vfmadd231ps %%zmm20, %%zmm21, %%zmm" #b "\n"                       \
@@ -44,19 +46,6 @@ static int8_t a[65 * 512] __attribute__((aligned(64)));
 static uint8_t b[65 * 512] __attribute__((aligned(64)));
 static int32_t dots[2][256] __attribute__((aligned(64)));
 
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-static double clock_ghz(void) {
-    unsigned long x = 0;
-    const double start = now();
-    for (long i = 0; i < 4 * N; i++) __asm__ volatile("add $1, %0" : "+r"(x));
-    return 4 * N / (now() - start) * 1e-9;
-}
-
 int main(void) {
     if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) {
         puts("Linux does not grant the AMX tile state here");
@@ -70,7 +59,7 @@ int main(void) {
         config.colsb[t] = t == 2 || t == 3 ? 32 : 64;
     }
     _tile_loadconfig(&config);
-    const double ghz = clock_ghz();
+    const double ghz = clock_hz() * 1e-9;
     printf("clock %.2f GHz; cycles a block (or loop):\n", ghz);
 #define TIME(LABEL, BODY)                                                                                           \
     do {                                                                                                            \

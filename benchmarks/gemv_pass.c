@@ -20,6 +20,7 @@
 #define KERNEL "../banyan/kernels/cpu_gemv.c"
 #endif
 #include KERNEL
+#include "bench_clock.h"
 
 #ifdef FLOAT32_SCALES
 #define HALF 0
@@ -53,11 +54,6 @@ static Weights random_weights(int n, int k, int bits) {
     return w;
 }
 
-static double seconds(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + 1e-9 * t.tv_nsec;
-}
 
 int main(int argc, char **argv) {
     const int threads = argc > 1 ? atoi(argv[1]) : 1, shapes[4][2] = {{960, 576}, {576, 576}, {3072, 576}, {576, 1536}};
@@ -73,13 +69,13 @@ int main(int argc, char **argv) {
         const int m = rows[r];
         double int4_best = 1e9, int8_best = 1e9;
         for (int pass = 0; pass < 10; pass++) {
-            const double start = seconds();
+            const double start = now();
             for (int i = 0; i < 120; i++)
                 int4_gemv(x, scratch, layers[i].packed, layers[i].scale, layers[i].offset, HALF, y, m, layers[i].n,
                           layers[i].k, 32, threads);
-            const double middle = seconds();
+            const double middle = now();
             int8_gemv(x, scratch, head.packed, head.scale, y, m, head.n, head.k, threads);
-            const double end = seconds();
+            const double end = now();
             if (middle - start < int4_best) int4_best = middle - start;
             if (end - middle < int8_best) int8_best = end - middle;
         }

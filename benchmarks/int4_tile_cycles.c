@@ -18,22 +18,7 @@
 #include <time.h>
 
 #include "../banyan/kernels/cpu_gemv.c"
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-static double clock_hz(void) {
-    const long n = 200000000;
-    long c = 1;
-    const double start = now();
-    for (long i = 0; i < n; i++)
-        __asm__ volatile("add %0,%0\n add %0,%0\n add %0,%0\n add %0,%0\n add %0,%0\n"
-                         "add %0,%0\n add %0,%0\n add %0,%0\n add %0,%0\n add %0,%0\n" : "+r"(c));
-    return n * 10.0 / (now() - start);
-}
+#include "bench_clock.h"
 
 #define TWELVE(OP) OP " %12,%0,%0\n" OP " %12,%1,%1\n" OP " %12,%2,%2\n" OP " %12,%3,%3\n" OP " %12,%4,%4\n" \
     OP " %12,%5,%5\n" OP " %12,%6,%6\n" OP " %12,%7,%7\n" OP " %12,%8,%8\n" OP " %12,%9,%9\n" OP " %12,%10,%10\n" \

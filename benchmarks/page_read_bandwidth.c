@@ -19,11 +19,7 @@
 #define CHUNK 6144
 #define CHUNKS 20000
 
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
+#include "bench_clock.h"
 
 /* the chunks in `order`, two threads, `ahead` chunks a thread fetched ahead (0: none); returns GB/s */
 static double read_chunks(const char *buf, const uint32_t *order, int ahead, float *sink) {
