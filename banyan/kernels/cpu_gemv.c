@@ -417,19 +417,24 @@ static inline __attribute__((always_inline)) void int8_tile16(const int R, const
 #endif
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__) && defined(__AVX512F__)
-/* AMX tiles (Intel Xeon from Sapphire Rapids) for calls of 16 rows of x and more: one `tdpbsud` multiplies a block
+/* AMX tiles (Intel Xeon from Sapphire Rapids) for calls of AMX_MIN_ROWS rows of x and more: one `tdpbsud` multiplies a block
  * of 32 k's of 16 rows of x (tile A, int8, signed) by the same block of 16 weight rows (tile B, unsigned: int4's
  * nibbles, int8's q + 128) into 16 x 16 exact int32 dot products (tile C), where int4_tile16 took 128 `vpdpbusd`.
  * B's rows are the block's 8 chunks as int4_tile16 unpacks them into registers (row c, bytes 4n + j: weight row n's
  * k = 32b + 4c + j), unpacked once per pair of row groups and pass over x (amx_unpack), so every tile of x rows in
  * the pass reuses them. From each block's integers on, a lane takes int4_tile16's (int8_tile16's) float steps in
  * their order, so a row's bits are those of the vector path: a call may mix both, and a row's result still does
- * not depend on the other rows. Linux hands tiles to a process that asks (cpu_gemv_tiles). */
+ * not depend on the other rows. Linux hands tiles to a process that asks (cpu_gemv_tiles).
+ * The tile unit and the vector units take turns on the AMX Xeon here (benchmarks/amx_overlap.c), so a block's tile
+ * work and its float steps add up; since the vector path's float16 scales and pairs, calls of 16-31 rows ran faster
+ * on it: offline decode steps of 16 / 24 rows 1.02x / 1.045x with the tiles off (6 rounds, in process), 32-40 rows
+ * level, 48-64 rows 1.04-1.07x with them on (docs/quantization.md, "CPUs with AMX"). */
 #include <stdlib.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #define AMX 1
 #define AMX_ROWS 16
+#define AMX_MIN_ROWS 32
 static int use_tiles = 0;
 
 /* Whether Linux lets this process use the tile state (asked once; cpu_decode.c's flash attention asks here too). */
@@ -593,6 +598,7 @@ static __attribute__((noinline)) int amx_rows_int8(const uint8_t *wp, const uint
 #else
 #define AMX 0
 #define AMX_ROWS 16
+#define AMX_MIN_ROWS 32
 static const int use_tiles = 0;
 int cpu_gemv_tiles(int on) { (void)on; return 0; }
 #endif
@@ -697,7 +703,7 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
     int8_t *xq = (int8_t *)(xsum + (size_t)M * blocks);
     const int parallel_quantize = M >= PARALLEL_QUANTIZE_ROWS;
     if (!parallel_quantize) prepare_x(bits, x, xq, xscale, xsum, 0, M, K, groups, per_group);
-    const int tiles = AMX && use_tiles && M >= AMX_ROWS, step = tiles ? AMX_ROWS : TILE_ROWS;
+    const int tiles = AMX && use_tiles && M >= AMX_MIN_ROWS, step = tiles ? AMX_ROWS : TILE_ROWS;
     int pass = PASS_BYTES / K / step * step;
     if (pass < step) pass = step;
 #if STEAL_WORK

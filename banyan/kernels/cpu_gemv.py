@@ -12,7 +12,7 @@ rows (tests/unit/test_quantization.py), unlike torch's float GEMMs and SDPA, who
 The library is compiled on first use with the system C compiler (`cc -O3 -mavx2 -mfma -mf16c -fopenmp`, about
 a second; with `-mavx512vnni` and its companions too where /proc/cpuinfo lists avx512_vnni, so the integer dot
 products are `vpdpbusd`, giving the same integers; and `-mamx-tile -mamx-int8` where it lists amx_int8, so calls of
-16 rows and more multiply 16 x 16 blocks in AMX tiles, the same integers again) into ~/.cache/banyan/kernels (or $BANYAN_CACHE_DIR/kernels),
+32 rows and more multiply 16 x 16 blocks in AMX tiles, the same integers again) into ~/.cache/banyan/kernels (or $BANYAN_CACHE_DIR/kernels),
 named by a hash of the sources and flags, and loaded with ctypes; its OpenMP calls run on the libgomp torch has
 already loaded.
 Without a compiler, or on a CPU without AVX2, `load()` returns None and callers dequantize instead.
@@ -61,7 +61,7 @@ class CpuKernels:
         self._lib = lib
         self.max_rows = lib.gemv_max_rows()
         lib.cpu_gemv_tiles.argtypes = [i]
-        # AMX tiles for calls of 16 rows and more, unless turned off (the vector path's bits either way)
+        # AMX tiles for calls of 32 rows and more, unless turned off (the vector path's bits either way)
         self.tiles = bool(lib.cpu_gemv_tiles(int(self.amx_allowed)))
 
     @property

@@ -256,12 +256,13 @@ def with_and_without_tiles():
     return both
 
 
-@pytest.mark.parametrize("m, n, k, group", [(16, 16, 32, 32), (33, 33, 576, 32), (64, 48, 1536, 64), (47, 17, 96, 32),
+@pytest.mark.parametrize("m, n, k, group", [(32, 16, 32, 32), (33, 33, 576, 32), (64, 48, 1536, 64), (47, 17, 96, 32),
                                             (100, 40, 256, 128), (200, 24, 1536, 32)])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("half", [False, True])
 def test_amx_tiles_give_the_vector_paths_bits(m, n, k, group, threads, half, with_and_without_tiles):
-    """With AMX, 16 rows of x at a time against 16 weight rows go through one tile product a block; the remaining
+    """With AMX, in calls of 32 rows and more, 16 rows of x at a time against 16 weight rows go through one tile
+    product a block; the remaining
     rows, a row group without its partner and N's ragged end through the vector path. Every row keeps the vector
     path's bits: odd block counts (the tiles alternate two sets), groups of 1, 2 and 4 blocks, passes over x of
     several tiles (1536 inputs, 200 rows), any thread split, and int4 scales held in float32 or float16."""
