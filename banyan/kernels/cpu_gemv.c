@@ -417,9 +417,10 @@ static inline __attribute__((always_inline)) void int8_tile16(const int R, const
 #endif
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__) && defined(__AVX512F__)
-/* AMX tiles (Intel Xeon from Sapphire Rapids) for calls of AMX_MIN_ROWS rows of x and more: one `tdpbsud` multiplies a block
- * of 32 k's of 16 rows of x (tile A, int8, signed) by the same block of 16 weight rows (tile B, unsigned: int4's
- * nibbles, int8's q + 128) into 16 x 16 exact int32 dot products (tile C), where int4_tile16 took 128 `vpdpbusd`.
+/* AMX tiles (Intel Xeon from Sapphire Rapids) for calls of AMX_MIN_ROWS rows of x and more: one `tdpbsud` multiplies
+ * a block of 32 k's of 16 rows of x (tile A, int8, signed) by the same block of 16 weight rows (tile B, unsigned:
+ * int4's nibbles, int8's q + 128) into 16 x 16 exact int32 dot products (tile C), where int4_tile16 took 128
+ * `vpdpbusd`.
  * B's rows are the block's 8 chunks as int4_tile16 unpacks them into registers (row c, bytes 4n + j: weight row n's
  * k = 32b + 4c + j), unpacked once per pair of row groups and pass over x (amx_unpack), so every tile of x rows in
  * the pass reuses them. From each block's integers on, a lane takes int4_tile16's (int8_tile16's) float steps in
@@ -565,7 +566,8 @@ static inline __attribute__((always_inline)) void amx_tile16(const int bits, con
             if (b + 1 < blocks) AMX_ISSUE(1, 3, 5, b + 1);
         }
         if (b > 0)
-            amx_scale_block(bits, b - 1, dots[(b - 1) & 1], acc, off, s8, o8, half, next, xscale, xsum, blocks, per_group);
+            amx_scale_block(bits, b - 1, dots[(b - 1) & 1], acc, off, s8, o8, half, next, xscale, xsum, blocks,
+                            per_group);
     }
     amx_scale_block(bits, blocks - 1, dots[(blocks - 1) & 1], acc, off, s8, o8, half, next, xscale, xsum, blocks,
                     per_group);
@@ -588,13 +590,13 @@ static inline __attribute__((always_inline)) void amx_tile16(const int bits, con
         return m;                                                                                                  \
     }
 static __attribute__((noinline)) int amx_rows_int4(const uint8_t *wp, const uint8_t *wp1, uint8_t *wb, const void *s8,
-                                                   const void *o8, const int half, const int8_t *xa, int m0, const float *xscale,
-                                                   const float *xsum, float *y, int m, int m_end, int N, int K,
-                                                   int groups, int per_group) AMX_ROWS_LOOP(4)
+                                                   const void *o8, const int half, const int8_t *xa, int m0,
+                                                   const float *xscale, const float *xsum, float *y, int m, int m_end,
+                                                   int N, int K, int groups, int per_group) AMX_ROWS_LOOP(4)
 static __attribute__((noinline)) int amx_rows_int8(const uint8_t *wp, const uint8_t *wp1, uint8_t *wb, const void *s8,
-                                                   const void *o8, const int half, const int8_t *xa, int m0, const float *xscale,
-                                                   const float *xsum, float *y, int m, int m_end, int N, int K,
-                                                   int groups, int per_group) AMX_ROWS_LOOP(8)
+                                                   const void *o8, const int half, const int8_t *xa, int m0,
+                                                   const float *xscale, const float *xsum, float *y, int m, int m_end,
+                                                   int N, int K, int groups, int per_group) AMX_ROWS_LOOP(8)
 #else
 #define AMX 0
 #define AMX_ROWS 16
@@ -766,8 +768,9 @@ static inline __attribute__((always_inline)) void interleaved_gemv(const int bit
                     const size_t scale_bytes = half ? 2 : 4;
                     const void *s8 = (const char *)scale + (size_t)G * group_scales * scale_bytes;
                     const void *o8 = bits == 4 ? (const char *)offset + (size_t)G * group_scales * scale_bytes : NULL;
-                    m = (bits == 4 ? amx_rows_int4 : amx_rows_int8)(wp, wp + group_bytes, wb, s8, o8, half, xa, m0, xscale,
-                                                                    xsum, y + 8 * G, m, m_end, N, K, groups, per_group);
+                    m = (bits == 4 ? amx_rows_int4 : amx_rows_int8)(wp, wp + group_bytes, wb, s8, o8, half, xa, m0,
+                                                                    xscale, xsum, y + 8 * G, m, m_end, N, K, groups,
+                                                                    per_group);
                 }
 #endif
                 /* the rows AMX left (or all): this group, or its pair where it starts one */
