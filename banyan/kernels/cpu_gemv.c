@@ -416,6 +416,8 @@ static inline __attribute__((always_inline)) void int8_tile16(const int R, const
 }
 #endif
 
+#define AMX_ROWS 16     /* rows of x a tile takes (and a pass rounds to where tiles serve) */
+#define AMX_MIN_ROWS 32 /* calls of fewer rows keep the vector path (the comment below) */
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__) && defined(__AVX512F__)
 /* AMX tiles (Intel Xeon from Sapphire Rapids) for calls of AMX_MIN_ROWS rows of x and more: one `tdpbsud` multiplies
  * a block of 32 k's of 16 rows of x (tile A, int8, signed) by the same block of 16 weight rows (tile B, unsigned:
@@ -434,8 +436,6 @@ static inline __attribute__((always_inline)) void int8_tile16(const int R, const
 #include <sys/syscall.h>
 #include <unistd.h>
 #define AMX 1
-#define AMX_ROWS 16
-#define AMX_MIN_ROWS 32
 static int use_tiles = 0;
 
 /* Whether Linux lets this process use the tile state (asked once; cpu_decode.c's flash attention asks here too). */
@@ -599,8 +599,6 @@ static __attribute__((noinline)) int amx_rows_int8(const uint8_t *wp, const uint
                                                    int N, int K, int groups, int per_group) AMX_ROWS_LOOP(8)
 #else
 #define AMX 0
-#define AMX_ROWS 16
-#define AMX_MIN_ROWS 32
 static const int use_tiles = 0;
 int cpu_gemv_tiles(int on) { (void)on; return 0; }
 #endif
