@@ -1329,6 +1329,9 @@ static void flash_configure(void) {
     tile_config_bf16 c = {0};
     c.palette = 1;
     for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    /* GCC's _tile_loadconfig names 8 bytes of the config as its operand, so the compiler may drop the stores of
+     * the rest (cpu_decode.c lost them where inlined: ldtilecfg read stale stack bytes as rows and faulted): all 64 */
+    __asm__ volatile("" : : "m"(c));
     _tile_loadconfig(&c);
 }
 

@@ -466,6 +466,9 @@ static void amx_configure(void) {
         c.rows[t] = t >= 4 ? 8 : 16;
         c.colsb[t] = t == 2 || t == 3 ? 32 : 64;
     }
+    /* GCC's _tile_loadconfig names 8 bytes of the config as its operand, so the compiler may drop the stores of
+     * the rest (cpu_decode.c lost them where inlined: ldtilecfg read stale stack bytes as rows and faulted): all 64 */
+    __asm__ volatile("" : : "m"(c));
     _tile_loadconfig(&c);
 }
 
