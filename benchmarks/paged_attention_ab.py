@@ -52,7 +52,7 @@ def build(source: str, out: Path) -> cpu_decode.DecodeKernels:
     # cpu_gemv.c beside it: the AMX paths ask it whether Linux grants the tiles (amx_tiles_granted)
     gemv = str(cpu_gemv.SOURCES[0])
     subprocess.run(["cc", *cpu_gemv.FLAGS, *cpu_gemv.ISA_FLAGS[isa], source, gemv, "-o", str(out), "-lm"], check=True)
-    return cpu_decode.DecodeKernels(ctypes.CDLL(str(out)))
+    return cpu_decode.DecodeKernels(ctypes.CDLL(str(out)), amx_bf16=cpu_decode.kernels_for(torch.device("cpu"), torch.float32).amx_bf16)
 
 
 def case(seqs: int, context: int, new_rows: int, dtype: torch.dtype, mixed: bool = False, scattered: bool = False,
@@ -124,8 +124,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--only", default="", help="the cases whose name contains this (default: all)")
+    parser.add_argument("--bf16-tiles", default="0,0", help="A's and B's paged_attention bf16_tiles (1: shared prompts "
+                        "on AMX-BF16 tiles where the CPU has them), e.g. 0,1 with the same file twice")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    tiles = [flag.strip() == "1" for flag in args.bf16_tiles.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         kernels = [build(args.a, Path(tmp) / "a.so"), build(args.b, Path(tmp) / "b.so")]
         print(f"{args.threads} threads, {args.rounds} rounds, {LAYERS} layers a case; A = {args.a}, B = {args.b}")
@@ -138,7 +141,7 @@ def main() -> None:
                 for i, lib in enumerate(kernels):
                     start = time.perf_counter()
                     for k, v in layers:
-                        lib.paged_attention(q, k, v, out, rows, HEAD_DIM**-0.5, None)
+                        lib.paged_attention(q, k, v, out, rows, HEAD_DIM**-0.5, None, bf16_tiles=tiles[i])
                     times[i].append(time.perf_counter() - start)
                     if round_ == 0:
                         outputs.append(out.clone())

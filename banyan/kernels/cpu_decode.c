@@ -937,6 +937,27 @@ static inline void exponentiate_rows(float *p, size_t row_scores, int max_keys, 
     }
 }
 
+/* A tile's shared keys on AMX-BF16 tiles (decode rows sharing a prompt's pages, batch invariance off): defined with the
+ * flash kernels below. */
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AMX_INT8__)
+#define SHARED_BF16 1
+int amx_tiles_granted(void);  /* cpu_gemv.c: whether Linux lets this process use the tile state */
+static void flash_layout(const void *k_cache, const void *v_cache, const int32_t *table, int keys, int from, int to,
+                         int h, int KVH, int D, int P, const int kind, uint16_t *kt, uint16_t *vt);
+static void flash_configure(void);
+static uint16_t *shared_layouts(const void *k_cache, const void *v_cache, const int32_t *tables, int table_stride,
+                                const int32_t *seq_of_row, const int32_t *shared, const int *tile_start, int *tile_keys,
+                                int tiles, int KVH, int D, int P, int threads, int kind, ptrdiff_t *tile_at,
+                                int *tile_padded);
+static void shared_scores_bf16(const float *q, int q_stride, const int32_t *rows, int n, int kh, int kh0, int group,
+                               int D, int common, const uint16_t *kt, float scale, float *p, size_t row_scores,
+                               int max_keys);
+static void shared_values_bf16(const float *p, size_t row_scores, int max_keys, const int32_t *rows, int n, int kh,
+                               int kh0, int group, int D, int H, int common, const uint16_t *vt, float *out);
+#else
+#define SHARED_BF16 0
+#endif
+
 /* One (tile, KV heads [kh0, kh1)) item of attend_pages: its rows' scores, softmax and weighted V rows. Called with
  * `kind` a literal inside the OpenMP region: GCC outlines that region into a function of its own and passes what it
  * captures through memory, so a kind passed down from outside would be a load there, and every loop would keep all
@@ -954,7 +975,7 @@ static inline __attribute__((always_inline)) void attend_tile_heads(
         const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *tables, int table_stride,
         const int32_t *rows, const int32_t *seq_of_row, const int32_t *positions, int H, int KVH, int D, int P,
         int window, float scale, float value_scale, float *out, float *scratch, int max_keys, const int *tile_start,
-        const int *tile_keys, int tile, int kh0, int kh1, const int kind) {
+        const int *tile_keys, int tile, int kh0, int kh1, const uint16_t *layout, int padded, const int kind) {
     const int group = H / KVH, heads = (kh1 - kh0) * group;
     const int i0 = tile_start[tile], rows_here = tile_start[tile + 1] - i0, alike = tile_keys[tile];
     int first[Q_TILE], lo[Q_TILE], hi[Q_TILE], base = INT32_MAX, top = 0;
@@ -978,10 +999,24 @@ static inline __attribute__((always_inline)) void attend_tile_heads(
     size_t fetch_at;  /* own keys: whole rows, or these heads' */
     const int fetch_width = fetch_range(kh0, kh1, D, token, &fetch_at);
     fill_slots(&tile_view, tables + (size_t)seq_of_row[i0] * table_stride, 0, common, P);
+    /* layout: the shared keys laid out for AMX-BF16 tiles (attend_pages' shared_layouts), KV head kh's K at layout +
+     * kh * 2 * padded * D and its V padded * D on; NULL: the float way */
+#if SHARED_BF16
+    if (layout != NULL) flash_configure();
+#else
+    (void)layout, (void)padded;
+#endif
     /* with shared pages, every row's own K rows come between a span's K and V passes (more than L2 holds at long
      * contexts): the V passes fetch their first rows themselves */
     for (int kh = kh0; kh < kh1; kh++) {
         const Tile w = head_view(tile_view, kh, kh0);
+#if SHARED_BF16
+        if (layout != NULL) {
+            shared_scores_bf16(q, q_stride, rows + i0, rows_here, kh, kh0, group, D, common,
+                               layout + (size_t)kh * 2 * padded * D, scale, p, row_scores, max_keys);
+            continue;
+        }
+#endif
         score_keys(&w, 0, rows_here, 0, common, gather, !alike, kind);
     }
     for (int t = 0; alike && t < rows_here; t++) {  /* each row's own keys after the pages it shares */
@@ -995,8 +1030,18 @@ static inline __attribute__((always_inline)) void attend_tile_heads(
     exponentiate_rows(p, row_scores, max_keys, rows_here, heads, lo, hi, rows + i0, out, at, H, D, totals);
     for (int kh = kh0; kh < kh1; kh++) {
         const Tile w = head_view(tile_view, kh, kh0);
+#if SHARED_BF16
+        if (layout != NULL) {
+            shared_values_bf16(p, row_scores, max_keys, rows + i0, rows_here, kh, kh0, group, D, H, common,
+                               layout + (size_t)(2 * kh + 1) * padded * D, out);
+            continue;
+        }
+#endif
         add_values(&w, 0, rows_here, 0, common, gather, alike, kind);
     }
+#if SHARED_BF16
+    if (layout != NULL) _tile_release();
+#endif
     for (int t = 0; alike && t < rows_here; t++) {
         fill_slots(&tile_view, tables + (size_t)seq_of_row[i0 + t] * table_stride, common, hi[t], P);
         add_values_in_place(v_cache, rows + i0 + t, 1, lo + t, hi + t, slot, common, hi[t], kh0, kh1, group, D, H,
@@ -1071,11 +1116,12 @@ ROW_HEADS_FN(row_heads_f32, D, KV_F32)
             const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *tables,            \
             int table_stride, const int32_t *rows, const int32_t *seq_of_row, const int32_t *positions, int H,         \
             int KVH, int D, int P, int window, float scale, float value_scale, float *out, float *scratch,            \
-            int max_keys, const int *tile_start, const int *tile_keys, int tile, int kh0, int kh1) {                  \
+            int max_keys, const int *tile_start, const int *tile_keys, int tile, int kh0, int kh1,                   \
+            const uint16_t *layout, int padded) {                                                                      \
         (void)D;                                                                                                       \
         attend_tile_heads(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, H, KVH,   \
                           D_, P, window, scale, value_scale, out, scratch, max_keys, tile_start, tile_keys, tile,     \
-                          kh0, kh1, KIND);                                                                             \
+                          kh0, kh1, layout, padded, KIND);                                                             \
     }
 TILE_HEADS_FN(tile_heads_f16_64, 64, KV_F16)
 TILE_HEADS_FN(tile_heads_f16, D, KV_F16)
@@ -1105,7 +1151,7 @@ static inline __attribute__((always_inline)) void attend_pages(
         const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *tables, int table_stride,
         const int32_t *rows, const int32_t *seq_of_row, const int32_t *positions, const int32_t *shared, int n, int H,
         int KVH, int D, int P, int window, float scale, float value_scale, float *out, float *scratch, int max_keys,
-        int threads, const int kind) {
+        int threads, int bf16, const int kind) {
     int *tile_start = (int *)__builtin_alloca(sizeof(int) * (n + 1)), *tile_keys = (int *)__builtin_alloca(sizeof(int) * n);
     int *tile_in_place = (int *)__builtin_alloca(sizeof(int) * n);
     const int tiles = plan_tiles(seq_of_row, positions, shared, n, P, window, KVH, threads, tile_start, tile_keys,
@@ -1120,9 +1166,21 @@ static inline __attribute__((always_inline)) void attend_pages(
      * heads in one pass; else each KV head an item of its own, so that every thread has work (the same bits either
      * way). */
     const int whole_rows = tiles >= 2 * threads, held = score_rows(H, KVH, max_keys);
+    /* bf16: tiles over a shared prompt's pages read its keys laid out for AMX-BF16 tiles (shared_layouts) */
+    ptrdiff_t *tile_at = (ptrdiff_t *)__builtin_alloca(sizeof(ptrdiff_t) * n);
+    int *tile_padded = (int *)__builtin_alloca(sizeof(int) * n);
+    uint16_t *layouts = NULL;
+#if SHARED_BF16
+    if (bf16 && shared != NULL && window == 0)
+        layouts = shared_layouts(k_cache, v_cache, tables, table_stride, seq_of_row, shared, tile_start, tile_keys,
+                                 tiles, KVH, D, P, threads, kind, tile_at, tile_padded);
+#else
+    (void)bf16;
+#endif
 #define TILE_HEADS(FN)                                                                                                   \
     FN(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, H, KVH, D, P, window, scale,     \
-       value_scale, out, scratch, max_keys, tile_start, tile_keys, tile, kh, kh + heads < KVH ? kh + heads : KVH)
+       value_scale, out, scratch, max_keys, tile_start, tile_keys, tile, kh, kh + heads < KVH ? kh + heads : KVH,        \
+       layout, padded)
 #define ROW_HEADS(FN)                                                                                                    \
     FN(q, q_stride, k_cache, v_cache, tables + (size_t)seq_of_row[i0] * table_stride, rows + i0, positions + i0, n, H,    \
        KVH, whole ? 0 : kh, whole ? KVH : kh + 1, D, P, window, scale, value_scale, out, scratch, max_keys)
@@ -1143,6 +1201,8 @@ static inline __attribute__((always_inline)) void attend_pages(
              * them: 1.16-1.22x in float16 decode steps sharing 1,024 tokens); else a KV head an item */
             const int heads = tile_keys[tile] ? held / (n * (H / KVH)) : 1;
             if (kh % heads) continue;  /* the item of kh - kh % heads took it */
+            const uint16_t *layout = layouts != NULL && tile_at[tile] >= 0 ? layouts + tile_at[tile] : NULL;
+            const int padded = layout != NULL ? tile_padded[tile] : 0;
             if (kind == KV_F16 && D == 64) TILE_HEADS(tile_heads_f16_64);
             else if (kind == KV_F16) TILE_HEADS(tile_heads_f16);
             else if (kind == KV_FP8) TILE_HEADS(tile_heads_fp8);
@@ -1151,16 +1211,23 @@ static inline __attribute__((always_inline)) void attend_pages(
     }
 #undef TILE_HEADS
 #undef ROW_HEADS
+    free(layouts);
 }
 
 void paged_attention(const float *q, int q_stride, const void *k_cache, const void *v_cache,
                      const int32_t *tables, int table_stride, const int32_t *rows, const int32_t *seq_of_row,
                      const int32_t *positions, const int32_t *shared, int n, int H, int KVH, int D, int P, int window, float scale,
-                     float *out, float *scratch, int max_keys, int kv_kind, float kv_scale, int threads) {
+                     float *out, float *scratch, int max_keys, int kv_kind, float kv_scale, int threads, int bf16_tiles) {
     const float s = scale * kv_scale;  /* kv_scale 1.0 (float32, float16): scale itself */
+#if SHARED_BF16
+    const int bf16 = bf16_tiles && kv_kind != KV_FP8 && D % 32 == 0 && D <= 256 && amx_tiles_granted();
+#else
+    const int bf16 = 0;
+    (void)bf16_tiles;
+#endif
     /* one region, whose loop body takes the kind as a literal (attend_tile_heads) */
     attend_pages(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, shared, n, H, KVH, D, P,
-                 window, s, kv_scale, out, scratch, max_keys, threads, kv_kind);
+                 window, s, kv_scale, out, scratch, max_keys, threads, bf16, kv_kind);
 }
 
 /* Eight bf16 values from p on, widened to float32 (exactly: bf16 is float32's upper half). */
@@ -1275,51 +1342,77 @@ typedef struct {
     uint8_t rows[16];
 } tile_config_bf16;
 
-int amx_tiles_granted(void);  /* cpu_gemv.c: whether Linux lets this process use the tile state */
 
-/* Key t's head h, D values rounded to bf16 (zeros past `keys`: their scores are masked, their weights 0). */
-static inline __attribute__((always_inline)) void flash_key_row(const void *cache, const int32_t *table, int t, int keys,
-                                                                int h, int KVH, int D, int P, const int kind,
-                                                                uint16_t *dst) {
-    if (t >= keys) {
-        __builtin_memset(dst, 0, sizeof(uint16_t) * D);
-        return;
+/* Keys [t0, t0 + n) of KV head h as bf16 rows dst [n][D], each value rounded to nearest even (zeros past `keys`: their
+ * scores are masked, their weights 0). */
+static inline __attribute__((always_inline)) void flash_rows(const void *cache, const int32_t *table, int t0, int n,
+                                                             int keys, int h, int KVH, int D, int P, const int kind,
+                                                             uint16_t *dst) {
+    for (int u = 0; u < n; u++) {
+        const int t = t0 + u;
+        if (t >= keys) {
+            __builtin_memset(dst + (size_t)u * D, 0, sizeof(uint16_t) * D);
+            continue;
+        }
+        const size_t at = ((size_t)table[t / P] * P + t % P) * KVH * D + (size_t)h * D;
+        for (int d = 0; d < D; d += 32)
+            _mm512_store_si512(dst + (size_t)u * D + d,
+                               (__m512i)_mm512_cvtne2ps_pbh(load_kv16(cache, at + d + 16, kind), load_kv16(cache, at + d, kind)));
     }
-    const size_t at = ((size_t)table[t / P] * P + t % P) * KVH * D + (size_t)h * D;
-    for (int d = 0; d < D; d += 16)
-        store_bf16x16(dst + d, _mm512_castpd_ps(_mm512_insertf64x4(
-                                   _mm512_castpd256_pd512(_mm256_castps_pd(load_kv(cache, at + d, kind))),
-                                   _mm256_castps_pd(load_kv(cache, at + d + 8, kind)), 1)));
 }
 
-/* Keys [0, keys) of KV head h as the B tiles of both products: kt [blocks of 16 keys][D / 32][16 pairs][16 keys][2],
- * vt [blocks of 32 keys][D / 16][16 key pairs][16 columns][2]; keys past `keys` are zeros. Two keys at a time: a
- * key's dimension pairs go down a K tile's column (one scatter a 32 dimensions), the two keys' values interleave into
- * a V tile's row (one permute a 16 columns). */
-static void flash_layout(const void *k_cache, const void *v_cache, const int32_t *table, int keys, int padded, int h,
-                         int KVH, int D, int P, const int kind, uint16_t *kt, uint16_t *vt) {
-    uint16_t k16[2][256] __attribute__((aligned(64))), v16[2][256] __attribute__((aligned(64)));
-    const __m512i down = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(16));  /* a tile column's 16 rows, in uint32 */
+/* m[0..15], 16 rows of 16 32-bit words, transposed in place: unpacks of words, then of pairs, within 128-bit lanes,
+ * then two rounds of lane shuffles. */
+static inline __attribute__((always_inline)) void transpose16_epi32(__m512i m[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2)
+        t[i] = _mm512_unpacklo_epi32(m[i], m[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(m[i], m[i + 1]);
+    for (int i = 0; i < 16; i += 4) {  /* m[i + c], lane l: column 4l + c of rows i .. i + 3 */
+        m[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), m[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        m[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), m[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i x0 = _mm512_shuffle_i32x4(m[c], m[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(m[c], m[4 + c], 0xEE);
+        const __m512i y0 = _mm512_shuffle_i32x4(m[8 + c], m[12 + c], 0x44);
+        const __m512i y1 = _mm512_shuffle_i32x4(m[8 + c], m[12 + c], 0xEE);
+        t[c] = _mm512_shuffle_i32x4(x0, y0, 0x88), t[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+        t[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88), t[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) m[i] = t[i];
+}
+
+/* Keys [from, to) of KV head h (multiples of 32; to at most `keys` rounded up to 32) as the B tiles of both products: kt [blocks of 16 keys][D / 32][16 pairs][16 keys][2],
+ * vt [blocks of 32 keys][D / 16][16 key pairs][16 columns][2]; keys past `keys` are zeros. 32 keys at a time: their K
+ * and V rows rounded to bf16 rows first, then a K tile is those rows' 32 dimensions (16 pairs, a 32-bit word each)
+ * transposed, and a V tile's row two keys' 16 columns interleaved (one permute). */
+static void flash_layout(const void *k_cache, const void *v_cache, const int32_t *table, int keys, int from, int to,
+                         int h, int KVH, int D, int P, const int kind, uint16_t *kt, uint16_t *vt) {
+    uint16_t k16[FLASH_KEYS * 256] __attribute__((aligned(64))), v16[FLASH_KEYS * 256] __attribute__((aligned(64)));
     const __m512i pairs = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                            39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    for (int t = 0; t < padded; t += 2) {
-        for (int e = 0; e < 2; e++) {
-            flash_key_row(k_cache, table, t + e, keys, h, KVH, D, P, kind, k16[e]);
-            flash_key_row(v_cache, table, t + e, keys, h, KVH, D, P, kind, v16[e]);
+    for (int t0 = from; t0 < to; t0 += FLASH_KEYS) {
+        for (int t = t0 + PREFETCH_KEYS; t < t0 + PREFETCH_KEYS + FLASH_KEYS && t < keys; t++) {  /* as decode rows do */
+            const size_t at = ((size_t)table[t / P] * P + t % P) * KVH * D + (size_t)h * D;
+            prefetch_kv(k_cache, at, D, kind);
+            prefetch_kv(v_cache, at, D, kind);
         }
-        for (int e = 0; e < 2; e++) {
-            const int kb = (t + e) / 16, kn = (t + e) % 16;
-            for (int c = 0; c < D / 32; c++)
-                _mm512_i32scatter_epi32(kt + (((size_t)kb * (D / 32) + c) * 16 * 16 + kn) * 2, down,
-                                        _mm512_loadu_si512(k16[e] + 32 * c), 4);
-        }
-        const int vb = t / FLASH_KEYS, vr = (t % FLASH_KEYS) / 2;
-        for (int c = 0; c < D / 16; c++) {
-            const __m512i even = _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(v16[0] + 16 * c)));
-            const __m512i odd = _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(v16[1] + 16 * c)));
-            _mm512_storeu_si512(vt + (((size_t)vb * (D / 16) + c) * 16 + vr) * 32, _mm512_permutex2var_epi16(even, pairs, odd));
-        }
+        flash_rows(k_cache, table, t0, FLASH_KEYS, keys, h, KVH, D, P, kind, k16);
+        flash_rows(v_cache, table, t0, FLASH_KEYS, keys, h, KVH, D, P, kind, v16);
+        for (int half = 0; half < 2; half++)
+            for (int c = 0; c < D / 32; c++) {
+                __m512i m[16];
+                for (int u = 0; u < 16; u++) m[u] = _mm512_load_si512(k16 + (size_t)(16 * half + u) * D + 32 * c);
+                transpose16_epi32(m);
+                uint16_t *dst = kt + ((size_t)(t0 / 16 + half) * (D / 32) + c) * 512;
+                for (int r = 0; r < 16; r++) _mm512_store_si512(dst + 32 * r, m[r]);
+            }
+        for (int c = 0; c < D / 16; c++)
+            for (int r = 0; r < 16; r++) {
+                const __m512i even = _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(v16 + (size_t)(2 * r) * D + 16 * c)));
+                const __m512i odd = _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(v16 + (size_t)(2 * r + 1) * D + 16 * c)));
+                _mm512_store_si512(vt + (((size_t)(t0 / FLASH_KEYS) * (D / 16) + c) * 16 + r) * 32,
+                                   _mm512_permutex2var_epi16(even, pairs, odd));
+            }
     }
 }
 
@@ -1333,6 +1426,176 @@ static void flash_configure(void) {
      * the rest (cpu_decode.c lost them where inlined: ldtilecfg read stale stack bytes as rows and faulted): all 64 */
     __asm__ volatile("" : : "m"(c));
     _tile_loadconfig(&c);
+}
+
+/* s [16][32] = the 16 bf16 query rows qa [16][D] against keys [j0, j0 + 32) of a K layout (flash_layout's kt) */
+static inline __attribute__((always_inline)) void flash_scores(const uint16_t *qa, const uint16_t *kt, int j0, int D,
+                                                               float *s) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int cc = 0; cc < D / 32; cc++) {
+        _tile_loadd(2, qa + 32 * cc, D * 2);
+        _tile_loadd(4, kt + (((size_t)(j0 / 16) * (D / 32) + cc) * 512), 64);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_loadd(5, kt + (((size_t)(j0 / 16 + 1) * (D / 32) + cc) * 512), 64);
+        _tile_dpbf16ps(1, 2, 5);
+    }
+    _tile_stored(0, s, FLASH_KEYS * 4);
+    _tile_stored(1, s + 16, FLASH_KEYS * 4);
+}
+
+/* Decode rows sharing a prompt's pages, outside batch-invariant mode: the shared keys' scores and weighted V rows on
+ * AMX-BF16 tiles, 16 query rows (a row's head) a tile, the softmax between them left to attend_tile_heads:
+ *
+ *     p[row, head, j] = scale * <q, k_j> for the shared keys j      then, after the exponentials,   o += p V
+ *
+ * q, K, V and the weights rounded to bf16, float32 sums (flash_prefill_bf16's numbers): a row's numbers then depend on
+ * the rows it shares those keys with, so this serves only outside batch-invariant mode.
+ *
+ * The keys are laid out first, for all of attend_pages' tiles at once: consecutive tiles over a shared prompt's pages
+ * (tile_keys > 0, the row at a tile's start sharing MIN_SHARED_PAGES or more with the row before) form a run, whose
+ * keys every row of it shares are laid out once for all its tiles and KV heads (flash_layout, by all threads,
+ * LAYOUT_KEYS keys an item), and each of its tiles' tile_keys becomes that count. A tile's layout: tile_at[t] into
+ * the returned buffer (the caller frees it), or -1 (the float way); tile_padded[t] its keys rounded up to 32, KV head
+ * kh's K at kh * 2 * padded * D and its V padded * D on. NULL (every tile the float way) where memory is not granted
+ * or no tile shares pages. Where each tile had laid out its own keys, the two tiles of 8 rows a step cut for two
+ * threads read the pages twice and the layout was half the time of a decode step's shared tiles. */
+#define LAYOUT_KEYS 256
+static __attribute__((noinline)) uint16_t *shared_layouts(const void *k_cache, const void *v_cache, const int32_t *tables,
+                                                         int table_stride, const int32_t *seq_of_row, const int32_t *shared,
+                                                         const int *tile_start, int *tile_keys, int tiles, int KVH, int D,
+                                                         int P, int threads, int kind, ptrdiff_t *tile_at,
+                                                         int *tile_padded) {
+    int *run_of = (int *)__builtin_alloca(sizeof(int) * tiles), *common = (int *)__builtin_alloca(sizeof(int) * tiles);
+    int *first = (int *)__builtin_alloca(sizeof(int) * tiles), runs = 0;
+    for (int t = 0; t < tiles; t++) {
+        run_of[t] = -1, tile_at[t] = -1;
+        if (!tile_keys[t]) continue;
+        const int row = tile_start[t];
+        if (t > 0 && run_of[t - 1] >= 0 && shared[row] >= MIN_SHARED_PAGES) {  /* the run of the tile before */
+            const int r = run_of[t - 1], keys = shared[row] * P < tile_keys[t] ? shared[row] * P : tile_keys[t];
+            common[r] = keys < common[r] ? keys : common[r], run_of[t] = r;
+        } else
+            common[runs] = tile_keys[t], first[runs] = row, run_of[t] = runs++;
+    }
+    if (runs == 0) return NULL;
+    int *padded = (int *)__builtin_alloca(sizeof(int) * runs), *items = (int *)__builtin_alloca(sizeof(int) * (runs + 1));
+    size_t *at = (size_t *)__builtin_alloca(sizeof(size_t) * (runs + 1));
+    at[0] = 0, items[0] = 0;
+    for (int r = 0; r < runs; r++) {
+        padded[r] = (common[r] + FLASH_KEYS - 1) / FLASH_KEYS * FLASH_KEYS;
+        at[r + 1] = at[r] + (size_t)KVH * 2 * padded[r] * D;
+        items[r + 1] = items[r] + KVH * ((padded[r] + LAYOUT_KEYS - 1) / LAYOUT_KEYS);
+    }
+    uint16_t *layout = aligned_alloc(64, at[runs] * sizeof(uint16_t));
+    if (layout == NULL) return NULL;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int item = 0; item < items[runs]; item++) {  /* (run, KV head, LAYOUT_KEYS keys) */
+        int r = 0;
+        while (item >= items[r + 1]) r++;
+        const int chunks = (padded[r] + LAYOUT_KEYS - 1) / LAYOUT_KEYS, kh = (item - items[r]) / chunks;
+        const int from = (item - items[r]) % chunks * LAYOUT_KEYS, to = from + LAYOUT_KEYS < padded[r] ? from + LAYOUT_KEYS : padded[r];
+        const int32_t *table = tables + (size_t)seq_of_row[first[r]] * table_stride;
+        uint16_t *kt = layout + at[r] + (size_t)kh * 2 * padded[r] * D, *vt = kt + (size_t)padded[r] * D;
+        if (kind == KV_F16) flash_layout(k_cache, v_cache, table, common[r], from, to, kh, KVH, D, P, KV_F16, kt, vt);
+        else flash_layout(k_cache, v_cache, table, common[r], from, to, kh, KVH, D, P, KV_F32, kt, vt);
+    }
+    for (int t = 0; t < tiles; t++)
+        if (run_of[t] >= 0) tile_keys[t] = common[run_of[t]], tile_at[t] = (ptrdiff_t)at[run_of[t]], tile_padded[t] = padded[run_of[t]];
+    return layout;
+}
+
+/* The masks of keys [j0, j0 + 32) below `common`: the first 16 and the next */
+static inline void shared_masks(int j0, int common, __mmask16 *ka, __mmask16 *kb) {
+    const int keys = common - j0;
+    *ka = keys >= 16 ? 0xFFFF : (__mmask16)((1u << keys) - 1);
+    *kb = keys >= 32 ? 0xFFFF : keys <= 16 ? 0 : (__mmask16)((1u << (keys - 16)) - 1);
+}
+
+/* The scores of the tile's n rows for KV head kh over the shared keys [0, common), at score_keys' places: query row r
+ * is row r / group's head r % group of this KV head. */
+static __attribute__((noinline)) void shared_scores_bf16(const float *q, int q_stride, const int32_t *rows, int n, int kh, int kh0, int group,
+                               int D, int common, const uint16_t *kt, float scale, float *p, size_t row_scores,
+                               int max_keys) {
+    uint16_t qa[FLASH_ROWS * 256] __attribute__((aligned(64)));
+    float s[FLASH_ROWS * FLASH_KEYS] __attribute__((aligned(64)));
+    const __m512 by = _mm512_set1_ps(scale);
+    for (int r0 = 0; r0 < n * group; r0 += FLASH_ROWS) {
+        const int m = n * group - r0 < FLASH_ROWS ? n * group - r0 : FLASH_ROWS;
+        for (int i = 0; i < FLASH_ROWS; i++) {
+            const float *src = i < m ? q + (size_t)rows[(r0 + i) / group] * q_stride
+                                           + (size_t)(kh * group + (r0 + i) % group) * D : NULL;
+            for (int d = 0; d < D; d += 16)
+                store_bf16x16(qa + i * D + d, src != NULL ? _mm512_loadu_ps(src + d) : _mm512_setzero_ps());
+        }
+        for (int j0 = 0; j0 < common; j0 += FLASH_KEYS) {
+            flash_scores(qa, kt, j0, D, s);
+            __mmask16 ka, kb;
+            shared_masks(j0, common, &ka, &kb);
+            for (int i = 0; i < m; i++) {
+                const int r = r0 + i;
+                float *dst = p + (size_t)(r / group) * row_scores + (size_t)((kh - kh0) * group + r % group) * max_keys + j0;
+                _mm512_mask_storeu_ps(dst, ka, _mm512_mul_ps(_mm512_load_ps(s + i * FLASH_KEYS), by));
+                _mm512_mask_storeu_ps(dst + 16, kb, _mm512_mul_ps(_mm512_load_ps(s + i * FLASH_KEYS + 16), by));
+            }
+        }
+    }
+}
+
+/* out rows += the shared keys' weights (p, shared_scores_bf16's places, exponentials by now) times their V rows, for
+ * KV head kh's query heads; 64 columns (four tiles of sums) a pass over the keys. */
+static __attribute__((noinline)) void shared_values_bf16(const float *p, size_t row_scores, int max_keys, const int32_t *rows, int n, int kh,
+                               int kh0, int group, int D, int H, int common, const uint16_t *vt, float *out) {
+    __m512bh pa[FLASH_ROWS];
+    float ob[FLASH_ROWS * 16] __attribute__((aligned(64)));
+    for (int r0 = 0; r0 < n * group; r0 += FLASH_ROWS) {
+        const int m = n * group - r0 < FLASH_ROWS ? n * group - r0 : FLASH_ROWS;
+        for (int c0 = 0; c0 < D / 16; c0 += 4) {
+            const int cols = D / 16 - c0 < 4 ? D / 16 - c0 : 4;  /* tiles of 16 columns this pass */
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_zero(7);
+            for (int j0 = 0; j0 < common; j0 += FLASH_KEYS) {
+                __mmask16 ka, kb;
+                shared_masks(j0, common, &ka, &kb);
+                for (int i = 0; i < FLASH_ROWS; i++) {
+                    const int r = r0 + i;
+                    const float *src = p + (size_t)(r / group) * row_scores
+                                       + (size_t)((kh - kh0) * group + r % group) * max_keys + j0;
+                    pa[i] = i < m ? _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(kb, src + 16), _mm512_maskz_loadu_ps(ka, src))
+                                  : (__m512bh)_mm512_setzero_si512();
+                }
+                _tile_loadd(2, pa, FLASH_KEYS * 2);
+                const uint16_t *vb = vt + ((size_t)(j0 / FLASH_KEYS) * (D / 16) + c0) * 512;
+                _tile_loadd(3, vb, 64);
+                _tile_dpbf16ps(4, 2, 3);
+                if (cols > 1) {
+                    _tile_loadd(3, vb + 512, 64);
+                    _tile_dpbf16ps(5, 2, 3);
+                }
+                if (cols > 2) {
+                    _tile_loadd(3, vb + 1024, 64);
+                    _tile_dpbf16ps(6, 2, 3);
+                }
+                if (cols > 3) {
+                    _tile_loadd(3, vb + 1536, 64);
+                    _tile_dpbf16ps(7, 2, 3);
+                }
+            }
+            for (int c = 0; c < cols; c++) {
+                if (c == 0) _tile_stored(4, ob, 64);
+                else if (c == 1) _tile_stored(5, ob, 64);
+                else if (c == 2) _tile_stored(6, ob, 64);
+                else _tile_stored(7, ob, 64);
+                for (int i = 0; i < m; i++) {
+                    const int r = r0 + i;
+                    float *o = out + (size_t)rows[r / group] * H * D + (size_t)(kh * group + r % group) * D + 16 * (c0 + c);
+                    _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_load_ps(ob + 16 * i)));
+                }
+            }
+        }
+    }
 }
 
 /* 2^t for t <= 128: 2^n 2^r, n = round(t), |r| <= 1/2, 2^r by its Taylor polynomial of degree 4 (relative error
@@ -1373,17 +1636,7 @@ static void flash_tile(const float *q, int q_stride, const uint16_t *kt, const u
     const int lo = first + r0, hi = first + r0 + rows - 1;  /* the tile's first and last positions */
     const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int j0 = 0; j0 <= hi; j0 += FLASH_KEYS) {
-        _tile_zero(0);
-        _tile_zero(1);
-        for (int cc = 0; cc < D / 32; cc++) {
-            _tile_loadd(2, qa + 32 * cc, D * 2);
-            _tile_loadd(4, kt + (((size_t)(j0 / 16) * (D / 32) + cc) * 512), 64);
-            _tile_dpbf16ps(0, 2, 4);
-            _tile_loadd(5, kt + (((size_t)(j0 / 16 + 1) * (D / 32) + cc) * 512), 64);
-            _tile_dpbf16ps(1, 2, 5);
-        }
-        _tile_stored(0, s, FLASH_KEYS * 4);
-        _tile_stored(1, s + 16, FLASH_KEYS * 4);
+        flash_scores(qa, kt, j0, D, s);
         const int whole = j0 + FLASH_KEYS - 1 <= lo;  /* every row sees every key of the step */
         int rescale = 0;
         for (int i = 0; i < rows; i++) {
@@ -1443,9 +1696,9 @@ int flash_prefill_bf16(const float *q, int q_stride, const void *k_cache, const 
 #pragma omp parallel for num_threads(threads) schedule(static) if (KVH > 1)
     for (int h = 0; h < KVH; h++) {
         if (kv_kind == KV_F16)
-            flash_layout(k_cache, v_cache, table, keys, padded, h, KVH, D, P, KV_F16, kt + h * per_head, vt + h * per_head);
+            flash_layout(k_cache, v_cache, table, keys, 0, padded, h, KVH, D, P, KV_F16, kt + h * per_head, vt + h * per_head);
         else
-            flash_layout(k_cache, v_cache, table, keys, padded, h, KVH, D, P, KV_F32, kt + h * per_head, vt + h * per_head);
+            flash_layout(k_cache, v_cache, table, keys, 0, padded, h, KVH, D, P, KV_F32, kt + h * per_head, vt + h * per_head);
     }
     const int tiles = (n + FLASH_ROWS - 1) / FLASH_ROWS;
 #pragma omp parallel num_threads(threads)

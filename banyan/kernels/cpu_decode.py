@@ -51,7 +51,7 @@ class DecodeKernels:
         p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         lib.rms_norm.argtypes = [p, p, p, p, p, i, i, f, i]
         lib.rope_store_kv.argtypes = [p, i, p, i, p, i, p, p, p, i, p, p, p, i, i, i, i, i, i]
-        lib.paged_attention.argtypes = [p, i, p, p, p, i, p, p, p, p, i, i, i, i, i, i, f, p, p, i, i, f, i]
+        lib.paged_attention.argtypes = [p, i, p, p, p, i, p, p, p, p, i, i, i, i, i, i, f, p, p, i, i, f, i, i]
         lib.silu_mul.argtypes = lib.silu_mul_bf16.argtypes = [p, p, i, i, i]
         lib.gather_f16_as_bf16.argtypes = [p, p, i, i, p, i]
         lib.rms_norm.restype = lib.paged_attention.restype = lib.silu_mul.restype = lib.silu_mul_bf16.restype = None
@@ -93,10 +93,13 @@ class DecodeKernels:
             raise ValueError(f"{bad} positions outside the rotary table's [0, {cos.shape[0]})")
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                        rows: PagedRows, scale: float, sliding_window: int | None, kv_scale: float = 1.0) -> None:
+                        rows: PagedRows, scale: float, sliding_window: int | None, kv_scale: float = 1.0,
+                        bf16_tiles: bool = False) -> None:
         """out[rows.rows] = each row's causal attention over its pages (see PagedRows); q [T, H, D] (row-strided
         views allowed), out [T, H, D] contiguous, caches [pages, page_size, KVH, D] of KV_DTYPES (an fp8 cache
-        holding K / kv_scale and V / kv_scale)."""
+        holding K / kv_scale and V / kv_scale). bf16_tiles (batch invariance off): decode rows sharing a prompt's
+        pages attend those keys on AMX-BF16 tiles where this build and CPU have them (q, K, V and the weights
+        rounded to bf16, as flash_prefill's), float32 or float16 pages of head_dim a multiple of 32."""
         heads, dim = q.shape[1:]
         page_size, kv_heads = k_cache.shape[1:3]
         threads = torch.get_num_threads()
@@ -108,7 +111,8 @@ class DecodeKernels:
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
             rows.rows.data_ptr(), rows.seq_of_row.data_ptr(), rows.positions.data_ptr(), rows.shared_ptr(),
             rows.rows.numel(), heads, kv_heads, dim, page_size, sliding_window or 0, scale, out.data_ptr(),
-            rows.scratch.data_ptr(), rows.max_keys, kv_kind(k_cache, KV_DTYPES), kv_scale, threads)
+            rows.scratch.data_ptr(), rows.max_keys, kv_kind(k_cache, KV_DTYPES), kv_scale, threads,
+            int(bf16_tiles and self.amx_bf16))
 
     def flash_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                       first: int, out: torch.Tensor, scale: float) -> bool:

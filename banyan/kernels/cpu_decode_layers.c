@@ -29,7 +29,8 @@ int rope_store_kv(float *q, int q_stride, float *k, int k_stride, const float *v
 void paged_attention(const float *q, int q_stride, const void *k_cache, const void *v_cache,
                      const int32_t *tables, int table_stride, const int32_t *rows, const int32_t *seq_of_row,
                      const int32_t *positions, const int32_t *shared, int n, int H, int KVH, int D, int P, int window,
-                     float scale, float *out, float *scratch, int max_keys, int kv_kind, float kv_scale, int threads);
+                     float scale, float *out, float *scratch, int max_keys, int kv_kind, float kv_scale, int threads,
+                     int bf16_tiles);
 void silu_mul(const float *x, float *y, int rows, int n, int threads);
 
 enum { LINEAR_INT4 = 0, LINEAR_INT8 = 1, LINEAR_FP16 = 2 };
@@ -61,6 +62,7 @@ typedef struct {
     int table_stride, max_keys;
     void *quant_scratch;                  /* x as int8 blocks: M * K + 8 * M * K / 32 bytes for the widest K */
     float *attn_scratch;                  /* threads * (heads / kv_heads + 1) * max_keys floats */
+    int bf16_tiles;                       /* shared prompts' decode tiles on AMX-BF16 (paged_attention) */
 } Step;
 
 static void linear(const Linear *l, const float *x, float *y, int M, const Step *s) {
@@ -93,7 +95,7 @@ int decode_layers(const Layer *layers, int num_layers, const Step *s, float *x, 
         if (bad) return bad;
         paged_attention(qkv, qkv_n, L->k_cache, L->v_cache, s->tables, s->table_stride, s->rows, s->seq_of_row,
                         s->row_positions, s->shared, M, s->heads, s->kv_heads, s->head_dim, s->page_size, L->window, s->scale,
-                        attn, s->attn_scratch, s->max_keys, s->kv_half, 1.0f, s->threads);
+                        attn, s->attn_scratch, s->max_keys, s->kv_half, 1.0f, s->threads, s->bf16_tiles);
         linear(&L->o, attn, a, M, s);
         rms_norm(x, a, x, L->post_norm, h, M, s->hidden, s->eps, s->threads);  /* x += a, h = its norm */
         linear(&L->gate_up, h, gate_up, M, s);

@@ -33,7 +33,7 @@ class Step(ctypes.Structure):
                                         "max_pos", "threads", "kv_half")] + [
         ("eps", _f), ("scale", _f), ("cos", _p), ("sin", _p), ("positions", _p), ("slots", _p), ("tables", _p),
         ("rows", _p), ("seq_of_row", _p), ("row_positions", _p), ("shared", _p), ("table_stride", _i), ("max_keys", _i),
-        ("quant_scratch", _p), ("attn_scratch", _p)]
+        ("quant_scratch", _p), ("attn_scratch", _p), ("bf16_tiles", _i)]
 
 
 class LinearOperands(NamedTuple):

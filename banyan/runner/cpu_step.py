@@ -38,7 +38,8 @@ bf16 copies (AMX), fewer than BF16_ROWS: wider steps take the copies through the
 
 
 class CpuDecodeStep:
-    def __init__(self, model: CausalLM, kv_caches, kernel: cpu_decode_layers.DecodeLayers):
+    def __init__(self, model: CausalLM, kv_caches, kernel: cpu_decode_layers.DecodeLayers, amx_tiles: bool = False):
+        """amx_tiles: decode rows over a shared prompt's pages attend on AMX-BF16 tiles (the backend's amx_tiles)."""
         arch, attn = model.arch, model.model.layers[0].self_attn
         self.model, self.kernel = model, kernel
         self.layers = (cpu_decode_layers.Layer * len(model.model.layers))(
@@ -48,7 +49,8 @@ class CpuDecodeStep:
             hidden=arch.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             intermediate=arch.intermediate_size, page_size=kv_caches[0][0].shape[1], max_pos=rotary.cos.shape[0],
             eps=model.model.layers[0].input_layernorm.eps, scale=attn.scale, cos=rotary.cos.data_ptr(),
-            sin=rotary.sin.data_ptr(), kv_half=cpu_decode.kv_kind(kv_caches[0][0], cpu_decode.STORE_DTYPES))
+            sin=rotary.sin.data_ptr(), kv_half=cpu_decode.kv_kind(kv_caches[0][0], cpu_decode.STORE_DTYPES),
+            bf16_tiles=int(amx_tiles))
         linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, QuantizedLinear)]
         wide_copies, bf16_copies = (any(getattr(m, copy) is not None for m in linears) for copy in ("wide", "bf16"))
         self.max_rows = MAX_ROWS if wide_copies else BF16_ROWS - 1 if bf16_copies else WIDE_ROWS
@@ -65,7 +67,7 @@ class CpuDecodeStep:
         gemv = cpu_gemv.load()
         if kernel is None or gemv is None or gemv.max_rows < MAX_ROWS or not _plain(model, attn, kv_caches):
             return None
-        return cls(model, kv_caches, kernel)
+        return cls(model, kv_caches, kernel, attn.amx_tiles(kv_caches[0][0], None))
 
     def fits(self, fb: ForwardBatch) -> bool:
         return 0 < fb.num_tokens <= self.max_rows

@@ -250,6 +250,25 @@ def test_flash_attention_on_amx_tiles_matches_the_reference(cache_dtype, head_di
         start += new
 
 
+def test_amx_tiles_serve_where_bf16_chunks_were_asked_for_and_the_pages_allow():
+    """amx_tiles (flash prefill chunks and shared prompts' decode rows on AMX-BF16 tiles): only with bf16 chunks asked
+    for and batch invariance off, over float32 or float16 pages of head_dim a multiple of 32, with no window."""
+    from banyan.layers.attention.torch_backend import TorchAttentionBackend
+
+    backend = TorchAttentionBackend()
+    if backend.kernels is None or not backend.kernels.amx_bf16:
+        pytest.skip("no AMX-BF16 tiles here")
+    f16 = torch.zeros(4, 16, 2, 64, dtype=torch.float16)
+    assert not backend.amx_tiles(f16, None)
+    backend.bf16_chunks = True
+    assert backend.amx_tiles(f16, None) and backend.amx_tiles(f16.float(), None)
+    assert not backend.amx_tiles(f16, 8)
+    assert not backend.amx_tiles(f16.to(torch.float8_e4m3fn), None)
+    assert not backend.amx_tiles(f16[..., :48].contiguous(), None)
+    backend.fixed_order = object()  # batch-invariant mode
+    assert not backend.amx_tiles(f16, None)
+
+
 def test_a_chunk_flash_attention_refuses_is_attended_by_the_fused_kernel(monkeypatch):
     """Where the tiles' kernel refuses a chunk it was planned for (its scratch memory not granted), the chunk's rows
     take the fused kernel instead: the same numbers as a backend that never planned flash attention."""

@@ -576,3 +576,53 @@ def test_flash_prefill_gives_a_row_the_same_numbers_in_any_chunk_of_sixteen_rows
     assert KERNELS.flash_prefill(q, k_cache, v_cache, table, 100, whole, 0.125)
     assert KERNELS.flash_prefill(q[19:], k_cache, v_cache, table, 119, tail, 0.125)
     assert torch.equal(whole[19:], tail)
+
+
+def rows_in_runs(rows: cpu_decode.PagedRows) -> set[int]:
+    """The rows PagedRows put side by side with a neighbour whose table begins with the same 2 pages or more."""
+    order, shared = rows.rows.tolist(), rows.shared.tolist()
+    return {order[i] for i in range(len(order)) if shared[i] >= 2 or (i + 1 < len(order) and shared[i + 1] >= 2)}
+
+
+@needs_amx_bf16
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["kv32", "kv16"])
+@pytest.mark.parametrize("page_size,kv_heads,group,dim", [(16, 3, 3, 64), (4, 1, 4, 64), (8, 2, 1, 128), (16, 2, 8, 32)])
+def test_decode_rows_sharing_pages_attend_them_on_amx_tiles_within_bf16s_error(page_size, kv_heads, group, dim,
+                                                                              kv_dtype):
+    """bf16_tiles (batch invariance off): decode rows over a shared prompt's pages attend those keys on AMX-BF16 tiles
+    (q, K, V and the weights rounded to bf16), within bf16's error of SDPA, with the same numbers at 1 and 2 threads
+    (a row's numbers follow from the keys its run shares, not from how the run is cut into tiles); rows that share
+    nothing, the prefill chunk's among them, keep the float kernel's bits."""
+    (q, k_cache, v_cache, table, seq_of_row, positions), specs = shared_prompt_case(
+        page_size, kv_heads, kv_heads * group, dim, 5, kv_dtype)
+    rows = cpu_decode.PagedRows(list(range(len(positions))), seq_of_row, positions, table)
+    scale, threads = dim**-0.5, torch.get_num_threads()
+    plain, tiles = torch.full_like(q, float("nan")), []
+    KERNELS.paged_attention(q, k_cache, v_cache, plain, rows, scale, None)
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            tiles.append(torch.full_like(q, float("nan")))
+            KERNELS.paged_attention(q, k_cache, v_cache, tiles[-1], rows, scale, None, bf16_tiles=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(tiles[0], tiles[1])
+    changed = {r for r in range(len(positions)) if not torch.equal(tiles[0][r], plain[r])}
+    assert changed == rows_in_runs(rows) and len(changed) == 14
+    expected = sdpa_reference(q, k_cache.float(), v_cache.float(), table, specs, scale, None)
+    for r in changed:
+        assert (tiles[0][r] - expected[r]).norm() / expected[r].norm() < 1e-2
+    torch.testing.assert_close(tiles[0], expected, atol=3e-2, rtol=3e-2)
+
+
+@needs_amx_bf16
+def test_bf16_tiles_leave_an_fp8_cache_and_a_sliding_window_to_the_float_kernel():
+    """The tiles read float32 and float16 pages without a window; an fp8 cache (its kv_scale) and a sliding window
+    keep the float kernel's numbers, bit for bit."""
+    for kv_dtype, window in ((FP8, None), (torch.float16, 9)):
+        (q, k_cache, v_cache, table, seq_of_row, positions), _ = shared_prompt_case(16, 3, 9, 64, 6, kv_dtype)
+        rows = cpu_decode.PagedRows(list(range(len(positions))), seq_of_row, positions, table)
+        plain, tiles = torch.empty_like(q), torch.empty_like(q)
+        KERNELS.paged_attention(q, k_cache, v_cache, plain, rows, 0.125, window, kv_scale=0.5)
+        KERNELS.paged_attention(q, k_cache, v_cache, tiles, rows, 0.125, window, kv_scale=0.5, bf16_tiles=True)
+        assert torch.equal(plain, tiles)

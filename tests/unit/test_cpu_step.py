@@ -134,6 +134,35 @@ def test_a_step_leaves_the_same_hidden_states_and_cache_as_the_modules(tmp_path)
 
 
 @needs_kernels
+def test_decode_rows_over_a_shared_prompts_pages_give_the_modules_bits(tmp_path):
+    """Decode rows whose tables begin with the same pages (a shared prompt's, 3 pages): the one call and the modules
+    give the same hidden states. Where the CPU has AMX-BF16 tiles and batch invariance is off (bf16 chunks), both
+    attend those pages on the tiles (head_dim 32 here), near the float kernel's states (bf16's rounding, grown through
+    two layers of a tiny random model's large weights: 2% here)."""
+    write_model_dir(tmp_path, "llama", seed=3, hidden_size=128)  # 4 heads of 32
+    runner = make_llm(tmp_path, "int4").engine.runner
+    gen = torch.Generator().manual_seed(4)
+    for k, v in runner.kv_caches:  # the pages' keys and values: noise
+        k.copy_(torch.randn(k.shape, generator=gen)), v.copy_(torch.randn(v.shape, generator=gen))
+    fb = decode_batch([[3, 7, 8, 11], [3, 7, 8, 2], [3, 7, 8, 9, 4]], [13, 14, 17], runner.page_size)
+    caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    with torch.inference_mode():
+        hidden = runner.cpu_step.run(fb)
+        want = runner.model(fb, caches)
+    assert torch.equal(hidden, want)
+    tiles = runner.attn.amx_tiles(runner.kv_caches[0][0], None)
+    assert tiles == (runner.attn.kernels.amx_bf16 and not runner.batch_invariant)
+    assert runner.cpu_step.step.bf16_tiles == tiles
+    if tiles:
+        runner.cpu_step.step.bf16_tiles = 0
+        with torch.inference_mode():
+            plain = runner.cpu_step.run(fb)
+        runner.cpu_step.step.bf16_tiles = 1
+        assert not torch.equal(plain, hidden)
+        assert (plain - hidden).norm() / plain.norm() < 5e-2
+
+
+@needs_kernels
 def test_a_position_past_the_rotary_table_is_a_value_error_as_in_the_modules(tmp_path):
     write_model_dir(tmp_path, "llama", seed=3)
     runner = make_llm(tmp_path, "int8").engine.runner

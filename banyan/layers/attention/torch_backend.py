@@ -107,6 +107,7 @@ class _Plan:
     groups: list[_Group]
     paged: cpu_decode.PagedRows | None = None  # the rows the fused CPU kernel attends (the groups: the others)
     flash: list[_FlashChunk] = dataclasses.field(default_factory=list)  # chunks AMX flash attention takes
+    tiles: bool = False  # AMX-BF16 tiles serve: the flash chunks, and the paged rows' shared prompts
 
     def fits(self, batch: ForwardBatch, sliding_window: int | None) -> bool:
         return (batch is self.batch and sliding_window == self.sliding_window
@@ -132,15 +133,14 @@ class TorchAttentionBackend(AttentionBackend):
         plan, kernels = self._plan, self._kernels(k_cache)
         if plan is None or not plan.fits(batch, sliding_window):
             bf16_chunks = self.bf16_chunks and self.fixed_order is None
-            flash = (bf16_chunks and kernels is not None and kernels.amx_bf16 and sliding_window is None
-                     and k_cache.dtype in cpu_decode.STORE_DTYPES and k_cache.shape[-1] % 32 == 0)
             plan = self._plan = make_plan(batch, sliding_window, k_cache.shape[1], fused=kernels is not None,
-                                          bf16_chunks=bf16_chunks, flash=flash)
+                                          bf16_chunks=bf16_chunks, flash=self.amx_tiles(k_cache, sliding_window))
         if plan.paged is None and not plan.flash and len(plan.groups) == 1 and plan.groups[0].rows is None:  # decode only
             return self._attend(plan.groups[0], q, k_cache, v_cache, scale)
         out = q.new_empty(q.shape)
         if plan.paged is not None:
-            kernels.paged_attention(q, k_cache, v_cache, out, plan.paged, scale, sliding_window, self.kv_scale)
+            kernels.paged_attention(q, k_cache, v_cache, out, plan.paged, scale, sliding_window, self.kv_scale,
+                                    bf16_tiles=plan.tiles)
         for chunk in plan.flash:
             if not kernels.flash_prefill(q[chunk.rows], k_cache, v_cache, chunk.table, chunk.first, out[chunk.rows], scale):
                 kernels.paged_attention(q, k_cache, v_cache, out, chunk.alone(batch), scale, None, self.kv_scale)
@@ -151,6 +151,14 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 out[group.out_rows] = attended[group.keep]
         return out
+
+    def amx_tiles(self, k_cache: torch.Tensor, sliding_window: int | None) -> bool:
+        """Whether rows attend on AMX-BF16 tiles here: prefill chunks of FLASH_CHUNK_ROWS or more (flash_prefill) and
+        decode rows over a shared prompt's pages (paged_attention's bf16_tiles). Where bf16 chunks were asked for
+        (AMX, batch invariance off), over float32 or float16 pages of head_dim a multiple of 32, with no window."""
+        kernels = self._kernels(k_cache)
+        return (self.bf16_chunks and self.fixed_order is None and kernels is not None and kernels.amx_bf16
+                and sliding_window is None and k_cache.dtype in cpu_decode.STORE_DTYPES and k_cache.shape[-1] % 32 == 0)
 
     def _kernels(self, k_cache: torch.Tensor) -> cpu_decode.DecodeKernels | None:
         """The fused CPU kernels where they serve this cache (float32, float16 or fp8 on a CPU, head_dim in lanes of 8)."""
@@ -187,7 +195,7 @@ def make_plan(batch: ForwardBatch, sliding_window: int | None, page_size: int, f
         flashed = [_FlashChunk(slice(starts[i], starts[i + 1]), batch.context_lens[i] - batch.query_lens[i],
                                tables[i].contiguous(), i) for i in by_flash]
         return _Plan(batch, sliding_window, list(batch.context_lens), list(batch.query_lens), groups,
-                     paged_rows(batch, starts, skip={*wide, *by_flash}), flashed)
+                     paged_rows(batch, starts, skip={*wide, *by_flash}), flashed, tiles=flash)
     decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
     groups = []
     if decode:
