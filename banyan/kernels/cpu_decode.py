@@ -50,14 +50,14 @@ class DecodeKernels:
         """amx_bf16: the library was built with AMX-BF16 and the CPU has it (flash_prefill serves)."""
         p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         lib.rms_norm.argtypes = [p, p, p, p, p, i, i, f, i]
-        lib.rope_store_kv.argtypes = [p, i, p, i, p, i, p, p, p, i, p, p, p, i, i, i, i, i, i]
+        lib.rope_store_kv.argtypes = [p, i, p, i, p, i, p, p, p, i, p, p, p, i, i, i, i, i, f, i]
         lib.paged_attention.argtypes = [p, i, p, p, p, i, p, p, p, p, i, i, i, i, i, i, f, p, p, i, i, f, i, i]
         lib.silu_mul.argtypes = lib.silu_mul_bf16.argtypes = [p, p, i, i, i]
         lib.gather_f16_as_bf16.argtypes = [p, p, i, i, p, i]
         lib.rms_norm.restype = lib.paged_attention.restype = lib.silu_mul.restype = lib.silu_mul_bf16.restype = None
         lib.gather_f16_as_bf16.restype = None
         lib.rope_store_kv.restype = ctypes.c_int
-        lib.flash_prefill_bf16.argtypes = [p, i, p, p, p, i, i, i, i, i, i, f, p, i, i, i]
+        lib.flash_prefill_bf16.argtypes = [p, i, p, p, p, i, i, i, i, i, i, f, p, i, i, f, i]
         lib.flash_prefill_bf16.restype = lib.flash_ready.restype = ctypes.c_int
         self._lib = lib
         self.amx_bf16 = amx_bf16 and lib.flash_ready() == 1  # Linux grants the tiles (asked once)
@@ -79,16 +79,18 @@ class DecodeKernels:
 
     def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, kv_scale: float = 1.0) -> None:
         """q [T, H, D] and k [T, KVH, D] rotated in place by positions [T] int64 (cos, sin [max_pos, D / 2]);
-        k and v then stored at slot_mapping [T] int64 of the caches [pages, page_size, KVH, D] (-1: not stored),
-        float32 or float16 (rounded to nearest even, as .half() does).
+        k and v then stored at slot_mapping [T] int64 of the caches [pages, page_size, KVH, D] (-1: not stored)
+        of KV_DTYPES, rounded as torch rounds them (float16: as .half() does; fp8: as base.to_cache_dtype does,
+        times 1 / kv_scale in float32 and clamped to +-448).
         q, k, v may be row-strided views (of one qkv output): heads contiguous within a row."""
         (tokens, heads, dim), kv_heads = q.shape, k.shape[1]
         bad = self._lib.rope_store_kv(
             q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), positions.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), cos.shape[0], k_cache.data_ptr(), v_cache.data_ptr(),
-            slot_mapping.data_ptr(), tokens, heads, kv_heads, dim, kv_kind(k_cache, STORE_DTYPES), torch.get_num_threads())
+            slot_mapping.data_ptr(), tokens, heads, kv_heads, dim, kv_kind(k_cache), 1.0 / kv_scale,
+            torch.get_num_threads())
         if bad:
             raise ValueError(f"{bad} positions outside the rotary table's [0, {cos.shape[0]})")
 
@@ -99,7 +101,7 @@ class DecodeKernels:
         views allowed), out [T, H, D] contiguous, caches [pages, page_size, KVH, D] of KV_DTYPES (an fp8 cache
         holding K / kv_scale and V / kv_scale). bf16_tiles (batch invariance off): decode rows sharing a prompt's
         pages attend those keys on AMX-BF16 tiles where this build and CPU have them (q, K, V and the weights
-        rounded to bf16, as flash_prefill's), float32 or float16 pages of head_dim a multiple of 32."""
+        rounded to bf16, as flash_prefill's), head_dim a multiple of 32."""
         heads, dim = q.shape[1:]
         page_size, kv_heads = k_cache.shape[1:3]
         threads = torch.get_num_threads()
@@ -115,18 +117,20 @@ class DecodeKernels:
             int(bf16_tiles and self.amx_bf16))
 
     def flash_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                      first: int, out: torch.Tensor, scale: float) -> bool:
+                      first: int, out: torch.Tensor, scale: float, kv_scale: float = 1.0) -> bool:
         """out = causal attention of one sequence's chunk in bf16 on AMX tiles (cpu_decode.c's flash_prefill_bf16):
         q [n, H, D] (a row-strided view allowed) at positions first .. first + n - 1, over keys 0 .. first + n - 1 in
-        the pages table [pages] int32 lists; out [n, H, D] float32, row-strided allowed; caches float32 or float16,
-        D a multiple of 32. False, with out untouched, where this build or CPU has no AMX-BF16."""
-        if not self.amx_bf16 or k_cache.dtype not in STORE_DTYPES:
+        the pages table [pages] int32 lists; out [n, H, D] float32, row-strided allowed; caches of KV_DTYPES (an fp8
+        one holding K / kv_scale and V / kv_scale), D a multiple of 32. False, with out untouched, where this build or
+        CPU has no AMX-BF16."""
+        if not self.amx_bf16 or k_cache.dtype not in KV_DTYPES:
             return False
         n, heads, dim = q.shape
         page_size, kv_heads = k_cache.shape[1:3]
         done = self._lib.flash_prefill_bf16(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), first, n, heads,
-            kv_heads, dim, page_size, scale, out.data_ptr(), out.stride(0), kv_kind(k_cache), torch.get_num_threads())
+            kv_heads, dim, page_size, scale, out.data_ptr(), out.stride(0), kv_kind(k_cache), kv_scale,
+            torch.get_num_threads())
         return done == 0
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -148,10 +152,8 @@ class DecodeKernels:
 
 
 KV_DTYPES = (torch.float32, torch.float16, torch.float8_e4m3fn)
-"""Caches paged_attention reads (cpu_decode.c's KV_F32, KV_F16, KV_FP8): fewer bytes a value, less time at a long
-context. fp8 is the cache of --kv-cache-dtype fp8 (layers/attention/base.py's FP8)."""
-STORE_DTYPES = (torch.float32, torch.float16)
-"""Caches rope_store_kv writes (an fp8 cache is written by torch: its rounding and clamping)."""
+"""Caches paged_attention reads and rope_store_kv writes (cpu_decode.c's KV_F32, KV_F16, KV_FP8): fewer bytes a
+value, less time at a long context. fp8 is the cache of --kv-cache-dtype fp8 (layers/attention/base.py's FP8)."""
 
 
 def kv_kind(cache: torch.Tensor, served: tuple[torch.dtype, ...] = KV_DTYPES) -> int:

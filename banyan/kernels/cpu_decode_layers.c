@@ -24,8 +24,8 @@ void rms_norm(const float *x, const float *residual, float *sum_out, const float
               float eps, int threads);
 int rope_store_kv(float *q, int q_stride, float *k, int k_stride, const float *v, int v_stride,
                   const int64_t *positions, const float *cos_table, const float *sin_table, int max_pos,
-                  void *k_cache, void *v_cache, const int64_t *slots, int T, int H, int KVH, int D, int kv_half,
-                  int threads);
+                  void *k_cache, void *v_cache, const int64_t *slots, int T, int H, int KVH, int D, int kv_kind,
+                  float inv_scale, int threads);
 void paged_attention(const float *q, int q_stride, const void *k_cache, const void *v_cache,
                      const int32_t *tables, int table_stride, const int32_t *rows, const int32_t *seq_of_row,
                      const int32_t *positions, const int32_t *shared, int n, int H, int KVH, int D, int P, int window,
@@ -48,14 +48,16 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;  /* [hidden] */
     Linear qkv, o, gate_up, down;
-    void *k_cache, *v_cache;              /* [pages, page_size, kv_heads, head_dim], float32 or float16 (Step's kv_half) */
+    void *k_cache, *v_cache;              /* [pages, page_size, kv_heads, head_dim] of Step's kv_kind */
     int window;                           /* sliding window; 0: none */
 } Layer;
 
 /* What every layer shares, and one step's rows: paged_attention's arguments (see cpu_decode.c). */
 typedef struct {
-    int hidden, heads, kv_heads, head_dim, intermediate, page_size, max_pos, threads, kv_half;
+    int hidden, heads, kv_heads, head_dim, intermediate, page_size, max_pos, threads;
+    int kv_kind;                          /* the caches' element: cpu_decode.c's KV_F32, KV_F16, KV_FP8 */
     float eps, scale;
+    float kv_scale, kv_inv_scale;         /* an fp8 cache's scale and 1 / it (as torch rounds it); else 1 */
     const float *cos, *sin;               /* [max_pos, head_dim / 2] */
     const int64_t *positions, *slots;     /* [M] */
     const int32_t *tables, *rows, *seq_of_row, *row_positions, *shared;  /* shared: NULL or per row */
@@ -91,11 +93,11 @@ int decode_layers(const Layer *layers, int num_layers, const Step *s, float *x, 
         linear(&L->qkv, h, qkv, M, s);
         int bad = rope_store_kv(qkv, qkv_n, qkv + q_size, qkv_n, qkv + q_size + kv_size, qkv_n, s->positions, s->cos,
                                 s->sin, s->max_pos, L->k_cache, L->v_cache, s->slots, M, s->heads, s->kv_heads,
-                                s->head_dim, s->kv_half, s->threads);
+                                s->head_dim, s->kv_kind, s->kv_inv_scale, s->threads);
         if (bad) return bad;
         paged_attention(qkv, qkv_n, L->k_cache, L->v_cache, s->tables, s->table_stride, s->rows, s->seq_of_row,
                         s->row_positions, s->shared, M, s->heads, s->kv_heads, s->head_dim, s->page_size, L->window, s->scale,
-                        attn, s->attn_scratch, s->max_keys, s->kv_half, 1.0f, s->threads, s->bf16_tiles);
+                        attn, s->attn_scratch, s->max_keys, s->kv_kind, s->kv_scale, s->threads, s->bf16_tiles);
         linear(&L->o, attn, a, M, s);
         rms_norm(x, a, x, L->post_norm, h, M, s->hidden, s->eps, s->threads);  /* x += a, h = its norm */
         linear(&L->gate_up, h, gate_up, M, s);

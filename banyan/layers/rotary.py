@@ -58,16 +58,18 @@ class RotaryEmbedding(nn.Module):
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
     def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
-        """The fused path where it serves (float32 rows and cache on a CPU): q and k rotated in place, k and v
-        stored at slot_mapping, True. Else nothing done, False: the caller rotates and attention stores.
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                         kv_scale: float = 1.0) -> bool:
+        """The fused path where it serves (float32 rows, a float32, float16 or fp8 cache (its kv_scale) on a CPU):
+        q and k rotated in place, k and v stored at slot_mapping, True. Else nothing done, False: the caller rotates
+        and attention stores.
         q, k, v: [num_tokens, heads, head_dim], rows of one qkv output (heads contiguous within a row)."""
-        if (self.kernels is None or q.dtype is not torch.float32 or k_cache.dtype not in cpu_decode.STORE_DTYPES
+        if (self.kernels is None or q.dtype is not torch.float32 or k_cache.dtype not in cpu_decode.KV_DTYPES
                 or not q.is_cpu):
             return False
         if not _heads_in_rows(q) or not _heads_in_rows(k) or not _heads_in_rows(v):
             return False
-        self.kernels.rope_store(q, k, v, positions, self.cos, self.sin, k_cache, v_cache, slot_mapping)
+        self.kernels.rope_store(q, k, v, positions, self.cos, self.sin, k_cache, v_cache, slot_mapping, kv_scale)
         return True
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,7 +59,8 @@ class RopeAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self._qkv(x)
-        stored = self.rotary_emb.rotate_and_store(batch.positions, q, k, v, *kv_cache, batch.slot_mapping)
+        stored = self.rotary_emb.rotate_and_store(batch.positions, q, k, v, *kv_cache, batch.slot_mapping,
+                                                  self.attn.kv_scale)
         if not stored:  # no fused CPU kernel here: rotate, and attention stores k and v
             q, k = self.rotary_emb(batch.positions, q, k)
         return self.o_proj(self.attend(q, k, v, kv_cache, batch, kv_stored=stored).flatten(1))  # [num_tokens, hidden]

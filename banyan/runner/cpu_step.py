@@ -11,8 +11,8 @@ the final norm:
 
 It serves a plain pre-norm decoder (DecoderLayer of RopeAttention without q/k norms and a SiLU GatedMLP) whose
 four linear layers a layer all run banyan's narrow CPU kernels (int4, int8, or fp16 in batch-invariant mode),
-float32 activations, a float32 or float16 KV cache, the torch attention backend with its fused kernels, and no hooks (tensor
-parallelism), no LoRA (the runner does not ask then). Anything else keeps the module path.
+float32 activations, a float32, float16 or fp8 KV cache, the torch attention backend with its fused kernels, and no
+hooks (tensor parallelism), no LoRA (the runner does not ask then). Anything else keeps the module path.
 """
 
 from __future__ import annotations
@@ -38,8 +38,10 @@ bf16 copies (AMX), fewer than BF16_ROWS: wider steps take the copies through the
 
 
 class CpuDecodeStep:
-    def __init__(self, model: CausalLM, kv_caches, kernel: cpu_decode_layers.DecodeLayers, amx_tiles: bool = False):
-        """amx_tiles: decode rows over a shared prompt's pages attend on AMX-BF16 tiles (the backend's amx_tiles)."""
+    def __init__(self, model: CausalLM, kv_caches, kernel: cpu_decode_layers.DecodeLayers, amx_tiles: bool = False,
+                 kv_scale: float = 1.0):
+        """amx_tiles: decode rows over a shared prompt's pages attend on AMX-BF16 tiles (the backend's amx_tiles);
+        kv_scale: an fp8 cache's (the backend's)."""
         arch, attn = model.arch, model.model.layers[0].self_attn
         self.model, self.kernel = model, kernel
         self.layers = (cpu_decode_layers.Layer * len(model.model.layers))(
@@ -49,8 +51,8 @@ class CpuDecodeStep:
             hidden=arch.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             intermediate=arch.intermediate_size, page_size=kv_caches[0][0].shape[1], max_pos=rotary.cos.shape[0],
             eps=model.model.layers[0].input_layernorm.eps, scale=attn.scale, cos=rotary.cos.data_ptr(),
-            sin=rotary.sin.data_ptr(), kv_half=cpu_decode.kv_kind(kv_caches[0][0], cpu_decode.STORE_DTYPES),
-            bf16_tiles=int(amx_tiles))
+            sin=rotary.sin.data_ptr(), kv_kind=cpu_decode.kv_kind(kv_caches[0][0]), kv_scale=kv_scale,
+            kv_inv_scale=1.0 / kv_scale, bf16_tiles=int(amx_tiles))
         linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, QuantizedLinear)]
         wide_copies, bf16_copies = (any(getattr(m, copy) is not None for m in linears) for copy in ("wide", "bf16"))
         self.max_rows = MAX_ROWS if wide_copies else BF16_ROWS - 1 if bf16_copies else WIDE_ROWS
@@ -67,7 +69,7 @@ class CpuDecodeStep:
         gemv = cpu_gemv.load()
         if kernel is None or gemv is None or gemv.max_rows < MAX_ROWS or not _plain(model, attn, kv_caches):
             return None
-        return cls(model, kv_caches, kernel, attn.amx_tiles(kv_caches[0][0], None))
+        return cls(model, kv_caches, kernel, attn.amx_tiles(kv_caches[0][0], None), attn.kv_scale)
 
     def fits(self, fb: ForwardBatch) -> bool:
         return 0 < fb.num_tokens <= self.max_rows
@@ -105,7 +107,7 @@ def _plain(model: torch.nn.Module, attn, kv_caches) -> bool:
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         return False
     k_cache = kv_caches[0][0]
-    if k_cache.dtype not in cpu_decode.STORE_DTYPES or not k_cache.is_cpu or attn._kernels(k_cache) is None:
+    if k_cache.dtype not in cpu_decode.KV_DTYPES or not k_cache.is_cpu or attn._kernels(k_cache) is None:
         return False
     layers, eps = model.model.layers, model.model.layers[0].input_layernorm.eps
     return len(layers) == len(kv_caches) and all(_plain_layer(layer, attn, eps) for layer in layers)

@@ -252,7 +252,7 @@ def test_flash_attention_on_amx_tiles_matches_the_reference(cache_dtype, head_di
 
 def test_amx_tiles_serve_where_bf16_chunks_were_asked_for_and_the_pages_allow():
     """amx_tiles (flash prefill chunks and shared prompts' decode rows on AMX-BF16 tiles): only with bf16 chunks asked
-    for and batch invariance off, over float32 or float16 pages of head_dim a multiple of 32, with no window."""
+    for and batch invariance off, over float32, float16 or fp8 pages of head_dim a multiple of 32, with no window."""
     from banyan.layers.attention.torch_backend import TorchAttentionBackend
 
     backend = TorchAttentionBackend()
@@ -263,7 +263,8 @@ def test_amx_tiles_serve_where_bf16_chunks_were_asked_for_and_the_pages_allow():
     backend.bf16_chunks = True
     assert backend.amx_tiles(f16, None) and backend.amx_tiles(f16.float(), None)
     assert not backend.amx_tiles(f16, 8)
-    assert not backend.amx_tiles(f16.to(torch.float8_e4m3fn), None)
+    assert backend.amx_tiles(f16.to(torch.float8_e4m3fn), None)
+    assert not backend.amx_tiles(f16.to(torch.bfloat16), None)  # no fused kernel for bf16 pages
     assert not backend.amx_tiles(f16[..., :48].contiguous(), None)
     backend.fixed_order = object()  # batch-invariant mode
     assert not backend.amx_tiles(f16, None)

@@ -481,24 +481,55 @@ def test_torch_backend_sends_every_row_to_the_kernel(window):
 
 
 @needs_kernels
-@KV_DTYPES
+@READ_DTYPES
 def test_rope_store_then_backend_equals_rotary_then_backend(kv_dtype):
-    """RopeAttention's fused path (rotate_and_store, then attention with kv_stored) against the torch path; a
-    bfloat16 or fp8 cache is not theirs to write (False: the torch path does it all)."""
+    """RopeAttention's fused path (rotate_and_store, then attention with kv_stored) against the torch path, the cache
+    written as torch writes it (V with the same bits; an fp8 one with its kv_scale: times 1 / kv_scale, clamped,
+    rounded as torch rounds; K within an fp8 step where the rotations' last bits differ);
+    a bfloat16 cache is not theirs to write (False: the torch path does it all)."""
     specs = [(9, 1), (0, 5), (17, 1)]
     batch, _, _, _, k_cache, v_cache = make_batch(specs, page_size=4, num_kv_heads=1, group=3, head_dim=64, seed=4)
     k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    kv_scale = 0.5 if kv_dtype == FP8 else 1.0
     rotary = RotaryEmbedding(64, 64)
     qkv, q, k, v = qkv_rows(batch.num_tokens, 3, 1, 64, torch.Generator().manual_seed(4))
     q_ref, k_ref = rotary(batch.positions, q.clone(), k.clone())
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
-    expected = TorchAttentionBackend(fused=False).forward(q_ref, k_ref, v, k_expected, v_expected, batch, 0.125)
-    assert rotary.rotate_and_store(batch.positions, q, k, v, k_cache, v_cache, batch.slot_mapping)
-    out = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, batch, 0.125, kv_stored=True)
+    expected = TorchAttentionBackend(kv_scale, fused=False).forward(q_ref, k_ref, v, k_expected, v_expected, batch,
+                                                                    0.125)
+    assert rotary.rotate_and_store(batch.positions, q, k, v, k_cache, v_cache, batch.slot_mapping, kv_scale)
+    out = TorchAttentionBackend(kv_scale).forward(q, k, v, k_cache, v_cache, batch, 0.125, kv_stored=True)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
-    torch.testing.assert_close(k_cache, k_expected)
-    for other in (torch.bfloat16, FP8):
-        assert not rotary.rotate_and_store(batch.positions, q, k, v, k_cache.to(other), v_cache.to(other), batch.slot_mapping)
+    assert torch.equal(v_cache.view(torch.uint8), v_expected.view(torch.uint8))  # K: rotated by other arithmetic
+    within_a_step = {"rtol": 0.13, "atol": 2**-9} if kv_dtype == FP8 else {}
+    torch.testing.assert_close(k_cache.float(), k_expected.float(), **within_a_step)
+    bf16 = torch.bfloat16
+    assert not rotary.rotate_and_store(batch.positions, q, k, v, k_cache.to(bf16), v_cache.to(bf16), batch.slot_mapping)
+
+
+@needs_kernels
+def test_rope_store_rounds_to_fp8_as_torch_does():
+    """Every fp8 value, the midpoints between neighbours (ties to even) and a float32 either side of each, values
+    over the range (clamped to +-448), subnormals, zeros of both signs, infinities and NaN, at several scales: the
+    fused store writes torch's bytes (base.to_cache_dtype)."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[~grid.isnan()].unique()
+    mid = (grid[1:] + grid[:-1]) / 2
+    gen = torch.Generator().manual_seed(5)
+    values = torch.cat([grid, mid, torch.nextafter(mid, torch.tensor(1e9)), torch.nextafter(mid, torch.tensor(-1e9)),
+                        torch.randn(4096, generator=gen) * 10 ** (torch.rand(4096, generator=gen) * 8 - 5),
+                        torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 449.0,
+                                      465.0, 1e30, 2**-10, 3 * 2**-10, 1e-40])])
+    tokens = values.numel() // 64
+    x = values[: tokens * 64].view(tokens, 1, 64)
+    angle = torch.ones(1, 32), torch.zeros(1, 32)  # position 0: no rotation
+    for kv_scale in (1.0, 0.5, 0.1, 3.7):
+        k_cache, v_cache = (torch.zeros(tokens, 1, 1, 64, dtype=FP8) for _ in range(2))
+        KERNELS.rope_store(torch.zeros(tokens, 1, 64), x.clone(), x.clone(), torch.zeros(tokens, dtype=torch.int64),
+                           *angle, k_cache, v_cache, torch.arange(tokens), kv_scale)
+        want = to_cache_dtype(x, FP8, kv_scale).view(torch.uint8)
+        assert torch.equal(k_cache.view(tokens, 1, 64).view(torch.uint8), want), kv_scale
+        assert torch.equal(v_cache.view(tokens, 1, 64).view(torch.uint8), want), kv_scale
 
 
 def test_no_kernels_where_they_do_not_apply(monkeypatch):
@@ -538,7 +569,7 @@ needs_amx_bf16 = pytest.mark.skipif(KERNELS is None or not KERNELS.amx_bf16, rea
 def test_flash_prefill_gives_each_row_the_same_numbers_at_any_thread_count_and_refuses_what_it_cannot_read():
     """Each (head, 16 rows) of a chunk is one thread's work in a fixed order, so the output is the same at 1 and 2
     threads; a long context (2,000 keys), 16 rows exactly and heads of 128 without grouping are served within bf16's
-    error; an fp8 cache, or head_dim not a multiple of 32, is refused with out untouched."""
+    error, and an fp8 cache with its kv_scale; head_dim not a multiple of 32 is refused with out untouched."""
     gen, threads_before = torch.Generator().manual_seed(11), torch.get_num_threads()
     for first, n, heads, kv_heads, dim in ((1984, 16, 9, 3, 64), (0, 16, 4, 4, 128), (7, 70, 6, 2, 64)):
         keys, page = first + n, 16
@@ -555,9 +586,13 @@ def test_flash_prefill_gives_each_row_the_same_numbers_at_any_thread_count_and_r
         assert torch.equal(outs[0], outs[1])
         exact = paged_attention(q[None], k_cache.float(), v_cache.float(), table[None].long(), [keys], [n], dim**-0.5)[0]
         assert (outs[0] - exact).norm() / exact.norm() < 1e-2
+    table = torch.randperm(40, generator=gen)[:5].to(torch.int32)
+    k8, v8 = (to_cache_dtype(torch.randn(40, 16, 2, 64, generator=gen), FP8, 0.5) for _ in range(2))
+    q, out = torch.randn(30, 6, 64, generator=gen), torch.empty(30, 6, 64)
+    assert KERNELS.flash_prefill(q, k8, v8, table, 50, out, 0.125, kv_scale=0.5)
+    exact = paged_attention(q[None], k8.float() * 0.5, v8.float() * 0.5, table[None].long(), [80], [30], 0.125)[0]
+    assert (out - exact).norm() / exact.norm() < 1e-2
     untouched = torch.full((16, 4, 64), 7.0)
-    fp8 = torch.zeros(4, 16, 4, 64).to(torch.float8_e4m3fn)
-    assert not KERNELS.flash_prefill(torch.randn(16, 4, 64), fp8, fp8, torch.arange(1, dtype=torch.int32), 0, untouched, 0.1)
     narrow = torch.zeros(4, 16, 4, 48).half()
     assert not KERNELS.flash_prefill(torch.randn(16, 4, 48), narrow, narrow, torch.arange(1, dtype=torch.int32), 0,
                                      untouched[..., :48].contiguous(), 0.1)
@@ -616,13 +651,18 @@ def test_decode_rows_sharing_pages_attend_them_on_amx_tiles_within_bf16s_error(p
 
 
 @needs_amx_bf16
-def test_bf16_tiles_leave_an_fp8_cache_and_a_sliding_window_to_the_float_kernel():
-    """The tiles read float32 and float16 pages without a window; an fp8 cache (its kv_scale) and a sliding window
-    keep the float kernel's numbers, bit for bit."""
-    for kv_dtype, window in ((FP8, None), (torch.float16, 9)):
-        (q, k_cache, v_cache, table, seq_of_row, positions), _ = shared_prompt_case(16, 3, 9, 64, 6, kv_dtype)
-        rows = cpu_decode.PagedRows(list(range(len(positions))), seq_of_row, positions, table)
-        plain, tiles = torch.empty_like(q), torch.empty_like(q)
-        KERNELS.paged_attention(q, k_cache, v_cache, plain, rows, 0.125, window, kv_scale=0.5)
-        KERNELS.paged_attention(q, k_cache, v_cache, tiles, rows, 0.125, window, kv_scale=0.5, bf16_tiles=True)
-        assert torch.equal(plain, tiles)
+def test_bf16_tiles_read_an_fp8_cache_with_its_scale_and_leave_a_sliding_window_to_the_float_kernel():
+    """An fp8 cache's shared pages go on the tiles too, with its kv_scale, within bf16's error of SDPA over the
+    dequantized pages; with a sliding window nothing is shared: the float kernel's numbers, bit for bit."""
+    (q, k_cache, v_cache, table, seq_of_row, positions), specs = shared_prompt_case(16, 3, 9, 64, 6, FP8)
+    rows = cpu_decode.PagedRows(list(range(len(positions))), seq_of_row, positions, table)
+    tiles = torch.empty_like(q)
+    KERNELS.paged_attention(q, k_cache, v_cache, tiles, rows, 0.125, None, kv_scale=0.5, bf16_tiles=True)
+    expected = sdpa_reference(q, k_cache.float() * 0.5, v_cache.float() * 0.5, table, specs, 0.125, None)
+    assert (tiles - expected).norm() / expected.norm() < 1e-2
+    (q, k_cache, v_cache, table, seq_of_row, positions), _ = shared_prompt_case(16, 3, 9, 64, 6, torch.float16)
+    rows = cpu_decode.PagedRows(list(range(len(positions))), seq_of_row, positions, table)
+    plain, tiles = torch.empty_like(q), torch.empty_like(q)
+    KERNELS.paged_attention(q, k_cache, v_cache, plain, rows, 0.125, 9)
+    KERNELS.paged_attention(q, k_cache, v_cache, tiles, rows, 0.125, 9, bf16_tiles=True)
+    assert torch.equal(plain, tiles)

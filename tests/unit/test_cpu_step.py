@@ -52,6 +52,7 @@ def prompts_for(vocab_size: int) -> list[list[int]]:
     ("qwen2", "int4", {}, {}),  # q/k/v biases
     ("llama", "fp16", {}, {"batch_invariant": True}),  # every row of every matmul through banyan's kernels
     ("llama", "int4", {}, {"kv_cache_dtype": "float16"}),  # K/V stored and read as float16
+    ("llama", "int4", {}, {"kv_cache_dtype": "fp8"}),  # and as fp8 (e4m3, rounded as torch rounds)
 ])
 def test_one_call_gives_the_module_paths_bits(tmp_path, arch, quantization, overrides, model):
     hf = write_model_dir(tmp_path, arch, seed=3, **overrides)

@@ -142,7 +142,8 @@ class TorchAttentionBackend(AttentionBackend):
             kernels.paged_attention(q, k_cache, v_cache, out, plan.paged, scale, sliding_window, self.kv_scale,
                                     bf16_tiles=plan.tiles)
         for chunk in plan.flash:
-            if not kernels.flash_prefill(q[chunk.rows], k_cache, v_cache, chunk.table, chunk.first, out[chunk.rows], scale):
+            if not kernels.flash_prefill(q[chunk.rows], k_cache, v_cache, chunk.table, chunk.first, out[chunk.rows], scale,
+                                         self.kv_scale):
                 kernels.paged_attention(q, k_cache, v_cache, out, chunk.alone(batch), scale, None, self.kv_scale)
         for group in plan.groups:
             attended = self._attend(group, q, k_cache, v_cache, scale)
@@ -155,10 +156,11 @@ class TorchAttentionBackend(AttentionBackend):
     def amx_tiles(self, k_cache: torch.Tensor, sliding_window: int | None) -> bool:
         """Whether rows attend on AMX-BF16 tiles here: prefill chunks of FLASH_CHUNK_ROWS or more (flash_prefill) and
         decode rows over a shared prompt's pages (paged_attention's bf16_tiles). Where bf16 chunks were asked for
-        (AMX, batch invariance off), over float32 or float16 pages of head_dim a multiple of 32, with no window."""
+        (AMX, batch invariance off), over the fused kernels' pages (float32, float16, fp8) of head_dim a multiple of
+        32, with no window."""
         kernels = self._kernels(k_cache)
         return (self.bf16_chunks and self.fixed_order is None and kernels is not None and kernels.amx_bf16
-                and sliding_window is None and k_cache.dtype in cpu_decode.STORE_DTYPES and k_cache.shape[-1] % 32 == 0)
+                and sliding_window is None and k_cache.shape[-1] % 32 == 0)
 
     def _kernels(self, k_cache: torch.Tensor) -> cpu_decode.DecodeKernels | None:
         """The fused CPU kernels where they serve this cache (float32, float16 or fp8 on a CPU, head_dim in lanes of 8)."""
