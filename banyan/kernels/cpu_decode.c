@@ -1210,7 +1210,7 @@ static inline __attribute__((always_inline)) void attend_pages(
 #endif
 #define TILE_HEADS(FN)                                                                                                   \
     FN(q, q_stride, k_cache, v_cache, tables, table_stride, rows, seq_of_row, positions, H, KVH, D, P, window, scale,     \
-       value_scale, out, scratch, max_keys, tile_start, tile_keys, tile, kh, kh + heads < KVH ? kh + heads : KVH,        \
+       value_scale, out, scratch, max_keys, tile_start, tile_keys, tile, kh, kh + heads < KVH ? kh + heads : KVH,      \
        layout, padded)
 #define ROW_HEADS(FN)                                                                                                    \
     FN(q, q_stride, k_cache, v_cache, tables + (size_t)seq_of_row[i0] * table_stride, rows + i0, positions + i0, n, H,    \
@@ -1248,7 +1248,8 @@ static inline __attribute__((always_inline)) void attend_pages(
 void paged_attention(const float *q, int q_stride, const void *k_cache, const void *v_cache,
                      const int32_t *tables, int table_stride, const int32_t *rows, const int32_t *seq_of_row,
                      const int32_t *positions, const int32_t *shared, int n, int H, int KVH, int D, int P, int window, float scale,
-                     float *out, float *scratch, int max_keys, int kv_kind, float kv_scale, int threads, int bf16_tiles) {
+                     float *out, float *scratch, int max_keys, int kv_kind, float kv_scale, int threads,
+                     int bf16_tiles) {
     /* kv_scale 1.0 (float32, float16): scale itself; an fp8 cache's values are read as 2^-8 times theirs (load_kv), so
      * its scale takes 2^8 (a power of two: the same bits as scaling each value) */
     if (kv_kind == KV_FP8) kv_scale *= 256.0f;
@@ -1391,7 +1392,8 @@ static inline __attribute__((always_inline)) void flash_rows(const void *cache, 
         const size_t at = ((size_t)table[t / P] * P + t % P) * KVH * D + (size_t)h * D;
         for (int d = 0; d < D; d += 32)
             _mm512_store_si512(dst + (size_t)u * D + d,
-                               (__m512i)_mm512_cvtne2ps_pbh(load_kv16(cache, at + d + 16, kind), load_kv16(cache, at + d, kind)));
+                               (__m512i)_mm512_cvtne2ps_pbh(load_kv16(cache, at + d + 16, kind),
+                                                            load_kv16(cache, at + d, kind)));
     }
 }
 
@@ -1415,8 +1417,9 @@ static inline __attribute__((always_inline)) void transpose16_epi32(__m512i m[16
     for (int i = 0; i < 16; i++) m[i] = t[i];
 }
 
-/* Keys [from, to) of KV head h (multiples of 32; to at most `keys` rounded up to 32) as the B tiles of both products: kt [blocks of 16 keys][D / 32][16 pairs][16 keys][2],
- * vt [blocks of 32 keys][D / 16][16 key pairs][16 columns][2]; keys past `keys` are zeros. 32 keys at a time: their K
+/* Keys [from, to) of KV head h (multiples of 32; to at most `keys` rounded up to 32) as the B tiles of both products:
+ * kt [blocks of 16 keys][D / 32][16 pairs][16 keys][2], vt [blocks of 32 keys][D / 16][16 key pairs][16 columns][2];
+ * keys past `keys` are zeros. 32 keys at a time: their K
  * and V rows rounded to bf16 rows first, then a K tile is those rows' 32 dimensions (16 pairs, a 32-bit word each)
  * transposed, and a V tile's row two keys' 16 columns interleaved (one permute). */
 static void flash_layout(const void *k_cache, const void *v_cache, const int32_t *table, int keys, int from, int to,
@@ -1425,7 +1428,7 @@ static void flash_layout(const void *k_cache, const void *v_cache, const int32_t
     const __m512i pairs = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                            39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     for (int t0 = from; t0 < to; t0 += FLASH_KEYS) {
-        for (int t = t0 + PREFETCH_KEYS; t < t0 + PREFETCH_KEYS + FLASH_KEYS && t < keys; t++) {  /* as decode rows do */
+        for (int t = t0 + PREFETCH_KEYS; t < t0 + PREFETCH_KEYS + FLASH_KEYS && t < keys; t++) {  /* as decode rows */
             const size_t at = ((size_t)table[t / P] * P + t % P) * KVH * D + (size_t)h * D;
             prefetch_kv(k_cache, at, D, kind);
             prefetch_kv(v_cache, at, D, kind);
@@ -1442,8 +1445,9 @@ static void flash_layout(const void *k_cache, const void *v_cache, const int32_t
             }
         for (int c = 0; c < D / 16; c++)
             for (int r = 0; r < 16; r++) {
-                const __m512i even = _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(v16 + (size_t)(2 * r) * D + 16 * c)));
-                const __m512i odd = _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(v16 + (size_t)(2 * r + 1) * D + 16 * c)));
+                const uint16_t *pair = v16 + (size_t)(2 * r) * D + 16 * c;  /* keys 2r and 2r + 1, 16 columns */
+                const __m512i even = _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)pair));
+                const __m512i odd = _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(pair + D)));
                 _mm512_store_si512(vt + (((size_t)(t0 / FLASH_KEYS) * (D / 16) + c) * 16 + r) * 32,
                                    _mm512_permutex2var_epi16(even, pairs, odd));
             }
@@ -1491,14 +1495,18 @@ static inline __attribute__((always_inline)) void flash_scores(const uint16_t *q
  * keys every row of it shares are laid out once for all its tiles and KV heads (flash_layout, by all threads,
  * LAYOUT_KEYS keys an item), and each of its tiles' tile_keys becomes that count. A tile's layout: tile_at[t] into
  * the returned buffer (the caller frees it), or -1 (the float way); tile_padded[t] its keys rounded up to 32, KV head
- * kh's K at kh * 2 * padded * D and its V padded * D on. NULL (every tile the float way) where memory is not granted
- * or no tile shares pages. Where each tile had laid out its own keys, the two tiles of 8 rows a step cut for two
- * threads read the pages twice and the layout was half the time of a decode step's shared tiles. */
+ * kh's K at kh * 2 * padded * D and its V padded * D on. NULL (every tile the float way) where memory is not granted,
+ * the layout would pass LAYOUT_MAX_BYTES, or no tile shares pages. Where each tile had laid out its own keys, the two
+ * tiles of 8 rows a step cut for two threads read the pages twice and the layout was half the time of a decode
+ * step's shared tiles. */
 #define LAYOUT_KEYS 256
-static __attribute__((noinline)) uint16_t *shared_layouts(const void *k_cache, const void *v_cache, const int32_t *tables,
-                                                         int table_stride, const int32_t *seq_of_row, const int32_t *shared,
-                                                         const int *tile_start, int *tile_keys, int tiles, int KVH, int D,
-                                                         int P, int threads, int kind, ptrdiff_t *tile_at,
+#define LAYOUT_MAX_BYTES ((size_t)64 << 20) /* more (a very long shared prompt, many KV heads): the float way, not a
+                                              * copy of that size each layer of each step */
+static __attribute__((noinline)) uint16_t *shared_layouts(const void *k_cache, const void *v_cache,
+                                                         const int32_t *tables, int table_stride,
+                                                         const int32_t *seq_of_row, const int32_t *shared,
+                                                         const int *tile_start, int *tile_keys, int tiles, int KVH,
+                                                         int D, int P, int threads, int kind, ptrdiff_t *tile_at,
                                                          int *tile_padded) {
     int *run_of = (int *)__builtin_alloca(sizeof(int) * tiles), *common = (int *)__builtin_alloca(sizeof(int) * tiles);
     int *first = (int *)__builtin_alloca(sizeof(int) * tiles), runs = 0;
@@ -1513,7 +1521,8 @@ static __attribute__((noinline)) uint16_t *shared_layouts(const void *k_cache, c
             common[runs] = tile_keys[t], first[runs] = row, run_of[t] = runs++;
     }
     if (runs == 0) return NULL;
-    int *padded = (int *)__builtin_alloca(sizeof(int) * runs), *items = (int *)__builtin_alloca(sizeof(int) * (runs + 1));
+    int *padded = (int *)__builtin_alloca(sizeof(int) * runs);
+    int *items = (int *)__builtin_alloca(sizeof(int) * (runs + 1));
     size_t *at = (size_t *)__builtin_alloca(sizeof(size_t) * (runs + 1));
     at[0] = 0, items[0] = 0;
     for (int r = 0; r < runs; r++) {
@@ -1521,6 +1530,7 @@ static __attribute__((noinline)) uint16_t *shared_layouts(const void *k_cache, c
         at[r + 1] = at[r] + (size_t)KVH * 2 * padded[r] * D;
         items[r + 1] = items[r] + KVH * ((padded[r] + LAYOUT_KEYS - 1) / LAYOUT_KEYS);
     }
+    if (at[runs] * sizeof(uint16_t) > LAYOUT_MAX_BYTES) return NULL;
     uint16_t *layout = aligned_alloc(64, at[runs] * sizeof(uint16_t));
     if (layout == NULL) return NULL;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
@@ -1528,15 +1538,20 @@ static __attribute__((noinline)) uint16_t *shared_layouts(const void *k_cache, c
         int r = 0;
         while (item >= items[r + 1]) r++;
         const int chunks = (padded[r] + LAYOUT_KEYS - 1) / LAYOUT_KEYS, kh = (item - items[r]) / chunks;
-        const int from = (item - items[r]) % chunks * LAYOUT_KEYS, to = from + LAYOUT_KEYS < padded[r] ? from + LAYOUT_KEYS : padded[r];
+        const int from = (item - items[r]) % chunks * LAYOUT_KEYS;
+        const int to = from + LAYOUT_KEYS < padded[r] ? from + LAYOUT_KEYS : padded[r];
         const int32_t *table = tables + (size_t)seq_of_row[first[r]] * table_stride;
         uint16_t *kt = layout + at[r] + (size_t)kh * 2 * padded[r] * D, *vt = kt + (size_t)padded[r] * D;
-        if (kind == KV_F16) flash_layout(k_cache, v_cache, table, common[r], from, to, kh, KVH, D, P, KV_F16, kt, vt);
-        else if (kind == KV_FP8) flash_layout(k_cache, v_cache, table, common[r], from, to, kh, KVH, D, P, KV_FP8, kt, vt);
-        else flash_layout(k_cache, v_cache, table, common[r], from, to, kh, KVH, D, P, KV_F32, kt, vt);
+        const int keys = common[r];
+        if (kind == KV_F16) flash_layout(k_cache, v_cache, table, keys, from, to, kh, KVH, D, P, KV_F16, kt, vt);
+        else if (kind == KV_FP8) flash_layout(k_cache, v_cache, table, keys, from, to, kh, KVH, D, P, KV_FP8, kt, vt);
+        else flash_layout(k_cache, v_cache, table, keys, from, to, kh, KVH, D, P, KV_F32, kt, vt);
     }
     for (int t = 0; t < tiles; t++)
-        if (run_of[t] >= 0) tile_keys[t] = common[run_of[t]], tile_at[t] = (ptrdiff_t)at[run_of[t]], tile_padded[t] = padded[run_of[t]];
+        if (run_of[t] >= 0) {
+            const int r = run_of[t];
+            tile_keys[t] = common[r], tile_at[t] = (ptrdiff_t)at[r], tile_padded[t] = padded[r];
+        }
     return layout;
 }
 
@@ -1549,9 +1564,10 @@ static inline void shared_masks(int j0, int common, __mmask16 *ka, __mmask16 *kb
 
 /* The scores of the tile's n rows for KV head kh over the shared keys [0, common), at score_keys' places: query row r
  * is row r / group's head r % group of this KV head. */
-static __attribute__((noinline)) void shared_scores_bf16(const float *q, int q_stride, const int32_t *rows, int n, int kh, int kh0, int group,
-                               int D, int common, const uint16_t *kt, float scale, float *p, size_t row_scores,
-                               int max_keys) {
+static __attribute__((noinline)) void shared_scores_bf16(const float *q, int q_stride, const int32_t *rows, int n,
+                                                         int kh, int kh0, int group, int D, int common,
+                                                         const uint16_t *kt, float scale, float *p, size_t row_scores,
+                                                         int max_keys) {
     uint16_t qa[FLASH_ROWS * 256] __attribute__((aligned(64)));
     float s[FLASH_ROWS * FLASH_KEYS] __attribute__((aligned(64)));
     const __m512 by = _mm512_set1_ps(scale);
@@ -1569,7 +1585,8 @@ static __attribute__((noinline)) void shared_scores_bf16(const float *q, int q_s
             shared_masks(j0, common, &ka, &kb);
             for (int i = 0; i < m; i++) {
                 const int r = r0 + i;
-                float *dst = p + (size_t)(r / group) * row_scores + (size_t)((kh - kh0) * group + r % group) * max_keys + j0;
+                float *dst = p + (size_t)(r / group) * row_scores
+                             + (size_t)((kh - kh0) * group + r % group) * max_keys + j0;
                 _mm512_mask_storeu_ps(dst, ka, _mm512_mul_ps(_mm512_load_ps(s + i * FLASH_KEYS), by));
                 _mm512_mask_storeu_ps(dst + 16, kb, _mm512_mul_ps(_mm512_load_ps(s + i * FLASH_KEYS + 16), by));
             }
@@ -1579,8 +1596,9 @@ static __attribute__((noinline)) void shared_scores_bf16(const float *q, int q_s
 
 /* out rows += the shared keys' weights (p, shared_scores_bf16's places, exponentials by now) times their V rows, for
  * KV head kh's query heads; 64 columns (four tiles of sums) a pass over the keys. */
-static __attribute__((noinline)) void shared_values_bf16(const float *p, size_t row_scores, int max_keys, const int32_t *rows, int n, int kh,
-                               int kh0, int group, int D, int H, int common, const uint16_t *vt, float *out) {
+static __attribute__((noinline)) void shared_values_bf16(const float *p, size_t row_scores, int max_keys,
+                                                         const int32_t *rows, int n, int kh, int kh0, int group, int D,
+                                                         int H, int common, const uint16_t *vt, float *out) {
     __m512bh pa[FLASH_ROWS];
     float ob[FLASH_ROWS * 16] __attribute__((aligned(64)));
     for (int r0 = 0; r0 < n * group; r0 += FLASH_ROWS) {
@@ -1598,7 +1616,8 @@ static __attribute__((noinline)) void shared_values_bf16(const float *p, size_t 
                     const int r = r0 + i;
                     const float *src = p + (size_t)(r / group) * row_scores
                                        + (size_t)((kh - kh0) * group + r % group) * max_keys + j0;
-                    pa[i] = i < m ? _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(kb, src + 16), _mm512_maskz_loadu_ps(ka, src))
+                    pa[i] = i < m ? _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(kb, src + 16),
+                                                        _mm512_maskz_loadu_ps(ka, src))
                                   : (__m512bh)_mm512_setzero_si512();
                 }
                 _tile_loadd(2, pa, FLASH_KEYS * 2);
@@ -1625,7 +1644,8 @@ static __attribute__((noinline)) void shared_values_bf16(const float *p, size_t 
                 else _tile_stored(7, ob, 64);
                 for (int i = 0; i < m; i++) {
                     const int r = r0 + i;
-                    float *o = out + (size_t)rows[r / group] * H * D + (size_t)(kh * group + r % group) * D + 16 * (c0 + c);
+                    float *o = out + (size_t)rows[r / group] * H * D + (size_t)(kh * group + r % group) * D
+                               + 16 * (c0 + c);
                     _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_load_ps(ob + 16 * i)));
                 }
             }
@@ -1734,7 +1754,8 @@ int flash_prefill_bf16(const float *q, int q_stride, const void *k_cache, const 
     for (int h = 0; h < KVH; h++) {
         uint16_t *kh = kt + h * per_head, *vh = vt + h * per_head;
         if (kv_kind == KV_F16) flash_layout(k_cache, v_cache, table, keys, 0, padded, h, KVH, D, P, KV_F16, kh, vh);
-        else if (kv_kind == KV_FP8) flash_layout(k_cache, v_cache, table, keys, 0, padded, h, KVH, D, P, KV_FP8, kh, vh);
+        else if (kv_kind == KV_FP8)
+            flash_layout(k_cache, v_cache, table, keys, 0, padded, h, KVH, D, P, KV_FP8, kh, vh);
         else flash_layout(k_cache, v_cache, table, keys, 0, padded, h, KVH, D, P, KV_F32, kh, vh);
     }
     const int tiles = (n + FLASH_ROWS - 1) / FLASH_ROWS;

@@ -32,8 +32,8 @@ class Step(ctypes.Structure):
     _fields_ = [(name, _i) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "page_size",
                                         "max_pos", "threads", "kv_kind")] + [
         ("eps", _f), ("scale", _f), ("kv_scale", _f), ("kv_inv_scale", _f), ("cos", _p), ("sin", _p), ("positions", _p),
-        ("slots", _p), ("tables", _p), ("rows", _p), ("seq_of_row", _p), ("row_positions", _p), ("shared", _p), ("table_stride", _i), ("max_keys", _i),
-        ("quant_scratch", _p), ("attn_scratch", _p), ("bf16_tiles", _i)]
+        ("slots", _p), ("tables", _p), ("rows", _p), ("seq_of_row", _p), ("row_positions", _p), ("shared", _p),
+        ("table_stride", _i), ("max_keys", _i), ("quant_scratch", _p), ("attn_scratch", _p), ("bf16_tiles", _i)]
 
 
 class LinearOperands(NamedTuple):

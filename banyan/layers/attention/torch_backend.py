@@ -142,8 +142,8 @@ class TorchAttentionBackend(AttentionBackend):
             kernels.paged_attention(q, k_cache, v_cache, out, plan.paged, scale, sliding_window, self.kv_scale,
                                     bf16_tiles=plan.tiles)
         for chunk in plan.flash:
-            if not kernels.flash_prefill(q[chunk.rows], k_cache, v_cache, chunk.table, chunk.first, out[chunk.rows], scale,
-                                         self.kv_scale):
+            if not kernels.flash_prefill(q[chunk.rows], k_cache, v_cache, chunk.table, chunk.first, out[chunk.rows],
+                                         scale, self.kv_scale):
                 kernels.paged_attention(q, k_cache, v_cache, out, chunk.alone(batch), scale, None, self.kv_scale)
         for group in plan.groups:
             attended = self._attend(group, q, k_cache, v_cache, scale)
