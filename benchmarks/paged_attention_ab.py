@@ -22,6 +22,8 @@ from memory, not cache), with the default model's shape (9 query heads, 3 KV hea
 Each sequence's pages are consecutive, except in the cases marked scattered, whose pages lie in a random order
 through the pool, as a server's are.
 
+`--bf16-tiles A,B` (e.g. 0,1, with the same file twice) sets each side's bf16_tiles: decode rows sharing a prompt's
+pages on AMX-BF16 tiles where the CPU has them (the default of an AMX CPU with batch invariance off).
 `--only TEXT` runs the cases whose name contains it. A then B, alternating, `--rounds` times; prints the medians,
 A/B (above 1: B faster), the largest difference of their outputs (0 where B keeps A's bits), and the K/V bytes the
 case reads at least (bytes_read) with each one's rate, to set beside what the machine reads
