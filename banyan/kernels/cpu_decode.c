@@ -49,6 +49,10 @@ static inline __attribute__((always_inline)) __m256 load_kv(const void *cache, s
     return _mm256_loadu_ps((const float *)cache + i);
 }
 
+/* What scores and outputs over a cache of `kind` are scaled by, for load_kv's values: kv_scale (an fp8 cache holds
+ * K / kv_scale and V / kv_scale), times 2^8 for fp8, which load_kv reads as 2^-8 times its values. */
+static inline float kv_read_scale(int kind, float kv_scale) { return kind == KV_FP8 ? 256.0f * kv_scale : kv_scale; }
+
 /* The cache lines of `width` values from element i on, into L2 ahead of use. Into L1 (T0) each prefetch held one of
  * the core's few L1 miss buffers until its line came, and a decode row stalled on its own prefetch instructions (a
  * quarter of the kernel's samples on a Zen 4); into L2 the loads find them there, and decode attention from memory ran
@@ -1250,9 +1254,7 @@ void paged_attention(const float *q, int q_stride, const void *k_cache, const vo
                      const int32_t *positions, const int32_t *shared, int n, int H, int KVH, int D, int P, int window, float scale,
                      float *out, float *scratch, int max_keys, int kv_kind, float kv_scale, int threads,
                      int bf16_tiles) {
-    /* kv_scale 1.0 (float32, float16): scale itself; an fp8 cache's values are read as 2^-8 times theirs (load_kv), so
-     * its scale takes 2^8 (a power of two: the same bits as scaling each value) */
-    if (kv_kind == KV_FP8) kv_scale *= 256.0f;
+    kv_scale = kv_read_scale(kv_kind, kv_scale);  /* 2^8 for fp8: a power of two, the same bits as each value's */
     const float s = scale * kv_scale;
 #if SHARED_BF16
     const int bf16 = bf16_tiles && D % 32 == 0 && D <= 256 && amx_tiles_granted();
@@ -1377,7 +1379,6 @@ typedef struct {
     uint8_t rows[16];
 } tile_config_bf16;
 
-
 /* Keys [t0, t0 + n) of KV head h as bf16 rows dst [n][D], each value rounded to nearest even (zeros past `keys`: their
  * scores are masked, their weights 0). */
 static inline __attribute__((always_inline)) void flash_rows(const void *cache, const int32_t *table, int t0, int n,
@@ -1419,9 +1420,9 @@ static inline __attribute__((always_inline)) void transpose16_epi32(__m512i m[16
 
 /* Keys [from, to) of KV head h (multiples of 32; to at most `keys` rounded up to 32) as the B tiles of both products:
  * kt [blocks of 16 keys][D / 32][16 pairs][16 keys][2], vt [blocks of 32 keys][D / 16][16 key pairs][16 columns][2];
- * keys past `keys` are zeros. 32 keys at a time: their K
- * and V rows rounded to bf16 rows first, then a K tile is those rows' 32 dimensions (16 pairs, a 32-bit word each)
- * transposed, and a V tile's row two keys' 16 columns interleaved (one permute). */
+ * keys past `keys` are zeros. 32 keys at a time: their K and V rows rounded to bf16 rows first, then a K tile is those
+ * rows' 32 dimensions (16 pairs, a 32-bit word each) transposed, and a V tile's row two keys' 16 columns interleaved
+ * (one permute). */
 static void flash_layout(const void *k_cache, const void *v_cache, const int32_t *table, int keys, int from, int to,
                          int h, int KVH, int D, int P, const int kind, uint16_t *kt, uint16_t *vt) {
     uint16_t k16[FLASH_KEYS * 256] __attribute__((aligned(64))), v16[FLASH_KEYS * 256] __attribute__((aligned(64)));
@@ -1562,8 +1563,13 @@ static inline void shared_masks(int j0, int common, __mmask16 *ka, __mmask16 *kb
     *kb = keys >= 32 ? 0xFFFF : keys <= 16 ? 0 : (__mmask16)((1u << (keys - 16)) - 1);
 }
 
-/* The scores of the tile's n rows for KV head kh over the shared keys [0, common), at score_keys' places: query row r
- * is row r / group's head r % group of this KV head. */
+/* Where query row r of a shared tile (row r / group's head r % group of KV head kh) keeps its scores in the thread's
+ * scratch: score_keys' places, for an item of KV heads from kh0 on. */
+static inline size_t shared_score_at(int r, int group, int kh, int kh0, size_t row_scores, int max_keys) {
+    return (size_t)(r / group) * row_scores + (size_t)((kh - kh0) * group + r % group) * max_keys;
+}
+
+/* The scores of the tile's n rows for KV head kh over the shared keys [0, common), at shared_score_at. */
 static __attribute__((noinline)) void shared_scores_bf16(const float *q, int q_stride, const int32_t *rows, int n,
                                                          int kh, int kh0, int group, int D, int common,
                                                          const uint16_t *kt, float scale, float *p, size_t row_scores,
@@ -1584,9 +1590,7 @@ static __attribute__((noinline)) void shared_scores_bf16(const float *q, int q_s
             __mmask16 ka, kb;
             shared_masks(j0, common, &ka, &kb);
             for (int i = 0; i < m; i++) {
-                const int r = r0 + i;
-                float *dst = p + (size_t)(r / group) * row_scores
-                             + (size_t)((kh - kh0) * group + r % group) * max_keys + j0;
+                float *dst = p + shared_score_at(r0 + i, group, kh, kh0, row_scores, max_keys) + j0;
                 _mm512_mask_storeu_ps(dst, ka, _mm512_mul_ps(_mm512_load_ps(s + i * FLASH_KEYS), by));
                 _mm512_mask_storeu_ps(dst + 16, kb, _mm512_mul_ps(_mm512_load_ps(s + i * FLASH_KEYS + 16), by));
             }
@@ -1613,9 +1617,7 @@ static __attribute__((noinline)) void shared_values_bf16(const float *p, size_t 
                 __mmask16 ka, kb;
                 shared_masks(j0, common, &ka, &kb);
                 for (int i = 0; i < FLASH_ROWS; i++) {
-                    const int r = r0 + i;
-                    const float *src = p + (size_t)(r / group) * row_scores
-                                       + (size_t)((kh - kh0) * group + r % group) * max_keys + j0;
+                    const float *src = p + shared_score_at(r0 + i, group, kh, kh0, row_scores, max_keys) + j0;
                     pa[i] = i < m ? _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(kb, src + 16),
                                                         _mm512_maskz_loadu_ps(ka, src))
                                   : (__m512bh)_mm512_setzero_si512();
@@ -1744,8 +1746,7 @@ int flash_prefill_bf16(const float *q, int q_stride, const void *k_cache, const 
                        int first, int n, int H, int KVH, int D, int P, float scale, float *out, int out_stride,
                        int kv_kind, float kv_scale, int threads) {
     if (D % 32 || D > 256 || n <= 0 || !amx_tiles_granted()) return -1;
-    /* an fp8 cache holds K / kv_scale and V / kv_scale, read as 2^-8 times that (load_kv): both scales take it back */
-    const float unit = kv_kind == KV_FP8 ? 256.0f * kv_scale : kv_scale;
+    const float unit = kv_read_scale(kv_kind, kv_scale);
     const int keys = first + n, padded = (keys + FLASH_KEYS - 1) / FLASH_KEYS * FLASH_KEYS, group = H / KVH;
     const size_t per_head = (size_t)padded * D;  /* bf16 values of K (and of V) a KV head */
     uint16_t *kt = aligned_alloc(64, per_head * 2 * KVH * sizeof(uint16_t)), *vt = kt + per_head * KVH;
