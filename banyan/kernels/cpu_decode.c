@@ -646,6 +646,56 @@ static inline float *thread_scratch(float *scratch, int H, int KVH, int max_keys
     return p;
 }
 
+/* A tile's own pages (each row's past the pages its rows share: positions [first, pos[t]] of its table), fetched into
+ * L2 a few lines at a time while the shared keys' passes compute: else both threads went through the shared keys
+ * from cache while memory idled, then through their rows' own keys at memory's pace. The lines still unread when L2
+ * fills move on to L3, from where the own passes read them. A cursor: row t, page (an index of its table), the byte
+ * off within it up to end. */
+typedef struct {
+    const char *cache;
+    const int32_t *table_of_row[Q_TILE], *pos;
+    int rows, first, P;
+    size_t token_bytes;
+    int t, page;
+    size_t off, end;
+} OwnPages;
+
+static inline OwnPages own_pages(const void *cache, const int32_t *tables, int table_stride, const int32_t *seq_of_row,
+                                 const int32_t *positions, int rows, int first, int P, size_t token_bytes) {
+    OwnPages a = {.cache = (const char *)cache, .pos = positions, .rows = rows, .first = first, .P = P,
+                  .token_bytes = token_bytes, .t = -1};
+    for (int t = 0; t < rows; t++) a.table_of_row[t] = tables + (size_t)seq_of_row[t] * table_stride;
+    return a;
+}
+
+/* The lines own_fetch has to fetch, about (each page's first may share a line with the page before's last) */
+static inline size_t own_lines(const OwnPages *a) {
+    size_t lines = 0;
+    for (int t = 0; t < a->rows; t++)
+        if (a->pos[t] >= a->first)
+            lines += (size_t)(a->pos[t] - a->first + 1) * a->token_bytes / 64 + a->pos[t] / a->P - a->first / a->P + 1;
+    return lines;
+}
+
+/* The next n lines of a's pages into L2 (none once all are) */
+static inline void own_fetch(OwnPages *a, int n) {
+    while (n > 0 && a->t < a->rows) {
+        if (a->t < 0 || a->off >= a->end) {  /* the next page: this row's next, or the next row's first */
+            if (a->t < 0 || ++a->page > a->pos[a->t] / a->P) {
+                do
+                    if (++a->t == a->rows) return;
+                while (a->pos[a->t] < a->first);
+                a->page = a->first / a->P;
+            }
+            const int lo = a->page == a->first / a->P ? a->first % a->P : 0;
+            const int hi = a->page == a->pos[a->t] / a->P ? a->pos[a->t] % a->P + 1 : a->P;
+            a->off = ((size_t)lo * a->token_bytes) & ~(size_t)63, a->end = (size_t)hi * a->token_bytes;
+        }
+        const char *page = a->cache + (size_t)a->table_of_row[a->t][a->page] * a->P * a->token_bytes;
+        for (; n > 0 && a->off < a->end; n--, a->off += 64) _mm_prefetch(page + a->off, _MM_HINT_T1);
+    }
+}
+
 /* One (tile, KV head) of attend_pages. Key j of the tile's span is position base + j, in cache row slot[j] (page * P +
  * offset); the tile's row t is q row rows[t] at position positions[t], seeing keys [first[t] - base, positions[t] -
  * base] of the span; its scores for query head g of this KV head lie at p + t * row_scores + g * max_keys. */
@@ -660,6 +710,8 @@ typedef struct {
     size_t token, head_at, fetch_at, fetch_width;  /* elements a token's row, this head's within it, what to prefetch */
     float scale, *p;
     uint32_t *slot;
+    OwnPages *own;           /* NULL, or pages to fetch own_quota lines of a block while these passes compute */
+    int own_quota;
 } Tile;
 
 /* What a key's prefetch covers for KV heads [kh0, kh1): the whole token row where KV head 0 leads (FETCH_WHOLE_ROWS),
@@ -705,6 +757,7 @@ static inline __attribute__((always_inline)) void score_keys(const Tile *w, int 
         for (int u = j == jb ? jb : j + PREFETCH_KEYS; u < j + PREFETCH_KEYS + 8 && u < je + n; u++)
             prefetch_kv(u < je ? w->k_cache : w->v_cache, w->fetch_at + w->slot[u < je ? u : u - n] * w->token,
                         w->fetch_width, kind);
+        if (w->own != NULL) own_fetch(w->own, w->own_quota);
         if (gather) {
             uint32_t edge[8];
             for (int u = 0; u < 8; u++) edge[u] = w->slot[j + (u < m ? u : 0)];
@@ -750,6 +803,18 @@ static inline __attribute__((always_inline)) void score_keys(const Tile *w, int 
     }
 }
 
+/* The output columns a V pass takes at a time: 8 registers of sums for one head, 4 for more; with AVX-512's 32
+ * registers, 64 columns of three heads (24 registers). A column's sums are the same FMAs in the same order however
+ * the columns are cut: the same bits. */
+static inline int value_columns(int group) {
+#if defined(__AVX512F__)
+    (void)group;
+    return 64;
+#else
+    return group > 1 ? 32 : 64;
+#endif
+}
+
 /* out rows [t0, t1) += their weights times the V rows of keys [jb, je), each row's keys in position order, the V rows
  * fetched ahead: from the first on where other keys' passes came between (fetch_first), else as far on from where
  * score_keys' tail fetched them. gather: gathered a block at a time; else read in place. */
@@ -760,14 +825,7 @@ static inline __attribute__((always_inline)) void add_values(const Tile *w, int 
                                                16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
     _Static_assert(V_BLOCK * 64 <= 8 * MAX_GATHER_HEAD_DIM, "a V block fits the gathering buffer");
     float block[8 * MAX_GATHER_HEAD_DIM];  /* a V block: V_BLOCK rows x 64 columns at most */
-    /* the output columns at a time: 8 registers for one head, 4 for more; with AVX-512's 32 registers, 64 columns of
-     * three heads (24 registers), each V row's in one pass (a column's sums are the same FMAs in the same order however
-     * the columns are cut: the same bits) */
-#if defined(__AVX512F__)
-    const int cw = 64;
-#else
-    const int cw = group > 1 ? 32 : 64;
-#endif
+    const int cw = value_columns(group);
     for (int c = 0; c < D; c += cw)
         for (int j = jb; j < je; j += V_BLOCK) {
             const int j_end = je - j < V_BLOCK ? je : j + V_BLOCK, width = D - c < cw ? D - c : cw;
@@ -777,6 +835,7 @@ static inline __attribute__((always_inline)) void add_values(const Tile *w, int 
             if (c == 0)  /* V rows PREFETCH_KEYS ahead (the first of them: score_keys' tail, or here) */
                 for (int u = fetch_first && j == jb ? jb : j + PREFETCH_KEYS; u < j_end + PREFETCH_KEYS && u < je; u++)
                     prefetch_kv(w->v_cache, w->fetch_at + w->slot[u] * w->token, w->fetch_width, kind);
+            if (w->own != NULL) own_fetch(w->own, w->own_quota);
             if (gather) {
                 gather_rows(w->v_cache, w->head_at + c, w->slot + j, w->token, j_end - j, width, block, kind);
                 values = block, value_at = 0, value_token = (size_t)width;
@@ -924,11 +983,7 @@ static inline __attribute__((always_inline)) void add_values_in_place(
         const void *v_cache, const int32_t *rows, int n, const int *lo, const int *hi, const uint32_t *slot, int jb,
         int je, int kh0, int kh1, int group, const int D, int H, size_t token, size_t fetch_at, int fetch_width,
         const float *p, size_t row_scores, int max_keys, float *out, int fetch_first, const int kind) {
-#if defined(__AVX512F__)
-    const int cw = 64;
-#else
-    const int cw = group > 1 ? 32 : 64;
-#endif
+    const int cw = value_columns(group);
     for (int j = jb; j < je; j += V_BLOCK) {
         for (int u = fetch_first && j == jb ? jb : j + PREFETCH_KEYS; u < j + V_BLOCK + PREFETCH_KEYS && u < je; u++)
             prefetch_kv(v_cache, fetch_at + slot[u] * token, fetch_width, kind);
@@ -1042,9 +1097,21 @@ static inline __attribute__((always_inline)) void attend_tile_heads(
     (void)layout, (void)padded;
 #endif
     /* with shared pages, every row's own K rows come between a span's K and V passes (more than L2 holds at long
-     * contexts): the V passes fetch their first rows themselves */
+     * contexts): the V passes fetch their first rows themselves. The rows' own K pages are fetched while the shared K
+     * passes compute, their V pages while the shared V passes do (an item of every KV head: whole token rows): 1.08x
+     * in decode steps of 8 x 1,400 and 32 x 1,200 sharing 1,024 on a Zen 3 (paged_attention_ab, medians of pairs). */
+    const int fetch_own = alike && layout == NULL && gather && kh0 == 0 && kh1 == KVH;
+    OwnPages own_k = own_pages(k_cache, tables, table_stride, seq_of_row + i0, positions + i0, rows_here, common, P,
+                               token * kv_bytes(kind));
+    OwnPages own_v = own_k;
+    own_v.cache = (const char *)v_cache;
+    const size_t lines = fetch_own ? own_lines(&own_k) : 0;
+    const int key_blocks = (kh1 - kh0) * ((common + 7) / 8);
+    const int cw = value_columns(group);
+    const int value_blocks = (kh1 - kh0) * ((common + V_BLOCK - 1) / V_BLOCK) * ((D + cw - 1) / cw);
     for (int kh = kh0; kh < kh1; kh++) {
-        const Tile w = head_view(tile_view, kh, kh0);
+        Tile w = head_view(tile_view, kh, kh0);
+        if (fetch_own) w.own = &own_k, w.own_quota = (int)(lines / key_blocks + 1);
 #if SHARED_BF16
         if (layout != NULL) {
             shared_scores_bf16(q, q_stride, rows + i0, rows_here, kh, kh0, group, D, common,
@@ -1064,7 +1131,8 @@ static inline __attribute__((always_inline)) void attend_tile_heads(
     for (int t = 0; t < rows_here; t++) lo[t] = first[t] - base, hi[t] = positions[i0 + t] - base + 1;
     exponentiate_rows(p, row_scores, max_keys, rows_here, heads, lo, hi, rows + i0, out, at, H, D, totals);
     for (int kh = kh0; kh < kh1; kh++) {
-        const Tile w = head_view(tile_view, kh, kh0);
+        Tile w = head_view(tile_view, kh, kh0);
+        if (fetch_own) w.own = &own_v, w.own_quota = (int)(lines / value_blocks + 1);
 #if SHARED_BF16
         if (layout != NULL) {
             shared_values_bf16(p, row_scores, max_keys, rows + i0, rows_here, kh, kh0, group, D, H, common,
