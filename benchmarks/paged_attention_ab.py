@@ -25,7 +25,8 @@ through the pool, as a server's are.
 `--bf16-tiles A,B` (e.g. 0,1, with the same file twice) sets each side's bf16_tiles: decode rows sharing a prompt's
 pages on AMX-BF16 tiles where the CPU has them (the default of an AMX CPU with batch invariance off).
 `--only TEXT` runs the cases whose name contains it. A then B, alternating, `--rounds` times; prints the medians,
-A/B (above 1: B faster), the largest difference of their outputs (0 where B keeps A's bits), and the K/V bytes the
+A/B (above 1: B faster), the median of the rounds' own A/B with its quartiles (pairs: steadier where the machine's
+speed drifts, as a shared host's does), the largest difference of their outputs (0 where B keeps A's bits), and the K/V bytes the
 case reads at least (bytes_read) with each one's rate, to set beside what the machine reads
 (benchmarks/page_read_bandwidth.c).
 """
@@ -148,8 +149,10 @@ def main() -> None:
                     if round_ == 0:
                         outputs.append(out.clone())
             a, b = statistics.median(times[0]), statistics.median(times[1])
+            pairs = sorted(x / y for x, y in zip(*times))  # each round's A/B: a noisy machine moves both of a pair
             gb = bytes_read(**spec) / 1e9
             print(f"{name:36s} A {a * 1e3:8.1f} ms  B {b * 1e3:8.1f} ms  A/B {a / b:.2f}  "
+                  f"pairs {statistics.median(pairs):.3f} [{pairs[len(pairs) // 4]:.3f}-{pairs[3 * len(pairs) // 4]:.3f}]  "
                   f"max |A - B| {(outputs[0] - outputs[1]).abs().max().item():.1e}  "
                   f"K/V read {gb * 1e3:.0f} MB: A {gb / a:.1f}, B {gb / b:.1f} GB/s", flush=True)
 
