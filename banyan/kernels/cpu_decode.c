@@ -675,6 +675,10 @@ static inline OwnPages own_pages(const void *cache, const int32_t *tables, int t
     return a;
 }
 
+/* The most lines of own pages a shared tile fetches ahead in a pass (2 MiB): the first of them, which its own pass reads
+ * first. Rows with long contexts of their own would otherwise fetch more than the caches keep until their pass comes. */
+#define OWN_FETCH_LINES ((2 << 20) / 64)
+
 /* The lines own_fetch has to fetch, about (each page's first may share a line with the page before's last) */
 static inline size_t own_lines(const OwnPages *a) {
     size_t lines = 0;
@@ -1112,7 +1116,8 @@ static inline __attribute__((always_inline)) void attend_tile_heads(
                                token * kv_bytes(kind));
     OwnPages own_v = own_k;
     own_v.cache = (const char *)v_cache;
-    const size_t lines = fetch_own ? own_lines(&own_k) : 0;
+    const size_t all_lines = fetch_own ? own_lines(&own_k) : 0;
+    const size_t lines = all_lines < OWN_FETCH_LINES ? all_lines : OWN_FETCH_LINES;
     const int key_blocks = (kh1 - kh0) * ((common + 7) / 8);
     const int cw = value_columns(group);
     const int value_blocks = (kh1 - kh0) * ((common + V_BLOCK - 1) / V_BLOCK) * ((D + cw - 1) / cw);
