@@ -1112,8 +1112,10 @@ static inline __attribute__((always_inline)) void attend_tile_heads(
      * passes compute, their V pages while the shared V passes do (an item of every KV head: whole token rows): 1.08x
      * in decode steps of 8 x 1,400 and 32 x 1,200 sharing 1,024 on a Zen 3 (paged_attention_ab, medians of pairs). */
     const int fetch_own = alike && layout == NULL && gather && kh0 == 0 && kh1 == KVH;
-    OwnPages own_k = own_pages(k_cache, tables, table_stride, seq_of_row + i0, positions + i0, rows_here, common, P,
-                               token * kv_bytes(kind));
+    OwnPages own_k = {0};
+    if (fetch_own)
+        own_k = own_pages(k_cache, tables, table_stride, seq_of_row + i0, positions + i0, rows_here, common, P,
+                          token * kv_bytes(kind));
     OwnPages own_v = own_k;
     own_v.cache = (const char *)v_cache;
     const size_t all_lines = fetch_own ? own_lines(&own_k) : 0;

@@ -113,7 +113,7 @@ class DecodeKernels:
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
             rows.rows.data_ptr(), rows.seq_of_row.data_ptr(), rows.positions.data_ptr(), rows.shared_ptr(),
             rows.rows.numel(), heads, kv_heads, dim, page_size, sliding_window or 0, scale, out.data_ptr(),
-            rows.scratch.data_ptr(), rows.max_keys, kv_kind(k_cache, KV_DTYPES), kv_scale, threads,
+            rows.scratch.data_ptr(), rows.max_keys, kv_kind(k_cache), kv_scale, threads,
             int(bf16_tiles and self.amx_bf16))
 
     def flash_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
@@ -156,10 +156,10 @@ KV_DTYPES = (torch.float32, torch.float16, torch.float8_e4m3fn)
 value, less time at a long context. fp8 is the cache of --kv-cache-dtype fp8 (layers/attention/base.py's FP8)."""
 
 
-def kv_kind(cache: torch.Tensor, served: tuple[torch.dtype, ...] = KV_DTYPES) -> int:
-    """cpu_decode.c's KV_* for a cache of one of `served`."""
-    if cache.dtype not in served:
-        raise TypeError(f"this fused CPU kernel takes caches of {', '.join(map(str, served))}, not {cache.dtype}")
+def kv_kind(cache: torch.Tensor) -> int:
+    """cpu_decode.c's KV_* for a cache of one of KV_DTYPES."""
+    if cache.dtype not in KV_DTYPES:
+        raise TypeError(f"this fused CPU kernel takes caches of {', '.join(map(str, KV_DTYPES))}, not {cache.dtype}")
     return KV_DTYPES.index(cache.dtype)
 
 
